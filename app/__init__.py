@@ -1,0 +1,2 @@
+"""RotaryQuant: huge MoE models on a laptop."""
+__version__ = "0.1.0"

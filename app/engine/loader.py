@@ -1,0 +1,158 @@
+"""Loading a model from a local folder through mlx-lm, with clear errors for bad folders.
+
+The engine loads only local paths; nothing here talks to the hub.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelLoadError, UnsupportedArchitectureError
+from .manifest import Manifest
+
+# safetensors: 8-byte little-endian header length, a JSON header, then the tensor bytes.
+_ST_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+_MAX_HEADER = 100 * 1024 * 1024  # a header larger than this is garbage, not a model
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    config: dict
+    path: Path
+    manifest: Manifest | None
+
+    @property
+    def architecture(self) -> str:
+        return self.config.get("model_type", "?")
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict:
+    """Parse and check a safetensors header against the file's size. Raises ModelLoadError."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise ModelLoadError("file is empty or truncated (no safetensors header)", str(path))
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ModelLoadError(
+                f"corrupt or truncated safetensors file (header claims {n} bytes, file has {size})",
+                str(path),
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"corrupt safetensors header: {e}", str(path)) from e
+    if not isinstance(header, dict):
+        raise ModelLoadError("corrupt safetensors header: not a JSON object", str(path))
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            lo, hi = t["data_offsets"]
+            nbytes = _ST_DTYPE_BYTES[t["dtype"]]
+            count = 1
+            for s in t["shape"]:
+                count *= s
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"corrupt safetensors header entry {name!r}", str(path)) from e
+        if hi - lo != count * nbytes or lo > hi:
+            raise ModelLoadError(f"tensor {name!r} has inconsistent offsets", str(path))
+        end = max(end, hi)
+    if 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "has trailing bytes"
+        raise ModelLoadError(
+            f"safetensors file {what}: expected {8 + n + end} bytes, found {size}", str(path)
+        )
+    return header
+
+
+def check_folder(path: str | os.PathLike) -> tuple[dict, Manifest | None]:
+    """Check that `path` is a loadable model folder; return its config and manifest."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError("no such folder", str(path))
+    if not path.is_dir():
+        raise ModelLoadError("not a folder", str(path))
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError("not a model folder: config.json is missing", str(path))
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"config.json is not valid JSON: {e}", str(cfg_path)) from e
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError("config.json has no model_type", str(cfg_path))
+    model_type = config["model_type"]
+    if not _architecture_supported(config):
+        raise UnsupportedArchitectureError(
+            f"architecture {model_type!r} is not supported by mlx-lm", str(cfg_path)
+        )
+    manifest = Manifest.load(path)
+    shards = sorted(path.glob("model*.safetensors"))
+    if not shards:
+        raise ModelLoadError("no weights: model*.safetensors is missing", str(path))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            wanted = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"corrupt shard index: {e}", str(index)) from e
+        missing = sorted(w for w in wanted if not (path / w).exists())
+        if missing:
+            raise ModelLoadError(f"missing weight shard {missing[0]}", str(path / missing[0]))
+    for shard in shards:
+        read_safetensors_header(shard)
+    if not any((path / t).exists() for t in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelLoadError("no tokenizer (tokenizer.json or tokenizer.model)", str(path))
+    return config, manifest
+
+
+def _architecture_supported(config: dict) -> bool:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except (ValueError, ImportError):
+        return False
+    return True
+
+
+def architecture_module(model_type: str):
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+
+
+def load(path: str | os.PathLike, lazy: bool = False) -> LoadedModel:
+    """Load a model folder. Raises ModelLoadError naming the file and the reason."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = Path(path).resolve()
+    config, manifest = check_folder(path)
+    try:
+        model, config = load_model(path, lazy=lazy)
+    except ValueError as e:
+        # mlx-lm raises ValueError for weights that don't match the config (missing/extra keys,
+        # wrong shapes).
+        raise ModelLoadError(f"weights do not match config.json: {e}", str(path)) from e
+    except (OSError, RuntimeError) as e:
+        raise ModelLoadError(f"could not read weights: {e}", str(path)) from e
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizers raise many types; all mean the same to the user
+        raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
+    return LoadedModel(model, tokenizer, config, path, manifest)
