@@ -1,0 +1,49 @@
+"""Errors of the download and library layer: each says what failed and what the user can do."""
+
+from __future__ import annotations
+
+from app.engine.errors import EngineError
+
+
+class DownloadError(EngineError):
+    """A download failed; `resumable` says whether running it again continues where it stopped."""
+
+    resumable = True
+
+
+class RepoNotFoundError(DownloadError):
+    resumable = False
+
+
+class RevisionNotFoundError(DownloadError):
+    resumable = False
+
+
+class GatedRepoError(DownloadError):
+    resumable = False
+
+
+class DiskFullError(DownloadError):
+    pass
+
+
+class ConnectionLostError(DownloadError):
+    pass
+
+
+class IntegrityError(DownloadError):
+    """A file's bytes do not match the hub's hash or size (it was deleted, not kept)."""
+
+
+class Paused(DownloadError):
+    """Raised out of a transfer that was paused; the partial files are kept."""
+
+
+class Cancelled(DownloadError):
+    """Raised out of a transfer that was cancelled."""
+
+    resumable = False
+
+
+class LibraryError(EngineError):
+    """A library operation failed (unknown name, wrong state, damaged store)."""

@@ -1,0 +1,582 @@
+"""The model library: download → convert (to the plan's widths) → ready, with a store that
+survives crashes.
+
+Folders under `models_dir()` (dot-folders are never listed as models):
+    <name>/                  a ready model (converted, or the download itself)
+    .<name>.download/        the download while it is in progress or kept as the original
+    .<name>.converting/      the converter's output until it is complete; then renamed
+A process that dies in the middle leaves its entry marked busy with its pid; the next Library
+that reads the store sees the owner is gone and puts the entry back to a state that is true
+(paused, or downloaded with a message), removing any half-written conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from app import paths
+
+from . import catalog, hub, transfer
+from .control import Control
+from .errors import (
+    Cancelled,
+    DiskFullError,
+    DownloadError,
+    LibraryError,
+    Paused,
+)
+from .events import Callback, ConvertProgress, StateChanged
+from .store import LibraryEntry, Store
+
+DB_NAME = "library.sqlite3"
+# progress(stage, fraction): the converter reports what it is doing and how far it is.
+ConvertProgressFn = Callable[[str, float], None]
+# converter(src, dst, options, progress): writes a complete model folder into dst.
+Converter = Callable[[Path, Path, dict, ConvertProgressFn], None]
+_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class RepoPlan:
+    """What a download would bring, before it starts (shown in the UI / CLI)."""
+
+    listing: hub.RepoListing
+    files: tuple[hub.RemoteFile, ...]  # the ones a model folder needs
+    catalog: catalog.CatalogEntry | None
+    disk: catalog.DiskCheck
+
+    @property
+    def download_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    name: str
+    ok: bool
+    problems: tuple[str, ...] = ()
+    files: int = 0
+    bytes: int = 0
+    deep: bool = False
+
+
+@dataclass
+class _Owner:
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=lambda: psutil.Process().create_time())
+
+
+def _alive(pid: int, started: float) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def slug(repo: str) -> str:
+    base = repo.rstrip("/").split("/")[-1]
+    s = re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip(".-")
+    return s or "model"
+
+
+def folder_files(folder: Path) -> list[dict]:
+    """[{path, size, sha256}] of every file under `folder` (for verify later)."""
+    out = []
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h = transfer.hash_file(p)
+            out.append({"path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
+                        "sha256": h.sha256.hexdigest()})
+    return out
+
+
+def read_config(folder: Path) -> dict:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def is_moe(config: dict) -> bool:
+    texts = [config, config.get("text_config") or {}]
+    keys = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+    return any(isinstance(c, dict) and (c.get(k) or 0) > 1 for c in texts for k in keys)
+
+
+def is_prequantized(config: dict) -> bool:
+    """An mlx-lm folder that is already quantized (mlx-community's 4-bit repos): used as-is."""
+    return isinstance(config.get("quantization"), dict)
+
+
+def converted_size(config: dict, widths: dict | None = None) -> int | None:
+    """Bytes of the converted model, from its config alone (None if the sizer can't tell)."""
+    try:
+        from app.engine import sizes
+        from app.engine.quant.widths import RoleWidths
+    except ImportError:
+        return None
+    try:
+        w = RoleWidths.from_dict(widths) if widths else RoleWidths()
+        return int(sizes.compute(config, w).total_bytes)
+    except Exception:  # an architecture the sizer does not know: no estimate, not an error
+        return None
+
+
+def plan_summary(config: dict, widths: dict | None = None) -> dict:
+    """What the planner says for this machine (when there is a planner), plus the sizes."""
+    out: dict = {}
+    try:
+        from app.engine import sizes
+        from app.engine.quant.widths import RoleWidths
+
+        w = RoleWidths.from_dict(widths) if widths else RoleWidths()
+        s = sizes.compute(config, w)
+        out.update(
+            widths=w.to_dict(), converted_bytes=s.total_bytes, total_params=s.total_params,
+            active_params=s.active_params, expert_bytes=s.expert_bytes,
+        )
+    except Exception:
+        pass
+    try:
+        from app.engine import planner  # another part of the app; optional here
+    except ImportError:
+        return out
+    fn = getattr(planner, "plan_summary", None) or getattr(planner, "summary_for_config", None)
+    if fn is not None:
+        try:
+            out["planner"] = fn(config)
+        except Exception as e:  # the planner's failure must not block a download
+            out["planner_error"] = str(e)
+    return out
+
+
+def default_converter() -> Converter | None:
+    """The app's converter (app/engine/quant/convert.py) as a `Converter`, if it is built."""
+    try:
+        from app.engine.quant import convert as conv
+    except ImportError:
+        return None
+    fn = getattr(conv, "convert_folder", None) or getattr(conv, "convert", None)
+    if fn is None:
+        return None
+
+    def run(src: Path, dst: Path, options: dict, progress: ConvertProgressFn) -> None:
+        from app.engine.quant.widths import RoleWidths
+
+        widths = RoleWidths.from_dict(options["widths"]) if options.get("widths") else None
+        fn(src, dst, widths=widths, progress=progress)
+
+    return run
+
+
+class Library:
+    def __init__(self, root: str | os.PathLike | None = None, db: str | os.PathLike | None = None):
+        self.root = Path(root) if root else paths.models_dir()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.db_path = Path(db) if db else paths.data_dir() / DB_NAME
+        self.store = self._open_store()
+
+    def _open_store(self) -> Store:
+        try:
+            return Store(self.db_path)
+        except LibraryError as e:
+            if "newer than this app" in str(e):
+                raise
+            cause = e.__cause__
+            if not isinstance(cause, sqlite3.DatabaseError):
+                raise
+        # A damaged file (disk error, truncated copy): keep it aside and rebuild from the folders.
+        aside = self.db_path.with_name(f"{self.db_path.name}.damaged-{int(time.time())}")
+        os.replace(self.db_path, aside)
+        store = Store(self.db_path)
+        self.store = store
+        for d in sorted(self.root.iterdir()):
+            if d.is_dir() and not d.name.startswith(".") and (d / "config.json").exists():
+                try:
+                    self.add_folder(d, d.name)
+                except (LibraryError, ValueError):
+                    pass
+        return store
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def entries(self) -> list[LibraryEntry]:
+        self.recover()
+        return self.store.all()
+
+    def get(self, name: str) -> LibraryEntry:
+        self.recover(name)
+        e = self.store.get(name)
+        if e is None:
+            known = ", ".join(x.name for x in self.store.all()) or "none"
+            raise LibraryError(f"no model named {name!r} in the library (models: {known})")
+        return e
+
+    def find_repo(self, repo: str) -> LibraryEntry | None:
+        for e in self.store.all():
+            if e.repo.lower() == repo.lower():
+                return e
+        return None
+
+    def recover(self, name: str | None = None) -> list[str]:
+        """Put entries whose owning process died back into a true state; returns their names."""
+        fixed = []
+        for e in [self.store.get(name)] if name else self.store.all():
+            if e is None or not e.busy or _alive(e.owner_pid, e.owner_started):
+                continue
+            if e.state == "downloading":
+                msg = "the download was interrupted (the app stopped); resume to continue"
+                self._set(e.name, None, state="paused", error=msg, owner_pid=0)
+            else:  # converting
+                shutil.rmtree(self._tmp_dir(e.name), ignore_errors=True)
+                orig = Path(e.original) if e.original else None
+                if orig and orig.is_dir():
+                    msg = "the conversion was interrupted (the app stopped); convert again"
+                    self._set(e.name, None, state="downloaded", error=msg, owner_pid=0)
+                else:
+                    msg = "the conversion was interrupted and the download is gone; download again"
+                    self._set(e.name, None, state="broken", error=msg, owner_pid=0)
+            fixed.append(e.name)
+        return fixed
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def plan(
+        self, repo: str, revision: str | None = None, tok: str | None = None, convert: bool = True
+    ) -> RepoPlan:
+        """File list, sizes and disk check for `repo`, without downloading."""
+        entry = catalog.find(repo)
+        repo_id = entry.repo if entry and entry.name.lower() == repo.lower() else repo
+        listing = hub.repo_listing(repo_id, revision, hub.token(tok))
+        files = tuple(hub.model_files(listing))
+        parts = {"download": sum(f.size for f in files)}
+        if convert and entry is not None and entry.is_moe:
+            est = converted_size(self._catalog_config(entry) or {})
+            if est:
+                parts["conversion"] = est
+        return RepoPlan(listing, files, entry, catalog.disk_check(self.root, parts))
+
+    @staticmethod
+    def _catalog_config(entry: catalog.CatalogEntry) -> dict | None:
+        try:
+            from app.engine import sizes
+
+            return sizes.load_config(entry.config)[0] if entry.config else None
+        except Exception:
+            return None
+
+    # -- the pipeline -------------------------------------------------------------------------
+
+    def _dl_dir(self, name: str) -> Path:
+        return self.root / f".{name}.download"
+
+    def _tmp_dir(self, name: str) -> Path:
+        return self.root / f".{name}.converting"
+
+    def _unique_name(self, wanted: str) -> str:
+        name, i = wanted, 1
+        while self.store.get(name) is not None or (self.root / name).exists() or self._dl_dir(name).exists():
+            i += 1
+            name = f"{wanted}-{i}"
+        return name
+
+    def _set(self, name: str, on_event: Callback | None, **changes) -> LibraryEntry:
+        e = self.store.update(name, **changes)
+        if on_event is not None and "state" in changes:
+            on_event(StateChanged(name, e.state, e.error))
+        return e
+
+    def _claim(self, name: str, state: str, on_event: Callback | None) -> LibraryEntry:
+        o = _Owner()
+        return self._set(name, on_event, state=state, owner_pid=o.pid, owner_started=o.started, error="")
+
+    def download(
+        self,
+        repo: str,
+        revision: str | None = None,
+        *,
+        name: str | None = None,
+        convert: bool = True,
+        keep_original: bool = False,
+        tok: str | None = None,
+        control: Control | None = None,
+        on_event: Callback | None = None,
+        converter: Converter | None | object = _DEFAULT,
+        widths: dict | None = None,
+        transfer_options: dict | None = None,
+    ) -> LibraryEntry:
+        """Download `repo` (a repo id or a catalog name), then convert or register it. Resumes an
+        unfinished download of the same repo. Blocks; run it on a thread for a GUI."""
+        entry = catalog.find(repo)
+        repo = entry.repo if entry and entry.name.lower() == repo.lower() else repo
+        tok = hub.token(tok)
+        existing = self.find_repo(repo)
+        if existing is not None:
+            self.recover(existing.name)
+            existing = self.store.get(existing.name)
+            if existing.busy:
+                raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed by another process (pid {existing.owner_pid})")
+            if existing.state in ("ready", "downloaded", "broken"):
+                if existing.state == "downloaded":
+                    return self._finish(existing.name, converter, on_event)
+                raise LibraryError(
+                    f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
+                    "remove it first to download it again"
+                )
+            # paused: continue the same commit so the partial files stay valid
+            listing = hub.repo_listing(repo, existing.commit, tok)
+            name = existing.name
+            opts = dict(existing.options)
+        else:
+            listing = hub.repo_listing(repo, revision, tok)
+            name = self._unique_name(name or slug(repo))
+            opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
+            self.store.insert(LibraryEntry(
+                name=name, state="paused", repo=repo, revision=listing.revision,
+                commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
+            ))
+        files = hub.model_files(listing)
+        if not files:
+            self._set(name, on_event, state="broken", error=f"{repo} has no model files")
+            raise DownloadError(f"{repo} has no model files (config.json, *.safetensors)")
+        self._claim(name, "downloading", on_event)
+        control = control or Control()
+        dl = transfer.Downloader(
+            listing, self._dl_dir(name), files=files, tok=tok, control=control,
+            on_event=on_event, **(transfer_options or {}),
+        )
+        dl.preflight = lambda: self._preflight(name, dl)
+        try:
+            got = dl.run()
+        except Cancelled:
+            if control.remove_partial:
+                shutil.rmtree(self._dl_dir(name), ignore_errors=True)
+                self.store.delete(name)
+                if on_event:
+                    on_event(StateChanged(name, "removed", "cancelled"))
+            else:
+                self._set(name, on_event, state="paused", owner_pid=0,
+                          error="cancelled; the partial download is kept")
+            raise
+        except Paused:
+            self._set(name, on_event, state="paused", owner_pid=0, error="")
+            raise
+        except BaseException as e:
+            msg = str(e) if isinstance(e, DownloadError) else f"interrupted: {type(e).__name__} {e}"
+            self._set(name, on_event, state="paused", owner_pid=0, error=msg)
+            raise
+        cfg = read_config(self._dl_dir(name))
+        self._set(
+            name, on_event, state="downloaded", owner_pid=0, error="",
+            original_files=[g.to_dict() for g in got], download_bytes=sum(g.size for g in got),
+            architecture=str(cfg.get("model_type", "")),
+        )
+        return self._finish(name, converter, on_event, opts)
+
+    def _preflight(self, name: str, dl: transfer.Downloader) -> None:
+        """Called once the small files (config.json) are in: check room for the conversion too."""
+        e = self.store.get(name)
+        if not e.options.get("convert", True):
+            return
+        cfg = read_config(dl.dest)
+        if not is_moe(cfg) or is_prequantized(cfg):
+            return
+        est = converted_size(cfg, e.options.get("widths"))
+        if not est:
+            return
+        check = catalog.disk_check(self.root, {"rest of the download": dl.remaining_bytes(), "conversion": est})
+        if not check.fits:
+            raise DiskFullError(f"{e.repo}: {check.message}")
+
+    def _finish(
+        self, name: str, converter, on_event: Callback | None, opts: dict | None = None
+    ) -> LibraryEntry:
+        e = self.store.get(name)
+        opts = opts or e.options
+        cfg = read_config(Path(e.original))
+        conv = default_converter() if converter is _DEFAULT else converter
+        if opts.get("convert", True) and conv is not None and is_moe(cfg) and not is_prequantized(cfg):
+            return self.convert(name, conv, on_event=on_event)
+        reason = (
+            "conversion not asked for" if not opts.get("convert", True)
+            else "the converter is not available" if conv is None
+            else "already quantized" if is_prequantized(cfg)
+            else "not a mixture-of-experts model"
+        )
+        return self._register_as_is(name, reason, on_event)
+
+    def _register_as_is(self, name: str, reason: str, on_event: Callback | None) -> LibraryEntry:
+        """The download itself becomes the model folder."""
+        from app.engine.errors import ModelLoadError
+        from app.engine.loader import check_folder
+
+        e = self.store.get(name)
+        src = Path(e.original)
+        try:
+            check_folder(src)
+        except ModelLoadError as err:
+            return self._set(name, on_event, state="broken",
+                             error=f"downloaded, but not a loadable model folder: {err}")
+        final = self.root / name
+        if final.exists():
+            raise LibraryError(f"{final} already exists; it is not in the library: move it away")
+        os.replace(src, final)
+        cfg = read_config(final)
+        return self._set(
+            name, on_event, state="ready", folder=str(final), original="",
+            files=e.original_files, original_files=[], disk_bytes=e.download_bytes,
+            plan={"converted": False, "reason": reason, **plan_summary(cfg)},
+        )
+
+    def convert(
+        self,
+        name: str,
+        converter: Converter | None | object = _DEFAULT,
+        widths: dict | None = None,
+        on_event: Callback | None = None,
+    ) -> LibraryEntry:
+        """Convert a downloaded model into `<name>/`, atomically: the folder appears only when
+        complete. The original is removed afterwards unless the entry says keep it."""
+        e = self.get(name)
+        conv = default_converter() if converter is _DEFAULT else converter
+        if conv is None:
+            raise LibraryError("the converter (app/engine/quant/convert.py) is not available")
+        if e.busy:
+            raise LibraryError(f"{name} is busy ({e.state})")
+        src = Path(e.original) if e.original else None
+        if src is None or not src.is_dir():
+            raise LibraryError(f"{name}: the downloaded original is gone; download it again")
+        widths = widths or e.options.get("widths")
+        tmp = self._tmp_dir(name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._claim(name, "converting", on_event)
+        last = [0.0]
+
+        def progress(stage: str, fraction: float) -> None:
+            last[0] = max(last[0], min(1.0, max(0.0, float(fraction))))  # monotonic for the UI
+            if on_event is not None:
+                on_event(ConvertProgress(name, stage, last[0]))
+
+        try:
+            progress("starting", 0.0)
+            conv(src, tmp, {"widths": widths}, progress)
+            from app.engine.loader import check_folder
+
+            check_folder(tmp)
+            progress("checking the result", last[0])
+            files = folder_files(tmp)
+            final = self.root / name
+            if final.exists():  # an earlier conversion of the same download: replace it
+                old = self.root / f".{name}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, final)
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._set(name, on_event, state="downloaded", owner_pid=0,
+                      error=f"conversion failed: {err}")
+            raise
+        progress("done", 1.0)
+        cfg = read_config(final)
+        keep = e.options.get("keep_original", False)
+        disk = sum(f["size"] for f in files)
+        e = self._set(
+            name, on_event, state="ready", owner_pid=0, folder=str(final), files=files,
+            disk_bytes=disk + (e.download_bytes if keep else 0),
+            plan={"converted": True, **plan_summary(cfg, widths)},
+        )
+        if not keep:
+            shutil.rmtree(src, ignore_errors=True)
+            e = self.store.update(name, original="", original_files=[])
+        return e
+
+    # -- other operations ---------------------------------------------------------------------
+
+    def add_folder(self, folder: str | os.PathLike, name: str | None = None, source: str = "") -> LibraryEntry:
+        """Register an existing model folder (hashes its files so verify can check them)."""
+        from app.engine.loader import check_folder
+
+        folder = Path(folder).resolve()
+        config, manifest = check_folder(folder)
+        name = name or folder.name
+        files = folder_files(folder)
+        return self.store.insert(LibraryEntry(
+            name=name, state="ready", folder=str(folder), repo=source or (manifest.source if manifest else ""),
+            architecture=str(config.get("model_type", "")), files=files,
+            disk_bytes=sum(f["size"] for f in files), plan=plan_summary(config),
+        ))
+
+    def remove(self, name: str, delete_files: bool = True) -> None:
+        e = self.get(name)
+        if e.busy:
+            raise LibraryError(f"{name} is {e.state} in process {e.owner_pid}; stop it first")
+        if delete_files:
+            for p in (e.folder, e.original, str(self._tmp_dir(name)), str(self._dl_dir(name))):
+                # only folders the library made, under its root
+                if p and Path(p).resolve().parent == self.root.resolve():
+                    shutil.rmtree(p, ignore_errors=True)
+        self.store.delete(name)
+
+    def verify(self, name: str, deep: bool = False) -> VerifyReport:
+        """Check a model's files against the sizes (and with `deep`, the sha256) recorded when it
+        was downloaded or converted; marks it broken, or ready again, accordingly."""
+        e = self.get(name)
+        if e.busy or e.state == "paused":
+            raise LibraryError(f"{name} is {e.state}; verify it when the download is done")
+        problems: list[str] = []
+        n = nbytes = 0
+        sets = []
+        if e.folder:
+            sets.append((Path(e.folder), e.files))
+        if e.original and (e.state in ("downloaded", "broken") or e.options.get("keep_original")):
+            sets.append((Path(e.original), e.original_files))
+        if not sets:
+            problems.append(f"{name} has no folder (state {e.state})")
+        for folder, files in sets:
+            if not folder.is_dir():
+                problems.append(f"{folder}: the folder is missing")
+                continue
+            for f in files:
+                p = folder / f["path"]
+                if not p.is_file():
+                    problems.append(f"{p}: missing")
+                    continue
+                size = p.stat().st_size
+                if size != f["size"]:
+                    problems.append(f"{p}: {size} bytes, expected {f['size']}")
+                    continue
+                if deep and f.get("sha256"):
+                    got = transfer.hash_file(p).sha256.hexdigest()
+                    if got != f["sha256"]:
+                        problems.append(f"{p}: sha256 {got[:12]}… differs from the recorded {f['sha256'][:12]}…")
+                        continue
+                n += 1
+                nbytes += size
+        if not problems and e.folder and e.state in ("ready", "broken"):
+            from app.engine.errors import ModelLoadError
+            from app.engine.loader import check_folder
+
+            try:
+                check_folder(e.folder)
+            except ModelLoadError as err:
+                problems.append(str(err))
+        if problems:
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            self._set(name, None, state="broken", error=problems[0] + more)
+        elif e.state == "broken":
+            self._set(name, None, state="ready" if e.folder else "downloaded", error="")
+        return VerifyReport(name, not problems, tuple(problems), n, nbytes, deep)
