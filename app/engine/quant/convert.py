@@ -205,10 +205,15 @@ def convert(
         except (RuntimeError, ValueError) as e:
             raise ModelLoadError(f"cannot read safetensors: {e}", str(f)) from e
     src_of = {id(v): k for k, v in lazy.items()}
-    sanitized = model.sanitize(dict(lazy)) if hasattr(model, "sanitize") else dict(lazy)
+    # Experts first: their checks give clearer errors than sanitize's KeyErrors.
+    sources = find_expert_sources(reader, rules, exp_mods, expected, str(src), n_layers)
+    try:
+        sanitized = model.sanitize(dict(lazy)) if hasattr(model, "sanitize") else dict(lazy)
+    except (KeyError, ValueError, IndexError) as e:
+        raise ModelLoadError(f"config.json does not match the weights: mlx-lm's sanitize "
+                             f"failed ({type(e).__name__}: {e})", str(src)) from e
 
     expert_prefixes = tuple(f"{m}." for m in exp_mods)
-    sources = find_expert_sources(reader, rules, exp_mods, expected, str(src), n_layers)
     items = _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods,
                         expert_prefixes, src)
     layouts, fallback = [], [i.name for i in items

@@ -91,7 +91,8 @@ class SafetensorsReader:
         for f in files:
             path = self.folder / f
             header = read_safetensors_header(path)
-            (n,) = struct.unpack("<Q", path.open("rb").read(8))
+            with path.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
             for name, t in header.items():
                 if name == "__metadata__":
                     continue
