@@ -18,6 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import pytest
+
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".npz")
 
 
@@ -311,3 +313,22 @@ class HubServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+@pytest.fixture
+def hub_env(tmp_path, monkeypatch):
+    """A running local hub, HF_ENDPOINT pointing at it, HF and app dirs isolated in tmp."""
+    from huggingface_hub import constants as hf_constants
+
+    monkeypatch.setenv("ROTARYQUANT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for var in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    # huggingface_hub reads these at import time; point them at tmp too.
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    server = HubServer().start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    yield server.hub
+    server.stop()

@@ -10,10 +10,10 @@ import os
 import threading
 from pathlib import Path
 
+import hubserver
 import huggingface_hub
 import pytest
-from hubserver import Fault, HubServer
-from huggingface_hub import constants as hf_constants
+from hubserver import Fault
 
 from app.downloads import hub, transfer
 from app.downloads.control import Control
@@ -29,6 +29,7 @@ from app.downloads.errors import (
 from app.downloads.events import DownloadProgress, Meter
 
 REPO = "org/tiny"
+hub_env = hubserver.hub_env
 
 
 def make_files(seed: int = 0) -> dict[str, bytes]:
@@ -40,24 +41,6 @@ def make_files(seed: int = 0) -> dict[str, bytes]:
         "model.safetensors": big,
         "README.md": b"# tiny\n",
     }
-
-
-@pytest.fixture
-def hub_env(tmp_path, monkeypatch):
-    """A running local hub, HF_ENDPOINT pointing at it, HF and app dirs isolated in tmp."""
-    monkeypatch.setenv("ROTARYQUANT_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    for var in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    # huggingface_hub reads these at import time; point them at tmp too.
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    server = HubServer().start()
-    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-    server.hub.tmp = tmp_path
-    yield server.hub
-    server.stop()
 
 
 def fast(**kw):

@@ -111,14 +111,17 @@ def cmd_download(args) -> int:
 def cmd_models(args) -> int:
     if args.catalog:
         from .catalog import load_catalog
+        from .library import Library
 
-        rows = load_catalog()
+        lib = Library()
+        rows = [(r, lib.catalog_plan(r)) for r in load_catalog()]
         if args.json:
-            print(json.dumps([r.__dict__ for r in rows], indent=2))
+            print(json.dumps([{**r.__dict__, "plan": p} for r, p in rows], indent=2))
             return 0
-        for r in rows:
-            print(f"{r.name:28s} {r.repo:50s} {r.architecture:11s} "
-                  f"{r.params / 1e9:6.1f}B ({r.active_params / 1e9:.1f}B active)  ~{r.approx_bytes / 1e9:.0f} GB")
+        for r, p in rows:
+            conv = f", converted {p['converted_bytes'] / 1e9:.0f} GB" if p.get("converted_bytes") else ""
+            print(f"{r.name:28s} {r.repo:46s} {r.architecture:10s} {r.params / 1e9:6.1f}B "
+                  f"({r.active_params / 1e9:.1f}B active)  download ~{r.approx_bytes / 1e9:.0f} GB{conv}")
         return 0
     from .library import Library
 

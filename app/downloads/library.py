@@ -169,15 +169,16 @@ def default_converter() -> Converter | None:
         from app.engine.quant import convert as conv
     except ImportError:
         return None
-    fn = getattr(conv, "convert_folder", None) or getattr(conv, "convert", None)
-    if fn is None:
-        return None
 
     def run(src: Path, dst: Path, options: dict, progress: ConvertProgressFn) -> None:
         from app.engine.quant.widths import RoleWidths
 
         widths = RoleWidths.from_dict(options["widths"]) if options.get("widths") else None
-        fn(src, dst, widths=widths, progress=progress)
+
+        def report(p) -> None:  # conv.ConvertProgress(stage, done, total, item)
+            progress(f"{p.stage} {p.item}", p.done / p.total if p.total else 1.0)
+
+        conv.convert(src, dst, widths=widths, progress=report)
 
     return run
 
@@ -241,7 +242,7 @@ class Library:
                 msg = "the download was interrupted (the app stopped); resume to continue"
                 self._set(e.name, None, state="paused", error=msg, owner_pid=0)
             else:  # converting
-                shutil.rmtree(self._tmp_dir(e.name), ignore_errors=True)
+                self._remove_tmp(e.name)
                 orig = Path(e.original) if e.original else None
                 if orig and orig.is_dir():
                     msg = "the conversion was interrupted (the app stopped); convert again"
@@ -259,7 +260,7 @@ class Library:
     ) -> RepoPlan:
         """File list, sizes and disk check for `repo`, without downloading."""
         entry = catalog.find(repo)
-        repo_id = entry.repo if entry and entry.name.lower() == repo.lower() else repo
+        repo_id = entry.repo if entry else repo
         listing = hub.repo_listing(repo_id, revision, hub.token(tok))
         files = tuple(hub.model_files(listing))
         parts = {"download": sum(f.size for f in files)}
@@ -268,6 +269,12 @@ class Library:
             if est:
                 parts["conversion"] = est
         return RepoPlan(listing, files, entry, catalog.disk_check(self.root, parts))
+
+    def catalog_plan(self, entry: catalog.CatalogEntry) -> dict:
+        """Sizes at the role widths and, when the planner is built, its verdict for this
+        machine — from the catalog's config, before anything is downloaded ({} if unknown)."""
+        cfg = self._catalog_config(entry)
+        return plan_summary(cfg) if cfg else {}
 
     @staticmethod
     def _catalog_config(entry: catalog.CatalogEntry) -> dict | None:
@@ -285,6 +292,12 @@ class Library:
 
     def _tmp_dir(self, name: str) -> Path:
         return self.root / f".{name}.converting"
+
+    def _remove_tmp(self, name: str) -> None:
+        """The conversion's output folder, and any half folder the converter left in it."""
+        tmp = self._tmp_dir(name)
+        for p in [tmp, *self.root.glob(f".{tmp.name}.rq-partial-*")]:
+            shutil.rmtree(p, ignore_errors=True)
 
     def _unique_name(self, wanted: str) -> str:
         name, i = wanted, 1
@@ -317,11 +330,13 @@ class Library:
         converter: Converter | None | object = _DEFAULT,
         widths: dict | None = None,
         transfer_options: dict | None = None,
+        finish: bool = True,
     ) -> LibraryEntry:
-        """Download `repo` (a repo id or a catalog name), then convert or register it. Resumes an
-        unfinished download of the same repo. Blocks; run it on a thread for a GUI."""
+        """Download `repo` (a repo id or a catalog name), then convert or register it (`finish`
+        False: stop at "downloaded"). Resumes an unfinished download of the same repo. Blocks;
+        run it on a thread for a GUI."""
         entry = catalog.find(repo)
-        repo = entry.repo if entry and entry.name.lower() == repo.lower() else repo
+        repo = entry.repo if entry else repo
         tok = hub.token(tok)
         existing = self.find_repo(repo)
         if existing is not None:
@@ -331,7 +346,7 @@ class Library:
                 raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed by another process (pid {existing.owner_pid})")
             if existing.state in ("ready", "downloaded", "broken"):
                 if existing.state == "downloaded":
-                    return self._finish(existing.name, converter, on_event)
+                    return self._finish(existing.name, converter, on_event) if finish else existing
                 raise LibraryError(
                     f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
                     "remove it first to download it again"
@@ -342,6 +357,8 @@ class Library:
             opts = dict(existing.options)
         else:
             listing = hub.repo_listing(repo, revision, tok)
+            if listing.gated and not tok:
+                raise hub.gated_error(repo)  # before anything is written
             name = self._unique_name(name or slug(repo))
             opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
             self.store.insert(LibraryEntry(
@@ -384,6 +401,8 @@ class Library:
             original_files=[g.to_dict() for g in got], download_bytes=sum(g.size for g in got),
             architecture=str(cfg.get("model_type", "")),
         )
+        if not finish:
+            return self.store.get(name)
         return self._finish(name, converter, on_event, opts)
 
     def _preflight(self, name: str, dl: transfer.Downloader) -> None:
@@ -461,7 +480,7 @@ class Library:
             raise LibraryError(f"{name}: the downloaded original is gone; download it again")
         widths = widths or e.options.get("widths")
         tmp = self._tmp_dir(name)
-        shutil.rmtree(tmp, ignore_errors=True)
+        self._remove_tmp(name)
         self._claim(name, "converting", on_event)
         last = [0.0]
 
@@ -486,7 +505,7 @@ class Library:
                 shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, final)
         except BaseException as err:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._remove_tmp(name)
             self._set(name, on_event, state="downloaded", owner_pid=0,
                       error=f"conversion failed: {err}")
             raise
