@@ -31,6 +31,22 @@ EXTRA_TINY_CONFIGS: dict[str, dict] = {
                    "moe_intermediate_size": 64, "rope_theta": 1e6,
                    "partial_rotary_factor": 0.25, "head_dim": 64, "norm_topk_prob": True,
                    "full_attention_interval": 4},
+    # Nemotron 3 Super's LatentMoE: routed experts run in a 64-d latent between two dense
+    # projections (fc1_latent_proj / fc2_latent_proj)
+    "nemotron_h_latent": {"model_type": "nemotron_h", "vocab_size": TINY_VOCAB,
+                          "hidden_size": 128, "intermediate_size": 128,
+                          "max_position_embeddings": 4096, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 64, "attention_bias": False,
+                          "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False,
+                          "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2,
+                          "mlp_bias": False, "layer_norm_epsilon": 1e-5, "use_bias": False,
+                          "use_conv_bias": True, "hybrid_override_pattern": "ME*E",
+                          "moe_intermediate_size": 64, "moe_latent_size": 64,
+                          "moe_shared_expert_intermediate_size": 128, "n_group": 1,
+                          "n_routed_experts": 8, "n_shared_experts": 1, "topk_group": 1,
+                          "num_experts_per_tok": 2, "norm_topk_prob": True,
+                          "routed_scaling_factor": 5.0, "mlp_hidden_act": "relu2",
+                          "time_step_limit": [0.0, 1e9], "tie_word_embeddings": False},
     "qwen3_5_moe": {"model_type": "qwen3_5_moe", "text_config": {
         **_COMMON, "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4,
         "intermediate_size": 256, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
