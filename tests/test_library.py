@@ -125,6 +125,11 @@ def test_verify_notices_deleted_and_damaged_files(hub_env, tiny_mlx):
     assert lib.get(e.name).state == "broken"
     weights.write_bytes(data)
     assert lib.verify(e.name, deep=True).ok and lib.get(e.name).state == "ready"
+    weights.write_bytes(data[:-10])  # truncated: the listing's size check sees it
+    assert lib.entries()[0].state == "broken"
+    weights.write_bytes(data)
+    assert lib.entries()[0].state == "broken"  # until checked again on demand
+    assert lib.verify(e.name).ok and lib.entries()[0].state == "ready"
     (Path(e.folder) / "tokenizer.json").unlink()
     r = lib.verify(e.name)
     assert not r.ok and r.problems[0].endswith("tokenizer.json: missing")
@@ -133,8 +138,8 @@ def test_verify_notices_deleted_and_damaged_files(hub_env, tiny_mlx):
     import shutil
 
     shutil.rmtree(e.folder)
-    r = lib.verify(e.name)
-    assert r.problems == (f"{e.folder}: the folder is missing",)
+    (b,) = lib.entries()  # listing notices a deleted folder without being asked
+    assert b.state == "broken" and b.error == f"{e.folder}: the folder is missing"
 
 
 def test_missing_repo_leaves_no_entry(hub_env):
@@ -282,7 +287,7 @@ def test_manager_pause_resume_and_cancel(hub_env, tiny_hf):
     assert lib.get("tiny-moe").state == "paused"
     first = [e.done for e in seen if isinstance(e, DownloadProgress)][-1]
     hub_env.delay = 0.0
-    job = mgr.start(REPO, on_event=seen.append, transfer_options=FAST)
+    job = mgr.resume("tiny-moe", on_event=seen.append, transfer_options=FAST)
     assert job.wait(60) and job.outcome == "done", job.error
     assert job.result.state == "ready"
     prog2 = [e for e in seen if isinstance(e, DownloadProgress)]

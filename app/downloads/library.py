@@ -214,9 +214,17 @@ class Library:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def entries(self) -> list[LibraryEntry]:
+    def entries(self, check: bool = True) -> list[LibraryEntry]:
+        """All models. `check`: notice deleted folders and changed sizes (a stat per file, no
+        reading); `verify(name, deep=True)` re-hashes on demand."""
         self.recover()
-        return self.store.all()
+        out = self.store.all()
+        if check:
+            for i, e in enumerate(out):
+                if e.state in ("ready", "downloaded"):  # un-breaking takes an explicit verify
+                    self.verify(e.name, structure=False)
+                    out[i] = self.store.get(e.name)
+        return out
 
     def get(self, name: str) -> LibraryEntry:
         self.recover(name)
@@ -550,9 +558,10 @@ class Library:
                     shutil.rmtree(p, ignore_errors=True)
         self.store.delete(name)
 
-    def verify(self, name: str, deep: bool = False) -> VerifyReport:
+    def verify(self, name: str, deep: bool = False, structure: bool = True) -> VerifyReport:
         """Check a model's files against the sizes (and with `deep`, the sha256) recorded when it
-        was downloaded or converted; marks it broken, or ready again, accordingly."""
+        was downloaded or converted, and (`structure`) that the folder loads: config, shard
+        headers, tokenizer. Marks it broken, or ready again, accordingly."""
         e = self.get(name)
         if e.busy or e.state == "paused":
             raise LibraryError(f"{name} is {e.state}; verify it when the download is done")
@@ -585,7 +594,7 @@ class Library:
                         continue
                 n += 1
                 nbytes += size
-        if not problems and e.folder and e.state in ("ready", "broken"):
+        if structure and not problems and e.folder and e.state in ("ready", "broken"):
             from app.engine.errors import ModelLoadError
             from app.engine.loader import check_folder
 

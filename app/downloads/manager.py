@@ -72,6 +72,10 @@ class DownloadManager:
         job.thread.start()
         return job
 
+    def resume(self, name: str, on_event: Callback | None = None, **options) -> Job:
+        """Continue a paused download from the library (after a pause or an app restart)."""
+        return self.start(self.library.get(name).repo, on_event, **options)
+
     def job(self, repo: str) -> Job | None:
         return self._jobs.get(repo.lower())
 
