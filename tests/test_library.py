@@ -137,6 +137,8 @@ def test_verify_notices_deleted_and_damaged_files(hub_env, tiny_mlx):
     assert b.state == "broken" and "tokenizer.json: missing" in b.error
     import shutil
 
+    shutil.copy(tiny_mlx / "tokenizer.json", Path(e.folder) / "tokenizer.json")
+    assert lib.verify(e.name, deep=True).ok
     shutil.rmtree(e.folder)
     (b,) = lib.entries()  # listing notices a deleted folder without being asked
     assert b.state == "broken" and b.error == f"{e.folder}: the folder is missing"
