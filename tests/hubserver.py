@@ -85,6 +85,7 @@ class Hub:
     bytes_sent: dict[str, int] = field(default_factory=dict)  # "repo/path" -> body bytes
     chunk: int = 64 * 1024
     delay: float = 0.0  # seconds per chunk, to make transfers slow enough to pause
+    redirect_lfs: bool = False  # answer LFS resolves with a 302 to /cdn/..., as the real hub does
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_repo(self, repo_id: str, files: dict[str, bytes], **kw) -> Repo:
@@ -114,12 +115,13 @@ class Hub:
             faults[0].times -= 1
             return faults[0]
 
-    def resolve_requests(self, path: str) -> list[dict]:
-        return [r for r in self.log if r["kind"] == "resolve" and r["path"] == path]
+    def resolve_requests(self, path: str, kind: str = "resolve") -> list[dict]:
+        return [r for r in self.log if r["kind"] == kind and r["path"] == path]
 
 
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?/?$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_CDN = re.compile(r"^/cdn/(?P<repo>[^/]+/[^/]+)/(?P<rev>[^/]+)/(?P<path>.+)$")
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
@@ -159,6 +161,9 @@ class _Handler(BaseHTTPRequestHandler):
         m = _RESOLVE.match(path)
         if m:
             return self._resolve(m["repo"], m["rev"], m["path"], head)
+        m = _CDN.match(path)
+        if m:
+            return self._resolve(m["repo"], m["rev"], m["path"], head, cdn=True)
         self.hub.log.append({"kind": "other", "path": path})
         self._error(404, "EntryNotFound", f"no route {path}", head)
 
@@ -201,14 +206,15 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.dumps(info).encode()
         self._send(200, body, {"Content-Type": "application/json"}, head)
 
-    def _resolve(self, repo_id: str, rev: str, path: str, head: bool):
+    def _resolve(self, repo_id: str, rev: str, path: str, head: bool, cdn: bool = False):
         rng = self.headers.get("Range")
-        record = {"kind": "resolve", "repo": repo_id, "path": path, "range": rng, "head": head}
+        record = {"kind": "cdn" if cdn else "resolve", "repo": repo_id, "path": path,
+                  "range": rng, "head": head, "auth": bool(self.headers.get("Authorization"))}
         self.hub.log.append(record)
-        repo = self._repo(repo_id, rev, head)
+        repo = self._repo(repo_id, rev, head) if not cdn else self.hub.repos.get(repo_id)
         if repo is None:
             return
-        if repo.gated:
+        if repo.gated and not cdn:
             auth = self.headers.get("Authorization", "")
             token = auth.removeprefix("Bearer ").strip()
             if not token:
@@ -219,6 +225,16 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(403, "GatedRepo", msg, head)
         if path not in repo.files:
             return self._error(404, "EntryNotFound", f"{path} does not exist on main", head)
+        if self.hub.redirect_lfs and repo.is_lfs(path) and not cdn:
+            # The hub sends LFS files from a CDN: metadata headers here, bytes there.
+            headers = {
+                "Location": f"/cdn/{repo_id}/{repo.commit}/{path}",
+                "X-Repo-Commit": repo.commit,
+                "ETag": f'"{repo.sibling(path)["blobId"]}"',
+                "X-Linked-Etag": f'"{repo.etag(path)}"',
+                "X-Linked-Size": str(len(repo.files[path])),
+            }
+            return self._send(302, b"", headers, head)
         key = f"{repo_id}/{path}"
         fault = None if head else self.hub.take_fault(key)
         if fault is not None and fault.kind == "status":

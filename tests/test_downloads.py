@@ -316,6 +316,24 @@ def test_hub_file_changed_restarts_the_partial(hub_env, tmp_path):
     assert hub_env.resolve_requests("model.safetensors")[-1]["range"] is None
 
 
+def test_follows_the_cdn_redirect_with_range(hub_env, tmp_path):
+    """LFS files come through a 302 to a CDN (as on the hub): Range survives the redirect."""
+    files = make_files()
+    hub_env.add_repo(REPO, files, gated=True, tokens=("hf_good",))
+    hub_env.redirect_lfs = True
+    big = len(files["model.safetensors"])
+    hub_env.inject(REPO, "model.safetensors", Fault("drop", after=big // 3))
+    listing = hub.repo_listing(REPO)
+    transfer.Downloader(listing, tmp_path / "dl", tok="hf_good", **fast()).run()
+    assert (tmp_path / "dl" / "model.safetensors").read_bytes() == files["model.safetensors"]
+    cdn = hub_env.resolve_requests("model.safetensors", kind="cdn")
+    assert [r["range"] for r in cdn] == [None, f"bytes={big // 3}-"]
+    assert hub_env.resolve_requests("model.safetensors")[0]["auth"]
+    # and the stock client reads the same redirecting hub
+    p = huggingface_hub.hf_hub_download(REPO, "model.safetensors", endpoint=hub_env_endpoint(), token="hf_good")
+    assert Path(p).read_bytes() == files["model.safetensors"]
+
+
 def test_reuses_huggingface_cache(hub_env, tmp_path):
     """A file the stock client already cached is linked in and verified, not downloaded."""
     files = make_files()
