@@ -1,0 +1,546 @@
+"""ZipFusion CUDA kernels: page compression and decode attention that reads compressed pages.
+
+Five parts (STYLE): source strings -> kernels built once at import (only where MLX has its CUDA
+backend) -> pure-array references -> launchers -> public functions with `use_kernel=` that fall
+back to the reference elsewhere.
+
+Layouts (see `app/engine/kvcache/zipfusion/codec.py`):
+  pool:       [rows, 128] uint16, rows of 256 bytes; compressed blocks are 768 B, raw 1024 B
+  meta:       [L * n_ids, Hkv, 2, MW] uint32; word 0 = offset of the first block in rows,
+              then one byte per block: b/2, or 0xFF for a raw block
+  page_table: [B, maxp] int32 page ids (the last page of a sequence may be raw and partly full)
+  seq_len:    [B] int32 tokens in the pool; the token of this step arrives as k_new / v_new
+The attention kernel runs one CTA per (split, KV head, sequence); each warp walks pages, decodes
+each lane's 8 values straight into `mma.m16n8k16` B fragments (no shared memory, nothing written
+back), keeps an online softmax for the G query heads of the group (rows of the A operand), and
+writes a partial (m, l, O) per warp; the reduce kernel merges partials with the new token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..kvcache.zipfusion import codec
+
+# -- sources -------------------------------------------------------------------------------
+
+HEADER = r"""
+#define ZF_RAW 0xFFu
+
+// One lane's 8 values of a compressed block -> 4 bf16x2 registers (values 0-1, 2-3, 4-5, 6-7).
+// High byte = sign*128 + b/2 + d for four values at once; no carries since b/2 + d <= 127.
+__device__ __forceinline__ void zf_decode8(
+    uint32_t w, uint32_t lo0, uint32_t lo1, uint32_t half_base, uint32_t r[4]) {
+  const uint32_t rep = half_base * 0x01010101u;
+  const uint32_t hi_a = (w & 0x87878787u) + rep;
+  const uint32_t hi_b = (((w << 1) & 0x80808080u) | ((w >> 3) & 0x07070707u)) + rep;
+  r[0] = __byte_perm(lo0, hi_a, 0x5140);
+  r[1] = __byte_perm(lo0, hi_a, 0x7362);
+  r[2] = __byte_perm(lo1, hi_b, 0x5140);
+  r[3] = __byte_perm(lo1, hi_b, 0x7362);
+}
+
+__device__ __forceinline__ void zf_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t zf_pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t zf_meta_flag(const uint32_t* m, int j) {
+  return (m[1 + (j >> 2)] >> (8 * (j & 3))) & 0xFFu;
+}
+
+// Issue the loads of one block (8 words per lane): raw -> 32 bytes, compressed -> 8 code bytes
+// and 16 low bytes. Decoding waits until every block of the page is in flight.
+__device__ __forceinline__ void zf_load_block(
+    const uint8_t* blk, bool raw, int lane, uint32_t r[8]) {
+  if (raw) {
+    const uint4 x0 = *reinterpret_cast<const uint4*>(blk + 32 * lane);
+    const uint4 x1 = *reinterpret_cast<const uint4*>(blk + 32 * lane + 16);
+    r[0] = x0.x; r[1] = x0.y; r[2] = x0.z; r[3] = x0.w;
+    r[4] = x1.x; r[5] = x1.y; r[6] = x1.z; r[7] = x1.w;
+  } else {
+    const uint2 c = *reinterpret_cast<const uint2*>(blk + 8 * lane);
+    const uint4 lw = *reinterpret_cast<const uint4*>(blk + 256 + 16 * lane);
+    r[0] = c.x; r[1] = c.y; r[2] = lw.x; r[3] = lw.y; r[4] = lw.z; r[5] = lw.w;
+    r[6] = 0u; r[7] = 0u;
+  }
+}
+
+// Group g (0 or 1) of a loaded block -> 4 bf16x2 registers.
+__device__ __forceinline__ void zf_group(const uint32_t r[8], uint32_t flag, int g, uint32_t out[4]) {
+  if (flag == ZF_RAW) {
+    out[0] = r[4 * g + 0]; out[1] = r[4 * g + 1]; out[2] = r[4 * g + 2]; out[3] = r[4 * g + 3];
+  } else {
+    zf_decode8(r[g], r[2 + 2 * g], r[3 + 2 * g], flag, out);
+  }
+}
+"""
+
+# Template constants: D (head dim), G (query heads per KV head, <= 16), NW (warps per CTA),
+# MW (metadata words per page/head/K-or-V). Runtime params: layer, n_ids, maxp, n_splits.
+ATTN_SOURCE = r"""
+  constexpr int NB = D / 32;
+  constexpr int KT = D / 16;
+  constexpr int NT = D / 8;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int split = blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int n_kv = gridDim.y;
+  const int layer = params[0];
+  const int n_ids = params[1];
+  const int maxp = params[2];
+  const int n_splits = params[3];
+  const float sl2 = scale[0];
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  const int len = seq_len[b];
+  const int n_pages = (len + 15) >> 4;
+  const int per = (n_pages + n_splits - 1) / n_splits;
+  const int p_begin = split * per;
+  const int p_end = min(n_pages, p_begin + per);
+
+  // Q as the A operand: rows = the G query heads of this KV head (rows >= G are zero).
+  uint32_t qa[KT][4];
+  {
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + ((size_t)b * n_kv + h) * G * D);
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      const int c = (kt * 16 + 2 * tig) >> 1;
+      qa[kt][0] = gid < G ? qw[gid * (D / 2) + c] : 0u;
+      qa[kt][1] = gid + 8 < G ? qw[(gid + 8) * (D / 2) + c] : 0u;
+      qa[kt][2] = gid < G ? qw[gid * (D / 2) + c + 4] : 0u;
+      qa[kt][3] = gid + 8 < G ? qw[(gid + 8) * (D / 2) + c + 4] : 0u;
+    }
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) { o[nt][0] = 0.f; o[nt][1] = 0.f; o[nt][2] = 0.f; o[nt][3] = 0.f; }
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const uint8_t* pool_b = reinterpret_cast<const uint8_t*>(pool);
+
+  for (int p = p_begin + warp; p < p_end; p += NW) {
+    const int pid = page_table[(size_t)b * maxp + p];
+    const uint32_t* mrow = meta + (((size_t)layer * n_ids + pid) * n_kv + h) * (2 * MW);
+    uint32_t km[MW], vm[MW];
+#pragma unroll
+    for (int i = 0; i < MW; ++i) { km[i] = mrow[i]; vm[i] = mrow[MW + i]; }
+    const int valid = (p == n_pages - 1) ? len - 16 * p : 16;
+
+    uint32_t kr[NB][8], vr[NB][8];
+    {
+      size_t ko = (size_t)km[0] * 256, vo = (size_t)vm[0] * 256;
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const uint32_t kf = zf_meta_flag(km, j), vf = zf_meta_flag(vm, j);
+        zf_load_block(pool_b + ko, kf == ZF_RAW, lane, kr[j]);
+        zf_load_block(pool_b + vo, vf == ZF_RAW, lane, vr[j]);
+        ko += kf == ZF_RAW ? 1024 : 768;
+        vo += vf == ZF_RAW ? 1024 : 768;
+      }
+    }
+
+    // S = Q K^T for the page's two 8-token tiles: s[g] rows (gid, gid+8), tokens 8g+2tig+{0,1}.
+    float s[2][4];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      s[g][0] = 0.f; s[g][1] = 0.f; s[g][2] = 0.f; s[g][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        uint32_t kb[4];
+        zf_group(kr[j], zf_meta_flag(km, j), g, kb);
+        zf_mma(s[g], qa[2 * j], kb[0], kb[1]);
+        zf_mma(s[g], qa[2 * j + 1], kb[2], kb[3]);
+      }
+    }
+
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = 8 * g + 2 * tig + e < valid;
+        s[g][e] = ok ? s[g][e] * sl2 : NEG_INF;
+        s[g][2 + e] = ok ? s[g][2 + e] * sl2 : NEG_INF;
+        mx0 = fmaxf(mx0, s[g][e]);
+        mx1 = fmaxf(mx1, s[g][2 + e]);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+    m0 = n0; m1 = n1;
+    float ps[2][4];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      ps[g][0] = exp2f(s[g][0] - n0); ps[g][1] = exp2f(s[g][1] - n0);
+      ps[g][2] = exp2f(s[g][2] - n1); ps[g][3] = exp2f(s[g][3] - n1);
+    }
+    l0 = l0 * a0 + ((ps[0][0] + ps[0][1]) + (ps[1][0] + ps[1][1]));
+    l1 = l1 * a1 + ((ps[0][2] + ps[0][3]) + (ps[1][2] + ps[1][3]));
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) { o[nt][0] *= a0; o[nt][1] *= a0; o[nt][2] *= a1; o[nt][3] *= a1; }
+    // The C fragments of S are the A fragment of P.V (rows = heads, k = the page's 16 tokens).
+    uint32_t pa[4];
+    pa[0] = zf_pack_bf16(ps[0][0], ps[0][1]);
+    pa[1] = zf_pack_bf16(ps[0][2], ps[0][3]);
+    pa[2] = zf_pack_bf16(ps[1][0], ps[1][1]);
+    pa[3] = zf_pack_bf16(ps[1][2], ps[1][3]);
+
+    // Tokens past the end of a partly written page hold stale bytes: zero them so 0 * NaN can't leak.
+    const bool partial = valid < 16;
+    const uint32_t keep_lo = (2 * tig < valid ? 0x0000ffffu : 0u) | (2 * tig + 1 < valid ? 0xffff0000u : 0u);
+    const uint32_t keep_hi = (2 * tig + 8 < valid ? 0x0000ffffu : 0u) | (2 * tig + 9 < valid ? 0xffff0000u : 0u);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int g = 0; g < 2; ++g) {
+        uint32_t vb[4];
+        zf_group(vr[j], zf_meta_flag(vm, j), g, vb);
+        if (partial) { vb[0] &= keep_lo; vb[1] &= keep_hi; vb[2] &= keep_lo; vb[3] &= keep_hi; }
+        zf_mma(o[4 * j + 2 * g], pa, vb[0], vb[1]);
+        zf_mma(o[4 * j + 2 * g + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+  // One partial per warp: [B, Hkv, n_splits * NW, G, D] and (m, l).
+  const size_t part = ((size_t)b * n_kv + h) * n_splits * NW + (size_t)split * NW + warp;
+  float* op = o_part + part * G * D;
+  float* mp = ml_part + part * G * 2;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int d = 8 * nt + 2 * tig;
+    if (gid < G) { op[gid * D + d] = o[nt][0]; op[gid * D + d + 1] = o[nt][1]; }
+    if (gid + 8 < G) { op[(gid + 8) * D + d] = o[nt][2]; op[(gid + 8) * D + d + 1] = o[nt][3]; }
+  }
+  if (tig == 0) {
+    if (gid < G) { mp[gid * 2] = m0; mp[gid * 2 + 1] = l0; }
+    if (gid + 8 < G) { mp[(gid + 8) * 2] = m1; mp[(gid + 8) * 2 + 1] = l1; }
+  }
+"""
+
+# Merge the partials of one (sequence, query head) with the token of this step. One thread per
+# dim; template D, G. params: n_parts (= n_splits * NW).
+REDUCE_SOURCE = r"""
+  const int d = threadIdx.x;
+  const int hq = blockIdx.y;
+  const int b = blockIdx.z;
+  const int n_q = gridDim.y;
+  const int n_kv = n_q / G;
+  const int h = hq / G;
+  const int r = hq - h * G;
+  const int n_parts = params[0];
+  const float sl2 = scale[0];
+  __shared__ float red[D / 32];
+
+  const size_t qi = ((size_t)b * n_q + hq) * D + d;
+  const size_t ki = ((size_t)b * n_kv + h) * D + d;
+  float dot = __bfloat162float(q[qi]) * __bfloat162float(k_new[ki]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  if ((d & 31) == 0) red[d >> 5] = dot;
+  __syncthreads();
+  dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) dot += red[i];
+  const float s_new = dot * sl2;
+
+  const size_t base = ((size_t)b * n_kv + h) * n_parts;
+  float m = s_new;
+  for (int i = 0; i < n_parts; ++i) m = fmaxf(m, ml_part[((base + i) * G + r) * 2]);
+  const float w_new = exp2f(s_new - m);
+  float l = w_new;
+  float acc = w_new * __bfloat162float(v_new[ki]);
+  for (int i = 0; i < n_parts; ++i) {
+    const size_t pi = (base + i) * G + r;
+    const float w = exp2f(ml_part[pi * 2] - m);
+    l += w * ml_part[pi * 2 + 1];
+    acc += w * o_part[pi * D + d];
+  }
+  out[qi] = __float2bfloat16(acc / l);
+"""
+
+# Compress blocks of 512 values (fragment order): one thread per group of 8, 64 per block.
+COMPRESS_SOURCE = r"""
+  const int t = threadIdx.x;
+  const int blk = blockIdx.x;
+  __shared__ uint32_t red_min[2], red_max[2];
+  const uint4 x = reinterpret_cast<const uint4*>(blocks)[(size_t)blk * 64 + t];
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t e[8], sgn[8], lo[8];
+  uint32_t emin = 255u, emax = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t v = (w[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
+    e[i] = (v >> 7) & 0xFFu;
+    sgn[i] = v >> 15;
+    lo[i] = v & 0xFFu;
+    emin = min(emin, e[i]);
+    emax = max(emax, e[i]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, off));
+    emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, off));
+  }
+  if ((t & 31) == 0) { red_min[t >> 5] = emin; red_max[t >> 5] = emax; }
+  __syncthreads();
+  emin = min(red_min[0], red_min[1]);
+  emax = max(red_max[0], red_max[1]);
+  const uint32_t base = emin & 0xFEu;
+  const bool ok = emax - base <= 15u;
+  uint8_t* out_b = reinterpret_cast<uint8_t*>(payload) + (size_t)blk * 1024;
+  if (ok) {
+    uint32_t code = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t d0 = (e[i] - base) >> 1, d1 = (e[i + 4] - base) >> 1;
+      const uint32_t byte = (sgn[i] << 7) | d0 | (sgn[i + 4] << 6) | (d1 << 3);
+      code |= byte << (8 * i);
+    }
+    reinterpret_cast<uint32_t*>(out_b)[t] = code;
+    uint2 lw;
+    lw.x = lo[0] | (lo[1] << 8) | (lo[2] << 16) | (lo[3] << 24);
+    lw.y = lo[4] | (lo[5] << 8) | (lo[6] << 16) | (lo[7] << 24);
+    reinterpret_cast<uint2*>(out_b + 256)[t] = lw;
+    reinterpret_cast<uint32_t*>(out_b + 768)[t] = 0u;
+  } else {
+    reinterpret_cast<uint4*>(out_b)[t] = x;
+  }
+  if (t == 0) flags[blk] = ok ? (uint8_t)(base >> 1) : (uint8_t)0xFFu;
+"""
+
+ATTN_INPUTS = ["q", "pool", "meta", "page_table", "seq_len", "params", "scale"]
+ATTN_OUTPUTS = ["o_part", "ml_part"]
+REDUCE_INPUTS = ["o_part", "ml_part", "q", "k_new", "v_new", "params", "scale"]
+REDUCE_OUTPUTS = ["out"]
+COMPRESS_INPUTS = ["blocks"]
+COMPRESS_OUTPUTS = ["flags", "payload"]
+
+SOURCES = {
+    "zipfusion_attn": (ATTN_INPUTS, ATTN_OUTPUTS, ATTN_SOURCE),
+    "zipfusion_reduce": (REDUCE_INPUTS, REDUCE_OUTPUTS, REDUCE_SOURCE),
+    "zipfusion_compress": (COMPRESS_INPUTS, COMPRESS_OUTPUTS, COMPRESS_SOURCE),
+}
+
+NUM_WARPS = 4  # warps per CTA of the attention kernel; each keeps its own softmax partial
+
+
+def translation_unit(
+    name: str, input_types: list[str], output_types: list[str], template: dict
+) -> str:
+    """The .cu text MLX's `cuda_kernel` generates for `name` (signature, constants, body), with
+    plain CUDA includes instead of MLX's header: for compile-only checks with nvcc."""
+    inputs, outputs, body = SOURCES[name]
+    params = [f"    const {t}* {n}" for t, n in zip(input_types, inputs, strict=True)]
+    params += [f"    {t}* {n}" for t, n in zip(output_types, outputs, strict=True)]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
+    return (
+        "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+        + HEADER
+        + f"\n__global__ void {name}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + consts
+        + body
+        + "\n}\n"
+    )
+
+
+# -- kernels built once at import ----------------------------------------------------------
+
+
+def _cuda() -> bool:
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+
+
+_KERNELS: dict = {}
+if _cuda():
+    for _name, (_ins, _outs, _body) in SOURCES.items():
+        _KERNELS[_name] = mx.fast.cuda_kernel(
+            name=_name, input_names=_ins, output_names=_outs, source=_body, header=HEADER
+        )
+
+
+def kernels_available() -> bool:
+    return bool(_KERNELS)
+
+
+def _use_kernel(use_kernel: bool | None) -> bool:
+    if use_kernel is None:
+        return kernels_available()
+    if use_kernel and not kernels_available():
+        raise RuntimeError(
+            "ZipFusion's CUDA kernels need MLX's CUDA backend (mx.cuda.is_available())"
+        )
+    return use_kernel
+
+
+# -- references ------------------------------------------------------------------------------
+
+
+def gather_pages_reference(
+    pool: mx.array,
+    meta: mx.array,
+    page_ids: mx.array,
+    layer: int,
+    n_ids: int,
+    n_kv: int,
+    head_dim: int,
+) -> tuple[mx.array, mx.array]:
+    """Decode pages back to BF16 with MLX ops. page_ids: [..., P] -> K, V: [..., Hkv, P*16, D]."""
+    nb = codec.check_head_dim(head_dim)
+    mw = codec.meta_words(head_dim)
+    lead = page_ids.shape[:-1]
+    n_pages = page_ids.shape[-1]
+    rows = meta.reshape(-1, n_kv, 2, mw)[layer * n_ids + page_ids.reshape(-1)]  # [N, Hkv, 2, MW]
+    off = rows[..., 0].astype(mx.int64)
+    shifts = mx.array([0, 8, 16, 24], dtype=mx.uint32)
+    fl = ((rows[..., 1:, None] >> shifts) & 0xFF).reshape(*rows.shape[:-1], -1)[..., :nb]
+    sizes = mx.where(fl == codec.RAW_FLAG, 4, 3).astype(mx.int64)
+    starts = off[..., None] + mx.cumsum(sizes, axis=-1) - sizes  # first row of each block
+    g_rows = starts[..., None] + mx.arange(4, dtype=mx.int64)  # compressed blocks read 1 spare row
+    g_rows = mx.minimum(g_rows, pool.shape[0] - 1).astype(mx.int32)
+    payload = pool[g_rows.reshape(-1)].reshape(-1, codec.BLOCK_VALUES)
+    vals = codec.decode_blocks(fl.reshape(-1).astype(mx.uint8), payload)
+    vals = vals.reshape(-1, n_kv, 2, nb, codec.BLOCK_VALUES)
+    k = codec.from_fragment_order(vals[:, :, 0], "k")  # [N, Hkv, 16, D]
+    v = codec.from_fragment_order(vals[:, :, 1], "v")
+
+    def arrange(x):
+        x = x.reshape(*lead, n_pages, n_kv, codec.PAGE_TOKENS, head_dim)
+        x = mx.swapaxes(x, -3, -4)  # [..., Hkv, P, 16, D]
+        return x.reshape(*lead, n_kv, n_pages * codec.PAGE_TOKENS, head_dim)
+
+    return arrange(k), arrange(v)
+
+
+def paged_attention_reference(
+    q, pool, meta, page_table, seq_len, k_new, v_new, layer: int, n_ids: int, scale: float
+) -> mx.array:
+    """Decode attention over the pages plus this step's token: pages decoded with MLX ops, then
+    mlx's own SDPA (so one sequence gives the same bits as mlx-lm's KVCache).
+
+    q: [B, Hq, D] bf16; k_new, v_new: [B, Hkv, D] bf16; returns [B, Hq, D] bf16."""
+    b, hq, d = q.shape
+    n_kv = k_new.shape[1]
+    k, v = gather_pages_reference(pool, meta, page_table, layer, n_ids, n_kv, d)  # [B, Hkv, T0, D]
+    pad = mx.zeros((b, n_kv, 1, d), k.dtype)
+    k = mx.concatenate([k, pad], axis=2)
+    v = mx.concatenate([v, pad], axis=2)
+    pos = mx.arange(k.shape[2])[None]
+    here = (pos == seq_len[:, None])[:, None, :, None]  # the new token goes right after the pages
+    k = mx.where(here, k_new[:, :, None], k)
+    v = mx.where(here, v_new[:, :, None], v)
+    if b == 1:
+        n = int(seq_len[0].item()) + 1
+        mask = None
+        k, v = k[:, :, :n], v[:, :, :n]
+    else:
+        mask = (pos <= seq_len[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    out = mx.fast.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, mask=mask)
+    return out[:, :, 0]
+
+
+# -- launchers / public functions ----------------------------------------------------------
+
+
+def compress_blocks(blocks: mx.array, use_kernel: bool | None = None) -> tuple[mx.array, mx.array]:
+    """blocks: [N, 512] uint16 -> (flags [N] uint8, payload [N, 512] uint16); see codec."""
+    if blocks.ndim != 2 or blocks.shape[1] != codec.BLOCK_VALUES or blocks.dtype != mx.uint16:
+        raise ValueError(f"blocks must be [N, 512] uint16, got {blocks.shape} {blocks.dtype}")
+    if not _use_kernel(use_kernel) or blocks.shape[0] == 0:
+        return codec.encode_blocks(blocks)
+    n = blocks.shape[0]
+    flags, payload = _KERNELS["zipfusion_compress"](
+        inputs=[blocks],
+        grid=(n * 64, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(n,), (n, codec.BLOCK_VALUES)],
+        output_dtypes=[mx.uint8, mx.uint16],
+    )
+    return flags, payload
+
+
+def default_splits(batch: int, n_kv: int, max_pages: int, num_warps: int = NUM_WARPS) -> int:
+    """Split the context so the grid has a few CTAs per multiprocessor (flash-decoding)."""
+    target = 4 * 132  # CTAs: 4 per H100/H200 multiprocessor
+    s = max(1, math.ceil(target / max(1, batch * n_kv)))
+    return int(max(1, min(s, math.ceil(max_pages / (2 * num_warps)))))
+
+
+def paged_decode_attention(
+    q: mx.array,
+    pool: mx.array,
+    meta: mx.array,
+    page_table: mx.array,
+    seq_len: mx.array,
+    k_new: mx.array,
+    v_new: mx.array,
+    *,
+    layer: int,
+    n_ids: int,
+    scale: float,
+    n_splits: int | None = None,
+    use_kernel: bool | None = None,
+) -> mx.array:
+    """Attention of one new token per sequence over its pages (compressed or raw) and itself.
+
+    q: [B, Hq, D] bf16; pool: [rows, 128] uint16; meta: [L*n_ids, Hkv*2*MW] uint32;
+    page_table: [B, maxp] int32; seq_len: [B] int32; k_new, v_new: [B, Hkv, D] bf16 -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    n_kv = k_new.shape[1]
+    g = hq // n_kv
+    if hq % n_kv or not 1 <= g <= 16:
+        raise ValueError(
+            f"ZipFusion attention needs 1..16 query heads per KV head, got {hq}/{n_kv}"
+        )
+    if not _use_kernel(use_kernel):
+        return paged_attention_reference(
+            q, pool, meta, page_table, seq_len, k_new, v_new, layer, n_ids, scale
+        )
+    maxp = page_table.shape[1]
+    s = n_splits or default_splits(b, n_kv, maxp)
+    mw = codec.meta_words(d)
+    params = mx.array([layer, n_ids, maxp, s], dtype=mx.int32)
+    sl2 = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
+    o_part, ml_part = _KERNELS["zipfusion_attn"](
+        inputs=[q, pool, meta, page_table, seq_len, params, sl2],
+        template=[("D", d), ("G", g), ("NW", NUM_WARPS), ("MW", mw)],
+        grid=(s * 32 * NUM_WARPS, n_kv, b),
+        threadgroup=(32 * NUM_WARPS, 1, 1),
+        output_shapes=[(b, n_kv, s * NUM_WARPS, g, d), (b, n_kv, s * NUM_WARPS, g, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = _KERNELS["zipfusion_reduce"](
+        inputs=[o_part, ml_part, q, k_new, v_new, mx.array([s * NUM_WARPS], dtype=mx.int32), sl2],
+        template=[("D", d), ("G", g)],
+        grid=(d, hq, b),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(b, hq, d)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return out

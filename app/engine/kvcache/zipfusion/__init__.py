@@ -1,0 +1,93 @@
+"""ZipFusion: lossless BF16 KV compression decoded inside attention (SPEC §5), NVIDIA only.
+
+- `codec`: the block format, a bit-exact reference in MLX ops
+- `memory`: arenas + shared pool + page table, admission numbers (plain Python)
+- `store`: the device pool, page compression at commit, paged decode attention
+- `cache`: the mlx-lm cache protocol and the attention dispatch
+- `scheduler`: a batched decode loop that admits requests by what fits
+"""
+
+from __future__ import annotations
+
+import math
+
+from .cache import ZipFusionCache, install_attention, zipfusion_sdpa
+from .codec import PAGE_TOKENS
+from .memory import OutOfPages, PoolGeometry, ZipMemory
+from .store import ZipConfig, ZipStore
+
+__all__ = [
+    "PAGE_TOKENS",
+    "OutOfPages",
+    "PoolGeometry",
+    "ZipConfig",
+    "ZipFusionCache",
+    "ZipMemory",
+    "ZipStore",
+    "available",
+    "install_attention",
+    "make_zipfusion_cache",
+    "make_zipfusion_store",
+    "model_kv_shape",
+    "zipfusion_sdpa",
+]
+
+
+def available() -> tuple[bool, str]:
+    """Whether ZipFusion can run here, and why not (the UI shows the reason)."""
+    from ...backend import detect
+
+    b = detect()
+    if b.cuda_kernels:
+        return True, f"ZipFusion runs on {b.device}"
+    return False, b.unavailable_reason("zipfusion") or "ZipFusion needs MLX's CUDA backend"
+
+
+def model_kv_shape(model) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of an mlx-lm model whose layers all use full attention."""
+    args = getattr(model, "args", None)
+    layers = getattr(model, "layers", None)
+    if args is None or layers is None:
+        raise ValueError(f"{type(model).__name__}: no `args`/`layers`; not an mlx-lm decoder model")
+    n_heads = getattr(args, "num_attention_heads", None)
+    n_kv = getattr(args, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // n_heads)
+    kinds = set(getattr(args, "layer_types", None) or ["full_attention"])
+    if (
+        kinds != {"full_attention"}
+        or getattr(args, "sliding_window", None)
+        and "sliding_attention" in kinds
+    ):
+        raise ValueError(
+            f"ZipFusion supports full-attention layers only, this model has {sorted(kinds)}"
+        )
+    return len(layers), int(n_kv), int(head_dim)
+
+
+def make_zipfusion_store(model, budget_bytes: int, **kw) -> ZipStore:
+    """A store sized for `model` with a KV pool of `budget_bytes`; `kw` go to ZipConfig
+    (max_seqs, max_tokens_per_seq, compress, ...) except `use_kernel`."""
+    use_kernel = kw.pop("use_kernel", None)
+    n_layers, n_kv, head_dim = model_kv_shape(model)
+    return ZipStore(ZipConfig(n_layers, n_kv, head_dim, budget_bytes, **kw), use_kernel=use_kernel)
+
+
+def make_zipfusion_cache(
+    model, budget_bytes: int | None = None, max_tokens: int = 32768, **kw
+) -> list[ZipFusionCache]:
+    """A per-layer cache list for one sequence, usable as mlx-lm's `prompt_cache`; installs the
+    attention dispatch into the model's modules. The pool defaults to `max_tokens` at raw size."""
+    n_layers, n_kv, head_dim = model_kv_shape(model)
+    probe = ZipConfig(n_layers, n_kv, head_dim, 1 << 62, max_seqs=1, max_tokens_per_seq=max_tokens)
+    if budget_bytes is None:
+        # Every page at raw size, plus per layer: the partial raw chunk, the compression
+        # reserve and the unused end of the current compressed chunk.
+        pages = math.ceil(max_tokens / PAGE_TOKENS)
+        chunks = math.ceil(pages / probe.pages_per_chunk) + 3
+        budget_bytes = n_layers * chunks * probe.pages_per_chunk * probe.raw_page_bytes
+    store = make_zipfusion_store(
+        model, budget_bytes, max_seqs=1, max_tokens_per_seq=max_tokens, **kw
+    )
+    store.single_sequence()
+    install_attention(model)
+    return [ZipFusionCache(store, i) for i in range(n_layers)]
