@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .errors import EngineError
 from .quant.widths import ROLES, RoleWidth, RoleWidths
 
 # Where the real configs live beside the repo; tests use their copy in tests/data/configs.
@@ -36,7 +37,7 @@ ZIPFUSION_PAGE = 16
 KV_MODES = ("fp16", "isoquant3", "zipfusion")
 
 
-class SizeError(ValueError):
+class SizeError(EngineError, ValueError):
     """A config that the calculator cannot size: names the file and the reason."""
 
     def __init__(self, reason: str, path: str | None = None):
@@ -59,6 +60,7 @@ class KVKind:
     k_head_dim: int
     v_head_dim: int
     window: int | None = None
+    value_bytes: int = KV_VALUE_BYTES  # the activation dtype's size: 2 (bf16/fp16) or 4 (fp32)
 
     def __post_init__(self):
         if self.kind not in ("full", "sliding", "mla"):
@@ -71,7 +73,7 @@ class KVKind:
     @property
     def bytes_per_token(self) -> int:
         """fp16 bytes per token for one layer of this kind (K and V)."""
-        return self.kv_heads * (self.k_head_dim + self.v_head_dim) * KV_VALUE_BYTES
+        return self.kv_heads * (self.k_head_dim + self.v_head_dim) * self.value_bytes
 
     def tokens(self, context: int, extra: int = 0) -> int:
         """Tokens one layer holds at `context`; a sliding cache briefly holds `extra` more
@@ -117,6 +119,7 @@ class KVKind:
             "k_head_dim": self.k_head_dim,
             "v_head_dim": self.v_head_dim,
             "window": self.window,
+            "value_bytes": self.value_bytes,
             "bytes_per_token_per_layer": self.bytes_per_token,
         }
 
@@ -194,12 +197,17 @@ class ModelSizes:
     params_per_expert: int
     bytes_per_expert: int  # one routed expert of one layer, with its biases (one pager record)
     active_params: int  # parameters read per token (all but the unchosen experts)
+    embedding_bytes: int  # the input embedding table when untied (a decode step reads one row)
     kv: tuple  # KVKind per attention-layer kind
     recurrent_layers: int
     recurrent_state_bytes: int  # fixed Mamba / Gated-DeltaNet state per sequence, all layers
     hidden_size: int
     vocab_size: int
     max_context: int | None
+    q_heads: int = 0  # query heads of the widest attention layer (unfused attention scores)
+    max_head_dim: int = 0
+    widest_per_token: int = 0  # largest per-token intermediate (elements) of one layer
+    weights_on_disk: int | None = None  # measured from the folder's files, when there is one
     excluded: dict = field(
         default_factory=dict
     )  # part -> params (None: not sized), e.g. mtp, vision
@@ -275,11 +283,13 @@ class ModelSizes:
             "params_per_expert": self.params_per_expert,
             "bytes_per_expert": self.bytes_per_expert,
             "active_params": self.active_params,
+            "embedding_bytes": self.embedding_bytes,
             "kv": [k.to_dict() for k in self.kv],
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "recurrent_layers": self.recurrent_layers,
             "recurrent_state_bytes": self.recurrent_state_bytes,
             "max_context": self.max_context,
+            "weights_on_disk": self.weights_on_disk,
             "excluded": dict(self.excluded),
             "notes": list(self.notes),
         }
@@ -893,6 +903,20 @@ def compute(
     total = sum(params.values())
     active = total - moe_layers * (info.experts - info.top_k) * per_expert_params
     text = _text_config(config)[1]
+    tied = not any(t.name == "lm_head" for t in ts)
+    # widest per-token intermediate: a dense GLU's gate/up/product, or top-k experts' hidden
+    big = [
+        t
+        for t in ts
+        if t.in_dim
+        and not t.expert
+        and t.name not in ("lm_head", "model.embed_tokens", "backbone.embeddings")
+    ]
+    dense_w = max((t.params // t.in_dim for t in big), default=0)
+    exp_w = info.top_k * sum(t.params // t.in_dim for t in routed if t.in_dim) // max(moe_layers, 1)
+    kv = tuple(replace(k, value_bytes=fb) for k in info.kv)
+    emb = [t for t in ts if t.name in ("model.embed_tokens", "backbone.embeddings")]
+    embedding_bytes = 0 if tied else sum(t.nbytes(widths[t.role], fb) for t in emb)
     return ModelSizes(
         architecture=arch,
         name=name or config.get("_name_or_path", "") or arch,
@@ -907,12 +931,16 @@ def compute(
         params_per_expert=per_expert_params,
         bytes_per_expert=per_expert_bytes,
         active_params=active,
-        kv=tuple(info.kv),
+        embedding_bytes=embedding_bytes,
+        kv=kv,
         recurrent_layers=info.recurrent_layers,
         recurrent_state_bytes=info.recurrent_state,
         hidden_size=text.get("hidden_size", 0),
         vocab_size=text.get("vocab_size", 0),
         max_context=text.get("max_position_embeddings"),
+        q_heads=text.get("num_attention_heads", 0),
+        max_head_dim=max((max(k.k_head_dim, k.v_head_dim) for k in kv), default=0),
+        widest_per_token=max(3 * dense_w, exp_w + info.top_k * text.get("hidden_size", 0)),
         excluded=info.excluded,
         notes=tuple(info.notes),
     )
@@ -962,10 +990,59 @@ def load_config(model: str | os.PathLike) -> tuple[dict, str, Path]:
     return config, name, p
 
 
+_FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def folder_weights(folder: Path) -> tuple[int, int | None] | None:
+    """(bytes of every weight file's tensors, bytes of an unquantized norm's dtype) for a model
+    folder with weights, else None. Expert record files (experts/*.bin) count whole."""
+    from .loader import read_safetensors_header
+
+    shards = sorted(folder.glob("model*.safetensors"))
+    if not shards:
+        return None
+    total, norm_bytes = 0, None
+    for shard in shards:
+        header = read_safetensors_header(shard)
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = t["data_offsets"]
+            total += hi - lo
+            if norm_bytes is None and "norm" in name and t["dtype"] in _FLOAT_DTYPES:
+                norm_bytes = _FLOAT_DTYPES[t["dtype"]]
+    total += (
+        sum(f.stat().st_size for f in (folder / "experts").glob("*.bin"))
+        if (folder / "experts").is_dir()
+        else 0
+    )
+    return total, norm_bytes
+
+
 def sizes_for(model: str | os.PathLike, widths: RoleWidths | None = None) -> ModelSizes:
-    """`compute` for a model folder / config path / config name, with errors naming the file."""
+    """`compute` for a model folder / config path / config name, with errors naming the file.
+
+    For a folder with weights: the widths come from its manifest (the conversion fixed them),
+    the activation dtype from its norms, and `weights_on_disk` from its files."""
     config, name, path = load_config(model)
+    folder = path.parent if path.name == "config.json" else None
+    measured = None
+    fb = None
+    if folder is not None and widths is None:
+        from .manifest import Manifest
+
+        try:
+            man = Manifest.load(folder)
+        except Exception:  # a corrupt manifest is the loader's error to report, not ours
+            man = None
+        if man is not None and man.roles and all(r in man.roles for r in ROLES):
+            widths = RoleWidths.from_dict(man.roles)
+    if folder is not None:
+        got = folder_weights(folder)
+        if got is not None:
+            measured, fb = got
     try:
-        return compute(config, widths, name=name)
+        s = compute(config, widths, name=name, float_bytes=fb)
     except SizeError as e:
         raise SizeError(e.reason, str(path)) from e
+    return replace(s, weights_on_disk=measured) if measured is not None else s

@@ -1,0 +1,90 @@
+"""`rotaryquant plan` and `rotaryquant sizes`: the auto-planner and the size calculator on the
+command line. Registered by app/cli.py through `add_commands(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan widths, expert budget, KV mode and context for a model on this (or a described) machine",
+        description="MODEL is a model folder, a config.json, or the name of a config in the configs folder "
+        "(e.g. qwen3-30b-a3b). Sizes in GB mean GiB.",
+    )
+    p.add_argument("model")
+    p.add_argument(
+        "--ram", help="plan for a machine with this much RAM (e.g. 32GB) instead of this one"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("metal", "cuda", "cpu"),
+        help="plan for this backend (default: this machine's; with --ram on another backend, a simulated machine)",
+    )
+    p.add_argument(
+        "--context", type=int, help="wanted context in tokens (default 8192; given: must fit)"
+    )
+    p.add_argument(
+        "--kv-mode",
+        choices=("fp16", "isoquant3", "zipfusion"),
+        help="override the KV mode of full-attention layers",
+    )
+    p.add_argument("--expert-budget", help="override the resident expert budget (e.g. 12GB)")
+    p.add_argument(
+        "--widths", help="override widths before conversion, e.g. dense=4,routed=3,shared=8"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    s = subparsers.add_parser(
+        "sizes", help="per-role parameters and bytes of a model from its config.json"
+    )
+    s.add_argument("model")
+    s.add_argument("--widths", help="e.g. dense=4,routed=2,shared=8")
+    s.set_defaults(func=cmd_sizes)
+
+
+def machine_for(args: argparse.Namespace):
+    from .backend import detect
+    from .planner import Machine
+
+    here = detect().name
+    if args.backend and args.backend != here:
+        if args.ram is None:
+            import psutil
+
+            return Machine.simulate(psutil.virtual_memory().total, args.backend)
+        return Machine.simulate(args.ram, args.backend)
+    return Machine.detect(ram=args.ram)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .errors import EngineError
+    from .planner import plan_model
+
+    try:
+        plan = plan_model(
+            args.model,
+            machine_for(args),
+            args.context,
+            kv_mode=args.kv_mode,
+            expert_budget=args.expert_budget,
+            widths=args.widths,
+        )
+    except ValueError as e:  # a bad --ram / --widths / --expert-budget value
+        if isinstance(e, EngineError):
+            raise
+        raise EngineError(str(e)) from e
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
+    return 0
+
+
+def cmd_sizes(args: argparse.Namespace) -> int:
+    from .quant.widths import RoleWidths
+    from .sizes import sizes_for
+
+    s = sizes_for(args.model, RoleWidths.parse(args.widths) if args.widths else None)
+    print(json.dumps(s.to_dict(), indent=2))
+    return 0
