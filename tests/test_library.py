@@ -3,6 +3,7 @@ against the local hub (tests/hubserver.py) serving a tiny random MoE model. No n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -345,6 +346,8 @@ def test_catalog_and_plan(hub_env, tiny_hf, monkeypatch):
     assert q is not None and q.is_moe and 55e9 < q.approx_bytes < 65e9
     p = Library().catalog_plan(q)  # from the shared config, before any download
     assert p["widths"]["routed"]["bits"] == 2 and 8e9 < p["converted_bytes"] < 20e9
+    if importlib.util.find_spec("app.engine.planner") is not None:
+        assert "planner" in p or "planner_refused" in p, p.get("planner_error")
     assert catalog.find("org/unknown") is None
     hub_env.add_folder(REPO, tiny_hf)
     monkeypatch.setattr(transfer, "free_bytes", lambda p: 10 << 30)

@@ -122,6 +122,7 @@ def cmd_models(args) -> int:
             conv = f", converted {p['converted_bytes'] / 1e9:.0f} GB" if p.get("converted_bytes") else ""
             print(f"{r.name:28s} {r.repo:46s} {r.architecture:10s} {r.params / 1e9:6.1f}B "
                   f"({r.active_params / 1e9:.1f}B active)  download ~{r.approx_bytes / 1e9:.0f} GB{conv}")
+            print(f"    this machine: {_verdict(p)}")
         return 0
     from .library import Library
 
@@ -136,6 +137,20 @@ def cmd_models(args) -> int:
         print(f"{e.name:28s} {e.state:11s} {e.architecture:11s} {gib(e.disk_bytes):>10s}  "
               f"{e.repo or e.folder}{err}")
     return 0
+
+
+def _verdict(plan: dict) -> str:
+    """One line of what the planner says (or why it can't say)."""
+    if "planner" in plan:
+        p = plan["planner"]
+        experts = (f"experts paged, {gib(p['expert_budget'])} resident" if p["paging"]
+                   else "all experts resident")
+        kv = ", ".join(f"{k} {m}" for k, m in p["kv_modes"].items())
+        return (f"runs: {experts}, KV {kv}, context {p['context_limit']}, "
+                f"peak {gib(p['process_peak'])}")
+    if "planner_refused" in plan:
+        return f"does not run: {plan['planner_refused']}"
+    return plan.get("planner_error", "no plan (the planner is not available)")
 
 
 def cmd_remove(args) -> int:

@@ -135,8 +135,9 @@ def converted_size(config: dict, widths: dict | None = None) -> int | None:
         return None
 
 
-def plan_summary(config: dict, widths: dict | None = None) -> dict:
-    """What the planner says for this machine (when there is a planner), plus the sizes."""
+def plan_summary(config: dict, widths: dict | None = None, folder: Path | None = None) -> dict:
+    """Sizes at the role widths, and what the planner (app/engine/planner.py, when built) says
+    for this machine: for a converted `folder` its fixed widths, else from the config alone."""
     out: dict = {}
     try:
         from app.engine import sizes
@@ -148,18 +149,23 @@ def plan_summary(config: dict, widths: dict | None = None) -> dict:
             widths=w.to_dict(), converted_bytes=s.total_bytes, total_params=s.total_params,
             active_params=s.active_params, expert_bytes=s.expert_bytes,
         )
-    except Exception:
-        pass
+    except Exception:  # an architecture the sizer does not know: no sizes, not an error
+        return out
     try:
         from app.engine import planner  # another part of the app; optional here
-    except ImportError:
+    except Exception:  # absent or broken: the library works without it
         return out
-    fn = getattr(planner, "plan_summary", None) or getattr(planner, "summary_for_config", None)
-    if fn is not None:
-        try:
-            out["planner"] = fn(config)
-        except Exception as e:  # the planner's failure must not block a download
-            out["planner_error"] = str(e)
+    try:
+        if folder is not None:
+            plan = planner.plan_model(folder)
+        else:
+            plan = planner.make_plan(s, planner.Machine.detect())
+        out["planner"] = plan.to_dict()
+        out["planner_summary"] = plan.summary()
+    except planner.PlanRefused as e:  # too large for this machine: say so, don't fail
+        out["planner_refused"] = str(e)
+    except Exception as e:  # the planner's failure must not block a download
+        out["planner_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -465,7 +471,7 @@ class Library:
         return self._set(
             name, on_event, state="ready", folder=str(final), original="",
             files=e.original_files, original_files=[], disk_bytes=e.download_bytes,
-            plan={"converted": False, "reason": reason, **plan_summary(cfg)},
+            plan={"converted": False, "reason": reason, **plan_summary(cfg, folder=final)},
         )
 
     def convert(
@@ -524,7 +530,7 @@ class Library:
         e = self._set(
             name, on_event, state="ready", owner_pid=0, folder=str(final), files=files,
             disk_bytes=disk + (e.download_bytes if keep else 0),
-            plan={"converted": True, **plan_summary(cfg, widths)},
+            plan={"converted": True, **plan_summary(cfg, widths, folder=final)},
         )
         if not keep:
             shutil.rmtree(src, ignore_errors=True)
@@ -544,7 +550,7 @@ class Library:
         return self.store.insert(LibraryEntry(
             name=name, state="ready", folder=str(folder), repo=source or (manifest.source if manifest else ""),
             architecture=str(config.get("model_type", "")), files=files,
-            disk_bytes=sum(f["size"] for f in files), plan=plan_summary(config),
+            disk_bytes=sum(f["size"] for f in files), plan=plan_summary(config, folder=folder),
         ))
 
     def remove(self, name: str, delete_files: bool = True) -> None:
