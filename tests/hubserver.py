@@ -85,6 +85,7 @@ class Hub:
     bytes_sent: dict[str, int] = field(default_factory=dict)  # "repo/path" -> body bytes
     chunk: int = 64 * 1024
     delay: float = 0.0  # seconds per chunk, to make transfers slow enough to pause
+    ignore_range: bool = False  # a proxy that answers every GET with the whole file (200)
     redirect_lfs: bool = False  # answer LFS resolves with a 302 to /cdn/..., as the real hub does
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -252,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Linked-Etag"] = f'"{repo.etag(path)}"'
             headers["X-Linked-Size"] = str(size)
         status, lo, hi = 200, 0, size
-        if rng:
+        if rng and not self.hub.ignore_range:
             m = _RANGE.match(rng.strip())
             if not m:
                 return self._error(416, "RangeNotSatisfiable", f"bad range {rng}", head)

@@ -164,6 +164,22 @@ def test_bytes_past_the_last_checkpoint_are_dropped(hub_env, tmp_path):
     assert hub_env.resolve_requests("model.safetensors")[0]["range"] == "bytes=200000-"
 
 
+def test_server_ignoring_range_and_empty_files(hub_env, tmp_path):
+    """A proxy that drops the Range header sends the whole file: start that file over."""
+    files = {**make_files(), "empty.txt": b""}
+    hub_env.add_repo(REPO, files)
+    hub_env.ignore_range = True
+    big = len(files["model.safetensors"])
+    hub_env.inject(REPO, "model.safetensors", Fault("drop", after=big // 2))
+    events = []
+    listing = hub.repo_listing(REPO)
+    transfer.Downloader(listing, tmp_path / "dl", on_event=events.append, **fast()).run()
+    for p, data in files.items():
+        assert (tmp_path / "dl" / p).read_bytes() == data
+    assert [r["range"] for r in hub_env.resolve_requests("model.safetensors")] == [None, f"bytes={big // 2}-"]
+    check_progress(events, listing.total_bytes)  # the restart did not move the bar backwards
+
+
 def test_same_size_corruption_is_rejected(hub_env, tmp_path):
     files = make_files()
     hub_env.add_repo(REPO, files)
