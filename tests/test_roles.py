@@ -1,6 +1,8 @@
 """Role rules per architecture, the quantization predicate, and streamed kurtosis."""
 
+import json
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,7 +23,7 @@ from app.engine.quant.roles import (
     rules_for,
 )
 from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
-from app.engine.quant.widths import RoleWidth, RoleWidths
+from app.engine.quant.widths import ROLES, RoleWidth, RoleWidths
 from app.engine.random_models import TINY_CONFIGS
 
 CONFIGS = {**TINY_CONFIGS, **EXTRA_TINY_CONFIGS}
@@ -181,3 +183,25 @@ def test_streamed_kurtosis_equals_direct(dist):
     assert m.n == n
     expected = {"normal": 0.0, "laplace": 3.0, "uniform": -1.2, "shifted": 0.0}[dist]
     assert abs(m.excess_kurtosis - expected) < 0.15
+
+
+REAL_CONFIGS = sorted((Path(__file__).parent / "data" / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", REAL_CONFIGS, ids=lambda p: p.stem)
+def test_real_configs_roles_agree_with_size_calculator(path):
+    """Real-shaped models built lazily from the release configs (nothing allocated): the role
+    plan gives the size calculator's parameters and bytes for every role."""
+    from app.engine import sizes
+
+    cfg = json.loads(path.read_text())
+    cls, args = _get_classes(cfg)
+    model = cls(args.from_dict(cfg))
+    params, nbytes = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
+    for p in plan_params(model, cfg["model_type"]):
+        params[p.role] += p.params
+        nbytes[p.role] += p.nbytes(2)
+    want = sizes.compute(cfg)
+    assert params == want.params and nbytes == want.bytes
+    if want.moe_layers:  # SPEC §2: routed experts are 90%+ of an MoE model's parameters
+        assert params["routed"] / sum(params.values()) > 0.9

@@ -247,6 +247,9 @@ def convert(
             progress(ConvertProgress(stage, done[0], total, item))
 
     writer = None
+    # MLX keeps freed buffers for reuse; conversion allocates blocks of ever-changing sizes,
+    # so the cache would only grow RSS. Off while converting, restored after.
+    prev_cache = mx.set_cache_limit(0)
     try:
         writer = ShardedWriter(tmp, [o for i in items for o in i.outputs], max_shard_bytes)
         for item in items:
@@ -285,6 +288,8 @@ def convert(
         raise
     finally:
         reader.close()
+        mx.set_cache_limit(prev_cache)
+        mx.clear_cache()
     return manifest
 
 
