@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,6 +74,7 @@ class Profile:
     created: float = field(default_factory=time.time)
 
     def __post_init__(self):
+        self.key = json.loads(json.dumps(self.key))  # as it reads back from the cache file
         if self.base <= 0 or any(t <= 0 for t in self.times.values()):
             raise ValueError("profile times must be positive")
 
@@ -137,7 +137,7 @@ def load_profile(key: dict) -> Profile | None:
         prof = Profile(**{k: d[k] for k in ("key", "times", "base", "version", "created")})
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None  # a bad cache entry is re-measured, not an error
-    if prof.version != PROFILE_VERSION or prof.key != key:
+    if prof.version != PROFILE_VERSION or prof.key != json.loads(json.dumps(key)):
         return None
     return prof
 
@@ -160,13 +160,13 @@ def _filled_cache(model, context: int, seed: int = 0):
     model(mx.array([[1]]), cache=probe)
     mx.eval([c.state for c in probe])
     cache = make_prompt_cache(model)
-    key = mx.random.key(seed)
+    rng = mx.random.split(mx.random.key(seed), 2 * len(cache))
     for i, (p, c) in enumerate(zip(probe, cache, strict=True)):
         k = getattr(p, "keys", None)
         if k is None or not hasattr(c, "update_and_fetch"):
             continue
         v = p.values
-        kk, kv = mx.random.split(mx.random.fold_in(key, i))
+        kk, kv = rng[2 * i], rng[2 * i + 1]
         # k: [B, H, T, Dk], v: [B, H, T, Dv]
         keys = mx.random.normal((k.shape[0], k.shape[1], context, k.shape[3]), key=kk).astype(
             k.dtype
@@ -179,18 +179,13 @@ def _filled_cache(model, context: int, seed: int = 0):
     return cache
 
 
-def _time_steps(model, cache, steps: int, warmup: int) -> float:
+def _step(model, cache) -> float:
     import mlx.core as mx
 
-    y = mx.array([[7]])
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        out = model(y, cache=cache)
-        mx.eval(out, [c.state for c in cache if getattr(c, "keys", None) is not None])
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    out = model(mx.array([[7]]), cache=cache)
+    mx.eval(out, [c.state for c in cache if getattr(c, "keys", None) is not None])
+    return time.perf_counter() - t0
 
 
 def measure_share(
@@ -201,16 +196,24 @@ def measure_share(
     warmup: int = 2,
     use_cache: bool = True,
 ) -> Profile:
-    """Time decode steps of a loaded mlx-lm model at each cache length; cached by `key`."""
+    """Time decode steps of a loaded mlx-lm model at each cache length; cached by `key`.
+
+    Steps at the different lengths are interleaved (round-robin) and the fastest of `steps`
+    is kept per length, so that other processes' noise does not land on one length only."""
     if use_cache:
         prof = load_profile(key)
         if prof is not None and set(prof.times) >= {str(c) for c in contexts}:
             return prof
-    base = _time_steps(model, _filled_cache(model, 1), steps, warmup)
-    times = {}
-    for t in contexts:
-        times[str(t)] = _time_steps(model, _filled_cache(model, t), steps, warmup)
-    prof = Profile(key=key, times=times, base=base)
+    lengths = (1, *contexts)
+    caches = {t: _filled_cache(model, t) for t in lengths}
+    for _ in range(warmup):
+        for t in lengths:
+            _step(model, caches[t])
+    best = dict.fromkeys(lengths, float("inf"))
+    for _ in range(steps):
+        for t in lengths:
+            best[t] = min(best[t], _step(model, caches[t]))
+    prof = Profile(key=key, times={str(t): best[t] for t in contexts}, base=best[1])
     if use_cache:
         save_profile(prof)
     return prof
