@@ -169,6 +169,19 @@ class ZipMemory:
         a.pages[page_id] = _Extent(off, size, False)
         return off
 
+    def alloc_compressed(self, layer: int, page_id: int, size: int) -> int:
+        """A page that is already full when written (prefill) is compressed before it is
+        stored: it never needs a raw slot. Returns its granule offset."""
+        a = self.arenas[layer]
+        if page_id in a.pages:
+            raise ValueError(f"layer {layer}: page {page_id} is already allocated")
+        if not 0 < size <= self.g.raw_page_granules:
+            raise ValueError(f"compressed size {size} outside (0, {self.g.raw_page_granules}]")
+        chunk, off = self._alloc_zip(layer, size)
+        a.zip_pages[chunk].add(page_id)
+        a.pages[page_id] = _Extent(off, size, False)
+        return off
+
     def _free_extent(self, layer: int, ext: _Extent) -> None:
         a = self.arenas[layer]
         chunk = ext.offset // self.g.chunk_granules

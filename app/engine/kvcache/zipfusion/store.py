@@ -243,6 +243,8 @@ class ZipStore:
                 f"all {self.n_ids} page ids are in use (max_seqs x max_tokens_per_seq)"
             )
         pid = self._free_ids.pop()
+        if not raw:
+            return pid  # full when written: stored compressed, memory taken once sizes are known
         for layer in range(self.cfg.n_layers):
             try:
                 self.page_off[layer, pid] = self.mem.alloc_raw(layer, pid)
@@ -290,12 +292,12 @@ class ZipStore:
                     t0 = pos % codec.PAGE_TOKENS
                     take = min(n_new - k, codec.PAGE_TOKENS - t0)
                     if t0 == 0 and take == codec.PAGE_TOKENS:
-                        pid = self._new_page(raw=True)  # a new page is allocated at raw size
+                        pid = self._new_page(raw=False)  # full already: compressed directly
                         s.pages.append(pid)
                         dense.append((bi, k, pid))
                     else:
                         if t0 == 0:
-                            pid = self._new_page(raw=True)
+                            pid = self._new_page(raw=True)  # new pages are raw: they take writes
                             s.pages.append(pid)
                             new_raw.append(pid)
                         pid = s.pages[-1]
@@ -319,6 +321,8 @@ class ZipStore:
             self.meta[mx.array(idx)] = mx.array(rows)
         if tok_b:
             self._write_tokens(ks, vs, tok_b, tok_k, tok_t, tok_pid)
+        if not cfg.compress:
+            from_pool = []  # the uncompressed baseline leaves full pages in their raw slots
         if from_pool or dense:
             self._compress_pages(ks, vs, from_pool, dense)
         mx.eval(self.pool, self.meta)
@@ -398,8 +402,11 @@ class ZipStore:
         dst_base = np.empty((L, len(pids)), np.int64)
         for layer in range(L):
             for i, pid in enumerate(pids):
-                dst_base[layer, i] = self.mem.place_compressed(layer, pid, int(totals[layer, i]))
-                self.page_off[layer, pid] = dst_base[layer, i]
+                if i < p1:
+                    off = self.mem.place_compressed(layer, pid, int(totals[layer, i]))
+                else:
+                    off = self.mem.alloc_compressed(layer, pid, int(totals[layer, i]))
+                dst_base[layer, i] = self.page_off[layer, pid] = off
         # Row copies: block b's first `size` rows of the payload -> its place in the pool.
         blk_dst = dst_base[..., None] + starts  # [L, P, per_page]
         n_rows = sz_all.reshape(-1)
