@@ -178,7 +178,7 @@ def test_compaction_moves_pages_without_changing_them():
     st = _store(budget_pages=400)
     sids = [st.add_sequence() for _ in range(4)]
     data = {}
-    for step in range(6):  # interleave the sequences so their pages share chunks
+    for _ in range(6):  # interleave the sequences so their pages share chunks
         for sid in sids:
             st.begin([sid])
             k, v = _bf16(rng, (1, 2, 16, 64)), _bf16(rng, (1, 2, 16, 64))

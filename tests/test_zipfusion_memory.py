@@ -94,6 +94,9 @@ def test_paper_shared_pool_example():
     for p in range(100, 112):  # and they really fit
         m2.alloc_raw(0, p), m2.alloc_raw(1, p)
     assert len(m2.shared) == 1
+    m2.alloc_raw(0, 200)  # takes the last shared chunk
+    with pytest.raises(OutOfPages, match="full"):
+        m2.alloc_raw(1, 200)
     m2.check()
 
 
