@@ -265,6 +265,9 @@ def test_bad_folders(tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="no role rules for architecture"):
         convert(hf, tmp_path / "out")
     (hf / "config.json").write_text(json.dumps(cfg))
+    convert(hf, tmp_path / "out")
+    with pytest.raises(ModelLoadError, match="already converted"):
+        convert(tmp_path / "out", tmp_path / "again")
     (hf / "tokenizer.json").unlink()
     (hf / "tokenizer_config.json").unlink()
     with pytest.raises(ModelLoadError, match="no tokenizer"):

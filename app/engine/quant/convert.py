@@ -179,6 +179,10 @@ def convert(
     widths = widths or RoleWidths()
     config = _read_config(src)
     rules = rules_for(config["model_type"])
+    src_man = Manifest.load(src)
+    if src_man is not None and src_man.experts:
+        raise ModelLoadError("already converted (routed experts are in experts/*.bin): "
+                             "convert the original checkpoint instead", str(src))
     if not any((src / t).exists() for t in _TOKENIZER_FILES):
         raise ModelLoadError("no tokenizer (tokenizer.json or tokenizer.model)", str(src))
     if dst.exists() and not overwrite:
@@ -543,7 +547,7 @@ def _manifest(config, src: Path, dst: Path, widths, stats, layouts, fallback, it
             "kurtosis_median_tensor": _kurt(statistics.median(ks)) if ks else None,
         }
     section = experts_section(layouts) if layouts else None
-    old = Manifest.load(src) if (src / MANIFEST_NAME).exists() else None
+    old = Manifest.load(src)
     source = old.source if old is not None and old.source else str(src)
     return Manifest(
         architecture=config["model_type"],
