@@ -1,0 +1,310 @@
+"""The engine's generation API: a generator of small dataclass events.
+
+Built on mlx-lm's `generate_step` (prefill, sampling, the decode loop) and its streaming
+detokenizer; the app adds chat templates, cancellation, KV modes and honest statistics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import loader as _loader
+from .errors import EngineError
+
+KV_MODES_BASE = ("fp16",)
+DEFAULT_MODEL_REF = "embedded:default"  # the embedded SmolLM2, prepared on first use
+
+
+@dataclass
+class GenerationSettings:
+    max_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    kv_mode: str = "fp16"  # fp16 | isoquant3 | isoquant4 | isoquant_k4v3 | zipfusion
+    kv_window: int | None = None  # IsoQuant's recent FP16 window (None = the cache's default)
+    prefill_step_size: int = 512
+
+    def __post_init__(self):
+        if self.max_tokens == 0 or self.max_tokens < -1:
+            raise ValueError("max_tokens must be positive (or -1 for no limit)")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.min_p < 0 or self.repetition_penalty <= 0:
+            raise ValueError("top_k, min_p must be >= 0 and repetition_penalty > 0")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GenerationSettings:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Events: the engine's whole output. Plain data, picklable, no MLX arrays.
+@dataclass
+class PromptProcessed:
+    prompt_tokens: int
+    prompt_tps: float
+    kind: str = "prompt"
+
+
+@dataclass
+class TokenEvent:
+    text: str
+    token: int
+    kind: str = "token"
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" (end of sequence) | "length" | "cancelled"
+    prompt_tokens: int
+    generated_tokens: int
+    prompt_tps: float
+    decode_tps: float
+    peak_memory: int  # bytes, MLX's peak since the request started
+    kv_bytes: int
+    text: str = ""
+    kind: str = "finished"
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    name: str
+    architecture: str
+    num_layers: int
+    weight_bytes: int
+    kv_modes: tuple[str, ...]
+    backend: str
+    load_seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def _weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def _kvcache_module():
+    """The KV-cache package, when present (IsoQuant, ZipFusion); None for fp16-only builds."""
+    try:
+        from . import kvcache
+
+        return kvcache if hasattr(kvcache, "make_cache") else None
+    except ImportError:
+        return None
+
+
+class Engine:
+    """Owns one loaded model. Not thread-safe: one generation at a time (MLX arrays never
+    cross threads)."""
+
+    def __init__(self):
+        self.loaded: _loader.LoadedModel | None = None
+        self.info: ModelInfo | None = None
+        self.last_cache: list | None = None
+
+    # -- loading ---------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike) -> ModelInfo:
+        from .backend import detect
+
+        t0 = time.perf_counter()
+        if str(path) == DEFAULT_MODEL_REF:
+            from .embedded import ensure_default_model
+
+            path = ensure_default_model()
+        lm = _loader.load(path)
+        kv = _kvcache_module()
+        if kv is not None and hasattr(kv, "install"):
+            kv.install(lm.model)
+        self.unload()
+        self.loaded = lm
+        backend = detect()
+        modes = tuple(m for m in self._kv_modes(kv) if m in backend.kv_modes or m not in ("zipfusion",))
+        self.info = ModelInfo(
+            path=str(lm.path),
+            name=(lm.manifest.name if lm.manifest and lm.manifest.name else Path(lm.path).name),
+            architecture=lm.architecture,
+            num_layers=len(getattr(lm.model, "layers", [])),
+            weight_bytes=_weight_bytes(lm.model),
+            kv_modes=modes,
+            backend=backend.name,
+            load_seconds=time.perf_counter() - t0,
+        )
+        return self.info
+
+    @staticmethod
+    def _kv_modes(kv) -> tuple[str, ...]:
+        if kv is None:
+            return KV_MODES_BASE
+        return tuple(getattr(kv, "KV_MODES", KV_MODES_BASE))
+
+    def unload(self) -> None:
+        self.loaded = None
+        self.info = None
+        self.last_cache = None
+        mx.clear_cache()
+
+    def _require(self) -> _loader.LoadedModel:
+        if self.loaded is None:
+            raise EngineError("no model loaded")
+        return self.loaded
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        tok = self._require().tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            if isinstance(ids, dict):  # transformers >= 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return list(tok.encode(text))
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self._require().tokenizer.encode(text))
+
+    # -- caches ----------------------------------------------------------------------------
+    def make_cache(self, settings: GenerationSettings) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = self._require().model
+        if settings.kv_mode == "fp16":
+            return make_prompt_cache(model)
+        from .backend import detect
+
+        reason = detect().unavailable_reason(settings.kv_mode)
+        kv = _kvcache_module()
+        if kv is None or settings.kv_mode not in self._kv_modes(kv):
+            reason = reason or f"KV mode {settings.kv_mode!r} is not available in this build"
+        if reason:
+            raise EngineError(reason)
+        opts = {} if settings.kv_window is None else {"window": settings.kv_window}
+        return kv.make_cache(model, settings.kv_mode, **opts)
+
+    @staticmethod
+    def cache_nbytes(cache: list | None) -> int:
+        if not cache:
+            return 0
+        kv = _kvcache_module()
+        if kv is not None and hasattr(kv, "cache_nbytes"):
+            return int(kv.cache_nbytes(cache))
+        total = 0
+        for c in cache:
+            try:
+                total += int(c.nbytes)
+            except (AttributeError, TypeError, ValueError):
+                pass
+        return total
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: list[int] | str | list[dict],
+        settings: GenerationSettings | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[PromptProcessed | TokenEvent | Finished]:
+        """Stream events for one request. `prompt` is token ids, raw text, or chat messages."""
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        lm = self._require()
+        settings = settings or GenerationSettings()
+        if isinstance(prompt, str):
+            ids = self.encode_text(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = self.encode_chat(prompt)  # type: ignore[arg-type]
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+        if not ids:
+            raise EngineError("empty prompt")
+        if settings.seed is not None:
+            mx.random.seed(settings.seed)
+        sampler = make_sampler(
+            temp=settings.temperature, top_p=settings.top_p if settings.top_p < 1 else 0.0,
+            min_p=settings.min_p, top_k=settings.top_k,
+        )
+        procs = (
+            make_logits_processors(repetition_penalty=settings.repetition_penalty)
+            if settings.repetition_penalty != 1.0 else None
+        )
+        cache = self.make_cache(settings)
+        self.last_cache = cache
+        tokenizer = lm.tokenizer
+        detok = tokenizer.detokenizer
+        detok.reset()
+        eos = set(tokenizer.eos_token_ids)
+        mx.reset_peak_memory()
+        prompt_arr = mx.array(ids)
+        steps = generate_step(
+            prompt_arr, lm.model, max_tokens=settings.max_tokens, sampler=sampler,
+            logits_processors=procs, prompt_cache=cache,
+            prefill_step_size=settings.prefill_step_size,
+        )
+        t0 = time.perf_counter()
+        prompt_tps = decode_tps = 0.0
+        n = 0
+        reason = "length"
+        t_decode = t0
+        text = []
+        try:
+            for token, _logprobs in steps:
+                token = int(token)
+                now = time.perf_counter()
+                if n == 0:
+                    prompt_tps = len(ids) / max(now - t0, 1e-9)
+                    t_decode = now
+                    yield PromptProcessed(len(ids), prompt_tps)
+                if token in eos:
+                    reason = "stop"
+                    break
+                n += 1
+                detok.add_token(token)
+                seg = detok.last_segment
+                text.append(seg)
+                yield TokenEvent(seg, token)
+                if should_stop():
+                    reason = "cancelled"
+                    break
+        finally:
+            steps.close()
+        detok.finalize()
+        tail = detok.last_segment
+        if tail:
+            text.append(tail)
+            yield TokenEvent(tail, -1)
+        # The first token comes out of prefill; decode speed counts the tokens after it.
+        elapsed = time.perf_counter() - t_decode
+        decode_tps = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
+        yield Finished(
+            reason=reason,
+            prompt_tokens=len(ids),
+            generated_tokens=n,
+            prompt_tps=prompt_tps,
+            decode_tps=decode_tps,
+            peak_memory=int(mx.get_peak_memory()),
+            kv_bytes=self.cache_nbytes(cache),
+            text="".join(text),
+        )
+
+    def generate_text(self, prompt, settings: GenerationSettings | None = None) -> str:
+        out = ""
+        for ev in self.generate(prompt, settings):
+            if isinstance(ev, Finished):
+                out = ev.text
+        return out

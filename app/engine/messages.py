@@ -1,0 +1,118 @@
+"""Typed messages between the GUI/CLI and the worker process.
+
+Plain picklable dataclasses. This module imports neither MLX nor Qt, so the GUI process can use
+it without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# -- requests (client -> worker) ----------------------------------------------------------------
+@dataclass
+class Load:
+    path: str
+    kv_mode: str = "fp16"
+    options: dict = field(default_factory=dict)  # plan/pager options, passed to the engine
+    req_id: int = 0
+
+
+@dataclass
+class Generate:
+    req_id: int
+    prompt: list | str  # chat messages [{"role", "content"}], raw text, or token ids
+    settings: dict = field(default_factory=dict)  # GenerationSettings fields
+
+
+@dataclass
+class Cancel:
+    req_id: int
+
+
+@dataclass
+class GetStats:
+    req_id: int = 0
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Crash:
+    """Test hook: makes the worker die hard (os._exit), as a segfault would."""
+
+    code: int = 3
+
+
+# -- replies (worker -> client) -----------------------------------------------------------------
+@dataclass
+class Ready:
+    pid: int
+    backend: str
+    device: str
+
+
+@dataclass
+class Loaded:
+    req_id: int
+    info: dict  # ModelInfo fields
+
+
+@dataclass
+class Prompt:
+    req_id: int
+    prompt_tokens: int
+    prompt_tps: float
+
+
+@dataclass
+class Token:
+    req_id: int
+    text: str
+    token: int
+
+
+@dataclass
+class Done:
+    req_id: int
+    reason: str  # stop | length | cancelled
+    prompt_tokens: int
+    generated_tokens: int
+    prompt_tps: float
+    decode_tps: float
+    peak_memory: int
+    kv_bytes: int
+    text: str
+
+
+@dataclass
+class Error:
+    req_id: int | None  # None: not tied to a request
+    kind: str  # exception class name
+    message: str
+
+
+@dataclass
+class Stats:
+    req_id: int
+    time: float
+    rss: int  # process resident bytes (psutil)
+    mlx_active: int
+    mlx_peak: int
+    mlx_cache: int
+    weight_bytes: int
+    kv_bytes: int
+    decode_tps: float
+    generating: bool
+    extra: dict = field(default_factory=dict)  # pager / KV-mode figures as they exist
+
+
+@dataclass
+class WorkerDied:
+    """Synthesised by the client when the worker process ends without a Shutdown."""
+
+    exitcode: int | None
+    message: str

@@ -1,0 +1,323 @@
+"""The background worker process that owns the engine and MLX, and its client.
+
+The client (used by the GUI and the CLI) spawns the worker, sends requests from
+`messages`, and receives replies on a reader thread. A bad request gets an `Error` reply and
+the worker goes on; if the worker dies, the client reports `WorkerDied` and can start another.
+This module imports MLX only inside the worker process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+
+from . import messages as M
+
+STATS_INTERVAL = 0.5  # seconds between stats messages while generating (throttled at the source)
+log = logging.getLogger("rotaryquant.worker")
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------
+def _worker_main(conn, env: dict) -> None:
+    os.environ.update(env)
+    from ..paths import log_dir
+
+    logging.basicConfig(
+        filename=str(log_dir() / "worker.log"), level=logging.INFO,
+        format="%(asctime)s %(process)d %(levelname)s %(message)s",
+    )
+    try:
+        _Worker(conn).run()
+    except (EOFError, OSError, BrokenPipeError):
+        pass  # the client went away: nothing to report to
+
+
+class _Worker:
+    def __init__(self, conn):
+        self.conn = conn
+        self.requests: queue.Queue = queue.Queue()
+        self.cancelled: set[int] = set()
+        self.shutdown = threading.Event()
+        self.send_lock = threading.Lock()
+        self.generating = False
+        self.decode_tps = 0.0
+
+    def send(self, msg) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def _reader(self) -> None:
+        # Runs on its own thread so that Cancel arrives while the main thread generates.
+        while not self.shutdown.is_set():
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self.shutdown.set()
+                self.requests.put(M.Shutdown())
+                return
+            if isinstance(msg, M.Cancel):
+                self.cancelled.add(msg.req_id)
+            elif isinstance(msg, M.Crash):
+                os._exit(msg.code)
+            elif isinstance(msg, M.Shutdown):
+                self.shutdown.set()
+                self.requests.put(msg)
+            else:
+                self.requests.put(msg)
+
+    def run(self) -> None:
+        from .backend import detect
+        from .generate import Engine
+
+        self.engine = Engine()
+        b = detect()
+        threading.Thread(target=self._reader, daemon=True, name="worker-reader").start()
+        self.send(M.Ready(os.getpid(), b.name, b.device))
+        while True:
+            msg = self.requests.get()
+            if isinstance(msg, M.Shutdown):
+                return
+            try:
+                self.handle(msg)
+            except Exception as e:  # a bad request must not kill the worker
+                log.exception("request failed: %r", msg)
+                self.send(M.Error(getattr(msg, "req_id", None), type(e).__name__, str(e)))
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, M.Load):
+            info = self.engine.load(msg.path)
+            self.send(M.Loaded(msg.req_id, asdict(info)))
+        elif isinstance(msg, M.Generate):
+            self.generate(msg)
+        elif isinstance(msg, M.GetStats):
+            self.send(self.stats(msg.req_id))
+        else:
+            raise ValueError(f"unknown request {type(msg).__name__}")
+
+    def generate(self, msg: M.Generate) -> None:
+        from .generate import Finished, GenerationSettings, PromptProcessed, TokenEvent
+
+        settings = GenerationSettings.from_dict(msg.settings)
+        rid = msg.req_id
+        self.generating = True
+        self.decode_tps = 0.0
+        last_stats = time.monotonic()
+        t_first = None
+        n = 0
+        try:
+            for ev in self.engine.generate(
+                msg.prompt, settings,
+                should_stop=lambda: rid in self.cancelled or self.shutdown.is_set(),
+            ):
+                if isinstance(ev, TokenEvent):
+                    self.send(M.Token(rid, ev.text, ev.token))
+                    n += 1
+                    now = time.monotonic()
+                    t_first = t_first or now
+                    if n > 1 and now > t_first:
+                        self.decode_tps = (n - 1) / (now - t_first)
+                    if now - last_stats >= STATS_INTERVAL:
+                        last_stats = now
+                        self.send(self.stats(rid))
+                elif isinstance(ev, PromptProcessed):
+                    self.send(M.Prompt(rid, ev.prompt_tokens, ev.prompt_tps))
+                elif isinstance(ev, Finished):
+                    self.decode_tps = ev.decode_tps
+                    self.send(M.Done(rid, ev.reason, ev.prompt_tokens, ev.generated_tokens,
+                                     ev.prompt_tps, ev.decode_tps, ev.peak_memory, ev.kv_bytes, ev.text))
+        finally:
+            self.generating = False
+            self.cancelled.discard(rid)
+        self.send(self.stats(rid))
+
+    def stats(self, req_id: int) -> M.Stats:
+        import mlx.core as mx
+        import psutil
+
+        info = self.engine.info
+        extra = {}
+        model = self.engine.loaded.model if self.engine.loaded else None
+        pager = getattr(model, "rq_pager", None) if model is not None else None
+        if pager is not None and hasattr(pager, "stats"):
+            extra["pager"] = pager.stats()
+        return M.Stats(
+            req_id=req_id,
+            time=time.time(),
+            rss=psutil.Process().memory_info().rss,
+            mlx_active=int(mx.get_active_memory()),
+            mlx_peak=int(mx.get_peak_memory()),
+            mlx_cache=int(mx.get_cache_memory()),
+            weight_bytes=info.weight_bytes if info else 0,
+            kv_bytes=self.engine.cache_nbytes(self.engine.last_cache),
+            decode_tps=self.decode_tps,
+            generating=self.generating,
+            extra=extra,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# client side
+# ---------------------------------------------------------------------------------------------
+class WorkerError(RuntimeError):
+    pass
+
+
+class WorkerClient:
+    """Spawns and talks to the worker. Replies go to `on_message` (called on the reader
+    thread) or, when it is None, into `self.replies` for synchronous use (CLI, tests)."""
+
+    def __init__(self, on_message: Callable[[object], None] | None = None, env: dict | None = None):
+        self.on_message = on_message
+        self.env = dict(env or {})
+        self.replies: queue.Queue = queue.Queue()
+        self.proc: mp.Process | None = None
+        self.conn = None
+        self.ready: M.Ready | None = None
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._reader_thread: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+
+    # lifecycle
+    def start(self, timeout: float = 120.0) -> M.Ready:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        env = {k: v for k, v in os.environ.items() if k in ("ROTARYQUANT_HOME", "LD_PRELOAD")}
+        env.update(self.env)
+        self._stopping = False
+        self.proc = ctx.Process(target=_worker_main, args=(child, env), name="rotaryquant-worker", daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        if not parent.poll(timeout):
+            self.kill()
+            raise WorkerError(f"the worker did not start within {timeout:.0f} s")
+        try:
+            msg = parent.recv()
+        except (EOFError, OSError) as e:
+            raise WorkerError(f"the worker died while starting (exit code {self.proc.exitcode})") from e
+        if not isinstance(msg, M.Ready):
+            raise WorkerError(f"unexpected first message from the worker: {msg!r}")
+        self.ready = msg
+        self._reader_thread = threading.Thread(target=self._reader, daemon=True, name="worker-client-reader")
+        self._reader_thread.start()
+        return msg
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def is_alive(self) -> bool:
+        return bool(self.proc and self.proc.is_alive())
+
+    def _deliver(self, msg) -> None:
+        if self.on_message is not None:
+            self.on_message(msg)
+        else:
+            self.replies.put(msg)
+
+    def _reader(self) -> None:
+        conn = self.conn
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._deliver(msg)
+        proc = self.proc
+        if proc is not None:
+            proc.join(timeout=5)
+        if not self._stopping:
+            code = proc.exitcode if proc else None
+            self._deliver(M.WorkerDied(code, f"the engine process stopped unexpectedly (exit code {code})"))
+
+    def send(self, msg) -> None:
+        if not self.is_alive() or self.conn is None:
+            raise WorkerError("the worker is not running")
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, OSError) as e:
+                raise WorkerError("the worker is not running") from e
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the worker to shut down; kill it if it does not within `timeout`."""
+        self._stopping = True
+        if self.is_alive():
+            try:
+                self.send(M.Shutdown())
+            except WorkerError:
+                pass
+            self.proc.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        self._stopping = True
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def restart(self, timeout: float = 120.0) -> M.Ready:
+        self.kill()
+        return self.start(timeout)
+
+    # synchronous helpers (on_message must be None)
+    def _wait(self, pred: Callable[[object], bool], timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError("timed out waiting for the worker")
+            try:
+                msg = self.replies.get(timeout=left)
+            except queue.Empty:
+                continue
+            if isinstance(msg, M.WorkerDied):
+                raise WorkerError(msg.message)
+            if pred(msg):
+                return msg
+
+    def load(self, path: str, timeout: float = 300.0) -> dict:
+        rid = self.next_id()
+        self.send(M.Load(str(path), req_id=rid))
+        msg = self._wait(lambda m: isinstance(m, (M.Loaded, M.Error)) and m.req_id == rid, timeout)
+        if isinstance(msg, M.Error):
+            raise WorkerError(f"{msg.kind}: {msg.message}")
+        return msg.info
+
+    def generate(self, prompt, settings: dict | None = None, timeout: float = 600.0) -> Iterator[object]:
+        """Yield Prompt, Token, Stats and finally Done (or raise on Error) for one request."""
+        rid = self.next_id()
+        self.send(M.Generate(rid, prompt, dict(settings or {})))
+        while True:
+            msg = self._wait(lambda m: getattr(m, "req_id", None) == rid, timeout)
+            if isinstance(msg, M.Error):
+                raise WorkerError(f"{msg.kind}: {msg.message}")
+            yield msg
+            if isinstance(msg, M.Done):
+                return
+
+    def cancel(self, req_id: int) -> None:
+        self.send(M.Cancel(req_id))
+
+    def __enter__(self) -> WorkerClient:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,42 @@
+"""Prompt and decode tok/s and peak memory of the embedded default model on this machine.
+
+    python benchmarks/generate.py [--prompt-tokens 256] [--gen-tokens 64] [--trials 3]
+
+Writes benchmarks/results/generate.json. Absolute figures are for this machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from app.engine.bench import bench_generate, machine
+from app.engine.embedded import ensure_default_model
+from app.engine.generate import Engine
+
+OUT = Path(__file__).parent / "results" / "generate.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=3)
+    args = ap.parse_args()
+    eng = Engine()
+    info = eng.load(ensure_default_model())
+    records = [bench_generate(eng, p, args.gen_tokens, args.trials) for p in args.prompt_tokens]
+    print(f"{info.name} on {machine()['device']} ({machine()['backend']}), batch 1, fp16 KV")
+    print(f"{'prompt':>7} {'gen':>5} {'prompt tok/s':>13} {'decode tok/s':>13} {'peak MiB':>9}")
+    for r in records:
+        print(f"{r['prompt_tokens']:>7} {r['generated_tokens']:>5} {r['prompt_tps']:>13.1f} "
+              f"{r['decode_tps']:>13.1f} {r['peak_memory_bytes'] / 2**20:>9.0f}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"model": info.name, "weight_bytes": info.weight_bytes,
+                               "machine": machine(), "records": records}, indent=2))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

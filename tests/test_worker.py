@@ -1,0 +1,80 @@
+"""The worker process: streamed generation, cancel, bad requests, crashes and restarts."""
+
+import pytest
+
+from app.engine import messages as M
+from app.engine.generate import Engine, GenerationSettings, TokenEvent
+from app.engine.worker import WorkerClient, WorkerError
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = WorkerClient()
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_worker_matches_in_process(client, tiny_model_path):
+    path = tiny_model_path("qwen2_moe")
+    info = client.load(str(path))
+    assert info["architecture"] == "qwen2_moe"
+    msgs = list(client.generate("Hello, world!", {"max_tokens": 8}))
+    kinds = [type(m).__name__ for m in msgs]
+    assert kinds[0] == "Prompt" and kinds[-1] == "Done"
+    worker_tokens = [m.token for m in msgs if isinstance(m, M.Token) and m.token >= 0]
+    e = Engine()
+    e.load(path)
+    local = [ev.token for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=8))
+             if isinstance(ev, TokenEvent) and ev.token >= 0]
+    assert worker_tokens == local
+
+
+def test_bad_request_keeps_worker(client, tiny_model_path, tmp_path):
+    with pytest.raises(WorkerError, match="no such folder"):
+        client.load(str(tmp_path / "missing"))
+    with pytest.raises(WorkerError, match="max_tokens"):
+        list(client.generate("hi", {"max_tokens": -5}))
+    assert client.is_alive()
+    client.load(str(tiny_model_path("qwen3_moe")))
+    assert list(client.generate("hi", {"max_tokens": 2}))[-1].reason in ("stop", "length")
+
+
+def test_cancel_mid_stream(client, smollm2_path):
+    client.load(str(smollm2_path))
+    rid = client.next_id()
+    client.send(M.Generate(rid, [{"role": "user", "content": "Write a long story about a dragon."}], {"max_tokens": 400}))
+    tokens = 0
+    done = None
+    while done is None:
+        m = client._wait(lambda m: getattr(m, "req_id", None) == rid, 120)
+        if isinstance(m, M.Token):
+            tokens += 1
+            if tokens == 3:
+                client.cancel(rid)
+        elif isinstance(m, M.Done):
+            done = m
+    assert done.reason == "cancelled"
+    assert 3 <= done.generated_tokens < 20  # stops within a few tokens of the request
+    stats = client._wait(lambda m: isinstance(m, M.Stats) and m.req_id == rid, 30)
+    assert stats.rss > 0 and stats.weight_bytes > 0 and not stats.generating
+
+
+def test_crash_is_reported_and_restart_works(tiny_model_path):
+    c = WorkerClient()
+    c.start()
+    try:
+        c.load(str(tiny_model_path("qwen3_moe")))
+        pid = c.pid
+        c.send(M.Crash(code=7))
+        with pytest.raises(WorkerError, match="exit code 7"):
+            c.load(str(tiny_model_path("qwen3_moe")))
+        assert not c.is_alive()
+        with pytest.raises(WorkerError, match="not running"):
+            c.send(M.GetStats())
+        c.restart()
+        assert c.pid != pid
+        assert c.load(str(tiny_model_path("qwen3_moe")))["architecture"] == "qwen3_moe"
+    finally:
+        c.stop()
+    assert not c.is_alive()
