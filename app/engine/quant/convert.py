@@ -404,8 +404,8 @@ def _write_dense(item: _DenseItem, reader, writer, stats, chunk_bytes: int) -> N
             x = x.dequantize()
         mom.add(x)
         if item.width is not None:
-            w = item.width
-            outs = mx.quantize(x, w.group_size, w.bits, mode=w.mode)
+            wd = item.width
+            outs = mx.quantize(x, wd.group_size, wd.bits, mode=wd.mode)
             for o, a in zip(item.outputs, outs, strict=False):
                 writer.write(o.name, a, r0)
         else:
