@@ -1,0 +1,33 @@
+"""KV-cache compression: IsoQuant (rotated 3/4-bit codes, this package) and ZipFusion
+(lossless BF16, `zipfusion/`). Format of the packed IsoQuant cache: packing.py."""
+
+from .cache import IsoQuantKVCache
+from .dispatch import install
+from .isoquant_attention import (
+    IsoQuantTensor,
+    isoquant_attention,
+    isoquant_attention_reference,
+    register_kernel,
+)
+from .modes import KV_MODES, MODES, cache_nbytes, finish_prefill, make_cache, mode_spec
+from .packing import FORMAT_VERSION, pack_codes, unpack_codes
+from .rotation import Rotation
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KV_MODES",
+    "MODES",
+    "IsoQuantKVCache",
+    "IsoQuantTensor",
+    "Rotation",
+    "cache_nbytes",
+    "finish_prefill",
+    "install",
+    "isoquant_attention",
+    "isoquant_attention_reference",
+    "make_cache",
+    "mode_spec",
+    "pack_codes",
+    "register_kernel",
+    "unpack_codes",
+]

@@ -1,0 +1,286 @@
+"""IsoQuantKVCache: mlx-lm's cache protocol over a compressed prefix and a float tail.
+
+Tokens [0, compressed) are stored as packed codes + fp16 norms (packing.py); tokens
+[compressed, offset) in the model's dtype. Deferred prefill: multi-token updates (the prompt)
+only append float K/V, so the prompt attends to itself exactly as with mlx-lm's KVCache; the
+first single-token update (or finish_prefill()) compresses all but the last `window` tokens in
+bulk, and from then on each decoded token pushes the oldest float token into the codes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from .isoquant_attention import IsoQuantTensor
+from .packing import FORMAT_VERSION
+from .quantizer import Quantizer, encode
+from .rotation import KINDS, Rotation
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+class IsoQuantKVCache(_BaseCache):
+    step = 256  # grow buffers in steps so decode doesn't reallocate each token
+
+    def __init__(
+        self,
+        rotation_kind: str = "v3",
+        key_bits: int = 3,
+        value_bits: int = 3,
+        window: int = 64,
+        seed: int = 0,
+        layer: int = 0,
+    ):
+        if rotation_kind not in KINDS:
+            raise ValueError(f"unknown rotation {rotation_kind!r}; expected one of {KINDS}")
+        if key_bits not in (3, 4) or value_bits not in (3, 4):
+            raise ValueError(f"IsoQuant stores 3- or 4-bit codes, not K{key_bits}/V{value_bits}")
+        if window < 0:
+            raise ValueError(f"the float window must be ≥ 0 tokens, got {window}")
+        # Named key_bits/value_bits, never `bits`: mlx-lm's attention treats any cache with a
+        # `bits` attribute as its own QuantizedKVCache.
+        self.rotation_kind, self.key_bits, self.value_bits = rotation_kind, key_bits, value_bits
+        self.window, self.seed, self.layer = window, seed, layer
+        self.offset = 0
+        self.compressed = 0
+        self.rotation: Rotation | None = None  # built on first update (needs Hkv and D)
+        self.kq: Quantizer | None = None
+        self.vq: Quantizer | None = None
+        # compressed tokens [0, compressed): capacity grows by `step`
+        self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
+        # float tokens: fp_keys[:, :, i] is absolute position fp_start + i
+        self.fp_keys = self.fp_values = None
+        self.fp_start = 0
+
+    # ---- setup -------------------------------------------------------------------------
+    def _setup(self, n_heads: int, head_dim: int, v_head_dim: int) -> None:
+        if v_head_dim != head_dim:
+            raise ValueError(f"IsoQuant needs equal K and V head dims, got {head_dim}/{v_head_dim}")
+        self.rotation = Rotation.make(self.rotation_kind, head_dim, n_heads, self.seed, self.layer)
+        self.kq = Quantizer.make(head_dim, self.key_bits)
+        self.vq = Quantizer.make(head_dim, self.value_bits)
+
+    # ---- protocol ----------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # keys, values: [B, Hkv, L, D]
+        b, h, n, d = keys.shape
+        if self.rotation is None:
+            self._setup(h, d, values.shape[-1])
+        self._append_fp(keys, values)
+        if n == 1:
+            self._compress_to(self.offset - self.window)
+        return self._fetch()
+
+    def finish_prefill(self) -> None:
+        """Compress all but the recent window now (the engine calls it after the prompt)."""
+        self._compress_to(self.offset - self.window)
+
+    def _append_fp(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        end = self.offset + n - self.fp_start  # buffer index one past the new tokens
+        if self.fp_keys is None or end > self.fp_keys.shape[2]:
+            # Reallocate from `compressed` on: drops float tokens that have been compressed.
+            lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
+            cap = _round_up(self.offset - self.compressed + n, self.step)
+            b, h, _, d = keys.shape
+            new_k = mx.zeros((b, h, cap, d), keys.dtype)
+            new_v = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
+            if self.fp_keys is not None and hi > lo:
+                new_k[:, :, : hi - lo] = self.fp_keys[:, :, lo:hi]
+                new_v[:, :, : hi - lo] = self.fp_values[:, :, lo:hi]
+            self.fp_keys, self.fp_values, self.fp_start = new_k, new_v, self.compressed
+            end = self.offset + n - self.fp_start
+        self.fp_keys[:, :, end - n : end] = keys
+        self.fp_values[:, :, end - n : end] = values
+        self.offset += n
+
+    def _grow_codes(self, needed: int) -> None:
+        b, h = self.fp_keys.shape[:2]
+        cap = 0 if self.k_codes is None else self.k_codes.shape[2]
+        if needed <= cap:
+            return
+        new_cap = _round_up(needed, self.step)
+
+        def grow(a, shape_tail, dtype):
+            z = mx.zeros((b, h, new_cap, *shape_tail), dtype)
+            if a is not None and self.compressed:
+                z[:, :, : self.compressed] = a[:, :, : self.compressed]
+            return z
+
+        self.k_codes = grow(self.k_codes, (self.kq.row_bytes,), mx.uint8)
+        self.v_codes = grow(self.v_codes, (self.vq.row_bytes,), mx.uint8)
+        self.k_norms = grow(self.k_norms, (), mx.float16)
+        self.v_norms = grow(self.v_norms, (), mx.float16)
+
+    def _compress_to(self, upto: int) -> None:
+        """Compress float tokens [compressed, upto)."""
+        if upto <= self.compressed:
+            return
+        lo, hi = self.compressed - self.fp_start, upto - self.fp_start
+        kc, kn = encode(self.fp_keys[:, :, lo:hi], self.rotation, self.kq)
+        vc, vn = encode(self.fp_values[:, :, lo:hi], self.rotation, self.vq)
+        self._grow_codes(upto)
+        c = self.compressed
+        self.k_codes[:, :, c:upto] = kc
+        self.k_norms[:, :, c:upto] = kn
+        self.v_codes[:, :, c:upto] = vc
+        self.v_norms[:, :, c:upto] = vn
+        self.compressed = upto
+        if upto - c > self.step:
+            # A bulk compression (end of prefill): release the prompt's float buffer now.
+            self._shrink_fp()
+
+    def _shrink_fp(self) -> None:
+        lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
+        b, h, _, d = self.fp_keys.shape
+        cap = _round_up(max(hi - lo, 1), self.step)
+        new_k = mx.zeros((b, h, cap, d), self.fp_keys.dtype)
+        new_v = mx.zeros((b, h, cap, self.fp_values.shape[-1]), self.fp_values.dtype)
+        if hi > lo:
+            new_k[:, :, : hi - lo] = self.fp_keys[:, :, lo:hi]
+            new_v[:, :, : hi - lo] = self.fp_values[:, :, lo:hi]
+        self.fp_keys, self.fp_values, self.fp_start = new_k, new_v, self.compressed
+
+    def _fp_view(self):
+        lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
+        if hi <= lo:
+            return None, None
+        return self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
+
+    def _fetch(self):
+        fk, fv = self._fp_view()
+        if self.compressed == 0:
+            return fk, fv  # nothing compressed yet: plain arrays, mlx-lm's own attention
+        c = self.compressed
+        keys = IsoQuantTensor(
+            self.k_codes[:, :, :c], self.k_norms[:, :, :c], fk, self.kq, self.rotation
+        )
+        values = IsoQuantTensor(
+            self.v_codes[:, :, :c], self.v_norms[:, :, :c], fv, self.vq, self.rotation
+        )
+        return keys, values
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        if self.compressed > self.offset:
+            # Codes past offset are dead; the (empty) float segment restarts at offset.
+            self.compressed = self.fp_start = self.offset
+        return n
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every KV buffer this cache holds (capacity included), exactly."""
+        arrays = (
+            self.k_codes,
+            self.k_norms,
+            self.v_codes,
+            self.v_norms,
+            self.fp_keys,
+            self.fp_values,
+        )
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes the cached tokens need (no spare capacity): what bits-per-value counts."""
+        if self.rotation is None:
+            return 0
+        b, h, _, d = self.fp_keys.shape
+        per_tok = self.kq.row_bytes + self.vq.row_bytes + 2 * 2  # codes + two fp16 norms
+        n_fp = self.offset - self.compressed
+        fp_tok = d * (self.fp_keys.itemsize + self.fp_values.itemsize)
+        return b * h * (self.compressed * per_tok + n_fp * fp_tok)
+
+    # ---- persistence -------------------------------------------------------------------
+    @property
+    def state(self):
+        """Arrays trimmed to the live tokens (k_codes, k_norms, v_codes, v_norms, fp_k, fp_v)."""
+        if self.rotation is None:
+            return ()
+        c = self.compressed
+        fk, fv = self._fp_view()
+        if c == 0:
+            return (None, None, None, None, fk, fv)
+        return (
+            self.k_codes[:, :, :c],
+            self.k_norms[:, :, :c],
+            self.v_codes[:, :, :c],
+            self.v_norms[:, :, :c],
+            fk,
+            fv,
+        )
+
+    @state.setter
+    def state(self, v):
+        if not v:
+            self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
+            self.fp_keys = self.fp_values = None
+            self.offset = self.compressed = self.fp_start = 0
+            return
+        self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys, self.fp_values = v
+        self.compressed = 0 if self.k_codes is None else self.k_codes.shape[2]
+        self.fp_start = self.compressed
+        n_fp = 0 if self.fp_keys is None else self.fp_keys.shape[2]
+        self.offset = self.compressed + n_fp
+
+    @property
+    def meta_state(self) -> str:
+        """Everything besides the arrays, as JSON with the format version."""
+        shape = None if self.rotation is None else [self.rotation.n_heads, self.rotation.head_dim]
+        return json.dumps(
+            {
+                "format": "isoquant-kv",
+                "format_version": FORMAT_VERSION,
+                "rotation": self.rotation_kind,
+                "key_bits": self.key_bits,
+                "value_bits": self.value_bits,
+                "window": self.window,
+                "seed": self.seed,
+                "layer": self.layer,
+                "heads_dim": shape,
+                "offset": self.offset,
+                "compressed": self.compressed,
+            }
+        )
+
+    @classmethod
+    def from_state(cls, state, meta_state: str):
+        meta = json.loads(meta_state)
+        if meta.get("format") != "isoquant-kv" or meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"IsoQuant cache state has format {meta.get('format')!r} version "
+                f"{meta.get('format_version')!r}; this build reads version {FORMAT_VERSION}"
+            )
+        obj = cls(
+            meta["rotation"],
+            meta["key_bits"],
+            meta["value_bits"],
+            meta["window"],
+            meta["seed"],
+            meta["layer"],
+        )
+        if meta["heads_dim"] is not None:
+            h, d = meta["heads_dim"]
+            obj._setup(h, d, d)
+            obj.state = state
+            if (obj.offset, obj.compressed) != (meta["offset"], meta["compressed"]):
+                raise ValueError("IsoQuant cache state arrays disagree with its recorded lengths")
+        return obj

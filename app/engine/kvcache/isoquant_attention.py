@@ -1,0 +1,163 @@
+"""Attention over an IsoQuant cache in compressed space, as a reference in plain MLX ops.
+
+The fused kernels (issue 3) are held to `isoquant_attention_reference`: same inputs, same
+output to a stated tolerance. Packed format: packing.py; rotation arrays: rotation.py.
+
+Per KV head h with rotation R (GQA: the G = Hq/Hkv query heads of group h share it):
+    q̃ = R q                                        once per query
+    s_j = scale · (norm_j/√D) · <q̃, levels[c_j]>    compressed keys j < T_c
+    s_j = scale · <q, k_j>                          float keys (prefill / recent window)
+    α = softmax(s + mask [, sink])                  one softmax over both segments
+    õ = Σ_{j<T_c} α_j (norm_j/√D) levels[c'_j]      value codes, rotated space
+    o = Rᵀ õ + Σ_{j≥T_c} α_j v_j                    one inverse rotation per head and step
+K and V are never reconstructed; only the 2**bits-entry level tables are looked up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .packing import unpack_codes
+from .quantizer import Quantizer
+from .rotation import Rotation
+
+
+@dataclass(frozen=True, eq=False)
+class IsoQuantTensor:
+    """K or V of one layer as the cache hands it to attention (a view, not a copy)."""
+
+    codes: mx.array  # [B, Hkv, T_c, D*bits/8] uint8
+    norms: mx.array  # [B, Hkv, T_c] float16
+    fp: mx.array | None  # [B, Hkv, T_f, D] model dtype; None when T_f = 0
+    quantizer: Quantizer
+    rotation: Rotation
+
+    @property
+    def compressed_len(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def fp_len(self) -> int:
+        return 0 if self.fp is None else self.fp.shape[2]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, h, t, _ = self.codes.shape
+        return (b, h, t + self.fp_len, self.quantizer.dim)
+
+    @property
+    def dtype(self):
+        return self.norms.dtype if self.fp is None else self.fp.dtype
+
+
+def _scores_mask(mask, qlen: int, klen: int, hkv: int, groups: int):
+    """mlx-lm's mask forms -> something broadcastable to scores [B, Hkv, G, L, T], or None."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        q_pos = mx.arange(klen - qlen, klen)
+        return q_pos[:, None] >= mx.arange(klen)[None]  # [L, T]
+    if mask.ndim >= 4:
+        b, hm = mask.shape[0], mask.shape[1]
+        if hm == hkv * groups and hm > 1:
+            return mask.reshape(b, hkv, groups, *mask.shape[2:])
+        return mx.expand_dims(mask, -3)
+    return mask  # [L, T] or [1, L, T]: broadcasts from the right
+
+
+def isoquant_attention_reference(
+    queries: mx.array,
+    keys: IsoQuantTensor,
+    values: IsoQuantTensor,
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """queries: [B, Hq, L, D] -> [B, Hq, L, D] (queries' dtype); mask as mlx-lm passes it
+    (None, "causal", bool or additive [.., L, T]); sinks: [Hq] extra logits (gpt-oss)."""
+    b, hq, qlen, d = queries.shape
+    hkv = keys.codes.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    g = hq // hkv
+    tc, tf = keys.compressed_len, keys.fp_len
+    if values.compressed_len != tc or values.fp_len != tf:
+        raise ValueError("keys and values of an IsoQuant cache cover different tokens")
+    rot_k, rot_v = keys.rotation, values.rotation
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+
+    q = queries.astype(mx.float32).reshape(b, hkv, g, qlen, d)  # [B, Hkv, G, L, D]
+    parts = []
+    if tc:
+        q_rot = rot_k.forward(q)  # [B, Hkv, G, L, D]
+        k_lv = keys.quantizer.levels[
+            unpack_codes(keys.codes, keys.quantizer.bits)
+        ]  # [B, Hkv, Tc, D]
+        s_c = q_rot @ k_lv[:, :, None].swapaxes(-1, -2)  # [B, Hkv, G, L, Tc]
+        k_scale = keys.norms.astype(mx.float32) * (inv_sqrt_d * scale)  # [B, Hkv, Tc]
+        parts.append(s_c * k_scale[:, :, None, None, :])
+    if tf:
+        k_fp = keys.fp.astype(mx.float32)[:, :, None]  # [B, Hkv, 1, Tf, D]
+        parts.append((q * scale) @ k_fp.swapaxes(-1, -2))  # [B, Hkv, G, L, Tf]
+    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    m = _scores_mask(mask, qlen, tc + tf, hkv, g)
+    if m is not None:
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.finfo(mx.float32).min)
+        else:
+            scores = scores + m.astype(mx.float32)
+    if sinks is not None:
+        sink = mx.broadcast_to(
+            sinks.astype(mx.float32).reshape(1, hkv, g, 1, 1), (*scores.shape[:-1], 1)
+        )
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)
+        probs = probs[..., :-1]
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)  # [B, Hkv, G, L, T]
+
+    out = None
+    if tc:
+        v_lv = values.quantizer.levels[unpack_codes(values.codes, values.quantizer.bits)]
+        v_scale = values.norms.astype(mx.float32) * inv_sqrt_d  # [B, Hkv, Tc]
+        p_c = probs[..., :tc] * v_scale[:, :, None, None, :]
+        out = rot_v.inverse(p_c @ v_lv[:, :, None])  # [B, Hkv, G, L, D]
+    if tf:
+        o_f = probs[..., tc:] @ values.fp.astype(mx.float32)[:, :, None]
+        out = o_f if out is None else out + o_f
+    if out is None:
+        raise ValueError("attention over an empty IsoQuant cache")
+    return out.reshape(b, hq, qlen, d).astype(queries.dtype)
+
+
+# A fused implementation (Metal/CUDA, issue 3) registers itself here with the same signature.
+_kernel: Callable | None = None
+
+
+def register_kernel(fn: Callable | None) -> None:
+    """Install (or with None remove) the fused attention used when use_kernel is not False."""
+    global _kernel
+    _kernel = fn
+
+
+def isoquant_attention(
+    queries,
+    keys: IsoQuantTensor,
+    values: IsoQuantTensor,
+    scale,
+    mask=None,
+    sinks=None,
+    use_kernel=None,
+):
+    """The public entry: the registered fused kernel where present, else the reference."""
+    if use_kernel is not False and _kernel is not None:
+        return _kernel(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if use_kernel is True:
+        raise RuntimeError("no fused IsoQuant attention kernel is registered on this backend")
+    return isoquant_attention_reference(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

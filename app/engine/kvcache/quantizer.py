@@ -1,0 +1,69 @@
+"""Rotate → normalize → Lloyd–Max codes → pack, and the way back (format: packing.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .codebook import lloyd_max
+from .packing import pack_codes, packed_row_bytes, unpack_codes
+from .rotation import Rotation
+
+_CHUNK_ELEMS = 1 << 22  # bound the [.., D, 2^bits-1] comparison temporaries in bulk compression
+_FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True, eq=False)
+class Quantizer:
+    """One codebook (D, bits) as MLX arrays."""
+
+    dim: int
+    bits: int
+    levels: mx.array  # [2**bits] float32, ascending
+    thresholds: mx.array  # [2**bits - 1] float32
+
+    @classmethod
+    def make(cls, dim: int, bits: int) -> Quantizer:
+        packed_row_bytes(dim, bits)  # validates dim and bits
+        cb = lloyd_max(dim, bits)
+        return cls(dim, bits, mx.array(cb.levels, mx.float32), mx.array(cb.thresholds, mx.float32))
+
+    @property
+    def row_bytes(self) -> int:
+        return packed_row_bytes(self.dim, self.bits)
+
+    def encode_rotated(self, y: mx.array) -> tuple[mx.array, mx.array]:
+        """y: [..., D] already rotated -> (codes [..., D*bits/8] uint8, norms [...] float16)."""
+        y = y.astype(mx.float32)
+        norms = mx.sqrt(mx.sum(y * y, axis=-1))
+        inv = math.sqrt(self.dim) / mx.maximum(norms, 1e-30)
+        u = y * inv[..., None]  # unit coordinate variance
+        codes = mx.sum(u[..., None] > self.thresholds, axis=-1).astype(mx.uint8)
+        return pack_codes(codes, self.bits), mx.minimum(norms, _FP16_MAX).astype(mx.float16)
+
+    def decode_rotated(self, codes: mx.array, norms: mx.array) -> mx.array:
+        """codes [..., D*bits/8] uint8, norms [...] -> ŷ [..., D] float32 (rotated space)."""
+        lv = self.levels[unpack_codes(codes, self.bits)]
+        return lv * (norms.astype(mx.float32) / math.sqrt(self.dim))[..., None]
+
+
+def encode(x: mx.array, rotation: Rotation, quantizer: Quantizer) -> tuple[mx.array, mx.array]:
+    """x: [B, Hkv, T, D] -> (codes [B, Hkv, T, D*bits/8] uint8, norms [B, Hkv, T] float16)."""
+    b, h, t, d = x.shape
+    step = max(1, _CHUNK_ELEMS // max(1, b * h * d * 2**quantizer.bits))
+    if t <= step:
+        return quantizer.encode_rotated(rotation.forward(x))
+    parts = [
+        quantizer.encode_rotated(rotation.forward(x[:, :, i : i + step])) for i in range(0, t, step)
+    ]
+    return (
+        mx.concatenate([p[0] for p in parts], axis=2),
+        mx.concatenate([p[1] for p in parts], axis=2),
+    )
+
+
+def decode(codes: mx.array, norms: mx.array, rotation: Rotation, quantizer: Quantizer) -> mx.array:
+    """The dequantized vectors x̂ = Rᵀ ŷ: [B, Hkv, T, D] float32 (tests and oracles only)."""
+    return rotation.inverse(quantizer.decode_rotated(codes, norms))
