@@ -117,11 +117,11 @@ def _byte_perm(x: int, y: int, s: int) -> int:
 def _lane_regs(block: bytes, flag: int, lane: int, g: int) -> list[int]:
     """What the kernel's zf_load_block + zf_group produce for one lane (Python transliteration)."""
     w32 = lambda off: int.from_bytes(block[off : off + 4], "little")  # noqa: E731
+    gi = 32 * g + lane
     if flag == codec.RAW_FLAG:
-        base = 32 * lane + 16 * g
-        return [w32(base + 4 * i) for i in range(4)]
-    w = w32(8 * lane + 4 * g)
-    lo0, lo1 = w32(256 + 16 * lane + 8 * g), w32(256 + 16 * lane + 8 * g + 4)
+        return [w32(16 * gi + 4 * i) for i in range(4)]
+    w = w32(4 * gi)
+    lo0, lo1 = w32(256 + 8 * gi), w32(256 + 8 * gi + 4)
     rep = flag * 0x01010101
     hi_a = ((w & 0x87878787) + rep) & 0xFFFFFFFF
     hi_b = ((((w << 1) & 0x80808080) | ((w >> 3) & 0x07070707)) + rep) & 0xFFFFFFFF

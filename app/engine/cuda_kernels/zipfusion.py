@@ -11,14 +11,18 @@ Layouts (see `app/engine/kvcache/zipfusion/codec.py`):
   page_table: [B, maxp] int32 page ids (the last page of a sequence may be raw and partly full)
   seq_len:    [B] int32 tokens in the pool; the token of this step arrives as k_new / v_new
 The attention kernel runs one CTA per (split, KV head, sequence); each warp walks pages, decodes
-each lane's 8 values straight into `mma.m16n8k16` B fragments (no shared memory, nothing written
-back), keeps an online softmax for the G query heads of the group (rows of the A operand), and
+each lane's 8 values straight into `mma.m16n8k16` B fragments (nothing is written back but the
+output), keeps an online softmax for the G query heads of the group (rows of the A operand), and
 writes a partial (m, l, O) per warp; the reduce kernel merges partials with the new token.
+Two variants share that page step: "simple" loads a page's blocks from global memory into
+registers; "pipe" streams each warp's next pages into shared memory with cp.async (STAGES deep)
+so several pages per warp are in flight and the kernel stays bandwidth-bound.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 
@@ -59,19 +63,21 @@ __device__ __forceinline__ uint32_t zf_meta_flag(const uint32_t* m, int j) {
   return (m[1 + (j >> 2)] >> (8 * (j & 3))) & 0xFFu;
 }
 
-// Issue the loads of one block (8 words per lane): raw -> 32 bytes, compressed -> 8 code bytes
-// and 16 low bytes. Decoding waits until every block of the page is in flight.
+// Load one lane's two groups of a block (group g of lane l is group 32g+l of the block): raw ->
+// 2 x 16 bytes; compressed -> 2 x 4 code bytes and 2 x 8 low bytes. Works on global or shared.
 __device__ __forceinline__ void zf_load_block(
     const uint8_t* blk, bool raw, int lane, uint32_t r[8]) {
   if (raw) {
-    const uint4 x0 = *reinterpret_cast<const uint4*>(blk + 32 * lane);
-    const uint4 x1 = *reinterpret_cast<const uint4*>(blk + 32 * lane + 16);
+    const uint4 x0 = *reinterpret_cast<const uint4*>(blk + 16 * lane);
+    const uint4 x1 = *reinterpret_cast<const uint4*>(blk + 512 + 16 * lane);
     r[0] = x0.x; r[1] = x0.y; r[2] = x0.z; r[3] = x0.w;
     r[4] = x1.x; r[5] = x1.y; r[6] = x1.z; r[7] = x1.w;
   } else {
-    const uint2 c = *reinterpret_cast<const uint2*>(blk + 8 * lane);
-    const uint4 lw = *reinterpret_cast<const uint4*>(blk + 256 + 16 * lane);
-    r[0] = c.x; r[1] = c.y; r[2] = lw.x; r[3] = lw.y; r[4] = lw.z; r[5] = lw.w;
+    const uint32_t c0 = *reinterpret_cast<const uint32_t*>(blk + 4 * lane);
+    const uint32_t c1 = *reinterpret_cast<const uint32_t*>(blk + 128 + 4 * lane);
+    const uint2 l0 = *reinterpret_cast<const uint2*>(blk + 256 + 8 * lane);
+    const uint2 l1 = *reinterpret_cast<const uint2*>(blk + 512 + 8 * lane);
+    r[0] = c0; r[1] = c1; r[2] = l0.x; r[3] = l0.y; r[4] = l1.x; r[5] = l1.y;
     r[6] = 0u; r[7] = 0u;
   }
 }
@@ -84,14 +90,155 @@ __device__ __forceinline__ void zf_group(const uint32_t r[8], uint32_t flag, int
     zf_decode8(r[g], r[2 + 2 * g], r[3 + 2 * g], flag, out);
   }
 }
+
+// Q as the A operand: rows = the G query heads of KV head h (rows >= G are zero).
+template <int D, int G>
+__device__ __forceinline__ void zf_load_q(
+    const __nv_bfloat16* q, int b, int h, int n_kv, int lane, uint32_t qa[D / 16][4]) {
+  const int gid = lane >> 2, tig = lane & 3;
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + ((size_t)b * n_kv + h) * G * D);
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    const int c = (kt * 16 + 2 * tig) >> 1;
+    qa[kt][0] = gid < G ? qw[gid * (D / 2) + c] : 0u;
+    qa[kt][1] = gid + 8 < G ? qw[(gid + 8) * (D / 2) + c] : 0u;
+    qa[kt][2] = gid < G ? qw[gid * (D / 2) + c + 4] : 0u;
+    qa[kt][3] = gid + 8 < G ? qw[(gid + 8) * (D / 2) + c + 4] : 0u;
+  }
+}
+
+// One page: S = Q K^T on the page's two 8-token tiles, online softmax, O += P V. kblk / vblk
+// point at each block of the page (global or shared memory); `valid` tokens are real. EAGER
+// issues every block's loads first (global memory: hide latency); otherwise each block is
+// loaded when used (shared memory: fewer registers). Accumulation order is the same either way.
+template <int D, int MW, bool EAGER>
+__device__ __forceinline__ void zf_attend_page(
+    const uint8_t* const kblk[D / 32], const uint8_t* const vblk[D / 32],
+    const uint32_t km[MW], const uint32_t vm[MW], int valid, int lane, float sl2,
+    const uint32_t qa[D / 16][4], float o[D / 8][4], float& m0, float& m1, float& l0, float& l1) {
+  constexpr int NB = D / 32;
+  constexpr int NT = D / 8;
+  const int tig = lane & 3;
+  const float NEG_INF = __int_as_float(0xff800000);
+  constexpr int NR = EAGER ? NB : 1;
+  uint32_t kr[NR][8], vr[NR][8];
+  if (EAGER) {
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      zf_load_block(kblk[j], zf_meta_flag(km, j) == ZF_RAW, lane, kr[j]);
+      zf_load_block(vblk[j], zf_meta_flag(vm, j) == ZF_RAW, lane, vr[j]);
+    }
+  }
+  // s[g]: rows (gid, gid + 8), tokens 8g + 2tig + {0, 1}
+  float s[2][4];
+#pragma unroll
+  for (int g = 0; g < 2; ++g) { s[g][0] = 0.f; s[g][1] = 0.f; s[g][2] = 0.f; s[g][3] = 0.f; }
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    uint32_t* r = kr[EAGER ? j : 0];
+    if (!EAGER) zf_load_block(kblk[j], zf_meta_flag(km, j) == ZF_RAW, lane, r);
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      uint32_t kb[4];
+      zf_group(r, zf_meta_flag(km, j), g, kb);
+      zf_mma(s[g], qa[2 * j], kb[0], kb[1]);
+      zf_mma(s[g], qa[2 * j + 1], kb[2], kb[3]);
+    }
+  }
+  float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool ok = 8 * g + 2 * tig + e < valid;
+      s[g][e] = ok ? s[g][e] * sl2 : NEG_INF;
+      s[g][2 + e] = ok ? s[g][2 + e] * sl2 : NEG_INF;
+      mx0 = fmaxf(mx0, s[g][e]);
+      mx1 = fmaxf(mx1, s[g][2 + e]);
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+  m0 = n0;
+  m1 = n1;
+  float ps[2][4];
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    ps[g][0] = exp2f(s[g][0] - n0); ps[g][1] = exp2f(s[g][1] - n0);
+    ps[g][2] = exp2f(s[g][2] - n1); ps[g][3] = exp2f(s[g][3] - n1);
+  }
+  l0 = l0 * a0 + ((ps[0][0] + ps[0][1]) + (ps[1][0] + ps[1][1]));
+  l1 = l1 * a1 + ((ps[0][2] + ps[0][3]) + (ps[1][2] + ps[1][3]));
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) { o[nt][0] *= a0; o[nt][1] *= a0; o[nt][2] *= a1; o[nt][3] *= a1; }
+  // The C fragments of S are the A fragment of P.V (rows = heads, k = the page's 16 tokens).
+  uint32_t pa[4];
+  pa[0] = zf_pack_bf16(ps[0][0], ps[0][1]);
+  pa[1] = zf_pack_bf16(ps[0][2], ps[0][3]);
+  pa[2] = zf_pack_bf16(ps[1][0], ps[1][1]);
+  pa[3] = zf_pack_bf16(ps[1][2], ps[1][3]);
+  // Tokens past the end of a partly written page hold stale bytes: zero them so 0 * NaN can't leak.
+  const bool partial = valid < 16;
+  const uint32_t keep_lo = (2 * tig < valid ? 0x0000ffffu : 0u) | (2 * tig + 1 < valid ? 0xffff0000u : 0u);
+  const uint32_t keep_hi = (2 * tig + 8 < valid ? 0x0000ffffu : 0u) | (2 * tig + 9 < valid ? 0xffff0000u : 0u);
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    uint32_t* r = vr[EAGER ? j : 0];
+    if (!EAGER) zf_load_block(vblk[j], zf_meta_flag(vm, j) == ZF_RAW, lane, r);
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      uint32_t vb[4];
+      zf_group(r, zf_meta_flag(vm, j), g, vb);
+      if (partial) { vb[0] &= keep_lo; vb[1] &= keep_hi; vb[2] &= keep_lo; vb[3] &= keep_hi; }
+      zf_mma(o[4 * j + 2 * g], pa, vb[0], vb[1]);
+      zf_mma(o[4 * j + 2 * g + 1], pa, vb[2], vb[3]);
+    }
+  }
+}
+
+// One partial per warp: o_part [B, Hkv, parts, G, D], ml_part [B, Hkv, parts, G, 2].
+template <int D, int G>
+__device__ __forceinline__ void zf_store_partial(
+    float* o_part, float* ml_part, size_t part, int lane, const float o[D / 8][4],
+    float m0, float m1, float l0, float l1) {
+  const int gid = lane >> 2, tig = lane & 3;
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  float* op = o_part + part * G * D;
+  float* mp = ml_part + part * G * 2;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int d = 8 * nt + 2 * tig;
+    if (gid < G) { op[gid * D + d] = o[nt][0]; op[gid * D + d + 1] = o[nt][1]; }
+    if (gid + 8 < G) { op[(gid + 8) * D + d] = o[nt][2]; op[(gid + 8) * D + d + 1] = o[nt][3]; }
+  }
+  if (tig == 0) {
+    if (gid < G) { mp[gid * 2] = m0; mp[gid * 2 + 1] = l0; }
+    if (gid + 8 < G) { mp[(gid + 8) * 2] = m1; mp[(gid + 8) * 2 + 1] = l1; }
+  }
+}
+
+__device__ __forceinline__ void zf_cp16(uint32_t smem_addr, const void* gptr) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr));
+}
+
+__device__ __forceinline__ void zf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void zf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 """
 
-# Template constants: D (head dim), G (query heads per KV head, <= 16), NW (warps per CTA),
-# MW (metadata words per page/head/K-or-V). Runtime params: layer, n_ids, maxp, n_splits.
-ATTN_SOURCE = r"""
+# Shared prologue of both attention variants. Template constants: D (head dim), G (query heads
+# per KV head, <= 16), NW (warps per CTA), MW (metadata words per page/head/K-or-V).
+# Runtime params: layer, n_ids, maxp, n_splits.
+_ATTN_PROLOGUE = r"""
   constexpr int NB = D / 32;
-  constexpr int KT = D / 16;
-  constexpr int NT = D / 8;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int split = blockIdx.x;
@@ -103,144 +250,129 @@ ATTN_SOURCE = r"""
   const int maxp = params[2];
   const int n_splits = params[3];
   const float sl2 = scale[0];
-  const int gid = lane >> 2;
-  const int tig = lane & 3;
   const float NEG_INF = __int_as_float(0xff800000);
-
   const int len = seq_len[b];
   const int n_pages = (len + 15) >> 4;
   const int per = (n_pages + n_splits - 1) / n_splits;
   const int p_begin = split * per;
   const int p_end = min(n_pages, p_begin + per);
-
-  // Q as the A operand: rows = the G query heads of this KV head (rows >= G are zero).
-  uint32_t qa[KT][4];
-  {
-    const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + ((size_t)b * n_kv + h) * G * D);
+  uint32_t qa[D / 16][4];
+  zf_load_q<D, G>(q, b, h, n_kv, lane, qa);
+  float o[D / 8][4];
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      const int c = (kt * 16 + 2 * tig) >> 1;
-      qa[kt][0] = gid < G ? qw[gid * (D / 2) + c] : 0u;
-      qa[kt][1] = gid + 8 < G ? qw[(gid + 8) * (D / 2) + c] : 0u;
-      qa[kt][2] = gid < G ? qw[gid * (D / 2) + c + 4] : 0u;
-      qa[kt][3] = gid + 8 < G ? qw[(gid + 8) * (D / 2) + c + 4] : 0u;
-    }
-  }
-
-  float o[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) { o[nt][0] = 0.f; o[nt][1] = 0.f; o[nt][2] = 0.f; o[nt][3] = 0.f; }
+  for (int nt = 0; nt < D / 8; ++nt) { o[nt][0] = 0.f; o[nt][1] = 0.f; o[nt][2] = 0.f; o[nt][3] = 0.f; }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   const uint8_t* pool_b = reinterpret_cast<const uint8_t*>(pool);
+  const size_t part = ((size_t)b * n_kv + h) * n_splits * NW + (size_t)split * NW + warp;
+"""
 
+ATTN_SOURCE = (
+    _ATTN_PROLOGUE
+    + r"""
   for (int p = p_begin + warp; p < p_end; p += NW) {
     const int pid = page_table[(size_t)b * maxp + p];
     const uint32_t* mrow = meta + (((size_t)layer * n_ids + pid) * n_kv + h) * (2 * MW);
     uint32_t km[MW], vm[MW];
 #pragma unroll
     for (int i = 0; i < MW; ++i) { km[i] = mrow[i]; vm[i] = mrow[MW + i]; }
-    const int valid = (p == n_pages - 1) ? len - 16 * p : 16;
-
-    uint32_t kr[NB][8], vr[NB][8];
-    {
-      size_t ko = (size_t)km[0] * 256, vo = (size_t)vm[0] * 256;
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        const uint32_t kf = zf_meta_flag(km, j), vf = zf_meta_flag(vm, j);
-        zf_load_block(pool_b + ko, kf == ZF_RAW, lane, kr[j]);
-        zf_load_block(pool_b + vo, vf == ZF_RAW, lane, vr[j]);
-        ko += kf == ZF_RAW ? 1024 : 768;
-        vo += vf == ZF_RAW ? 1024 : 768;
-      }
-    }
-
-    // S = Q K^T for the page's two 8-token tiles: s[g] rows (gid, gid+8), tokens 8g+2tig+{0,1}.
-    float s[2][4];
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      s[g][0] = 0.f; s[g][1] = 0.f; s[g][2] = 0.f; s[g][3] = 0.f;
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        uint32_t kb[4];
-        zf_group(kr[j], zf_meta_flag(km, j), g, kb);
-        zf_mma(s[g], qa[2 * j], kb[0], kb[1]);
-        zf_mma(s[g], qa[2 * j + 1], kb[2], kb[3]);
-      }
-    }
-
-    float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = 8 * g + 2 * tig + e < valid;
-        s[g][e] = ok ? s[g][e] * sl2 : NEG_INF;
-        s[g][2 + e] = ok ? s[g][2 + e] * sl2 : NEG_INF;
-        mx0 = fmaxf(mx0, s[g][e]);
-        mx1 = fmaxf(mx1, s[g][2 + e]);
-      }
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
-    m0 = n0; m1 = n1;
-    float ps[2][4];
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      ps[g][0] = exp2f(s[g][0] - n0); ps[g][1] = exp2f(s[g][1] - n0);
-      ps[g][2] = exp2f(s[g][2] - n1); ps[g][3] = exp2f(s[g][3] - n1);
-    }
-    l0 = l0 * a0 + ((ps[0][0] + ps[0][1]) + (ps[1][0] + ps[1][1]));
-    l1 = l1 * a1 + ((ps[0][2] + ps[0][3]) + (ps[1][2] + ps[1][3]));
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) { o[nt][0] *= a0; o[nt][1] *= a0; o[nt][2] *= a1; o[nt][3] *= a1; }
-    // The C fragments of S are the A fragment of P.V (rows = heads, k = the page's 16 tokens).
-    uint32_t pa[4];
-    pa[0] = zf_pack_bf16(ps[0][0], ps[0][1]);
-    pa[1] = zf_pack_bf16(ps[0][2], ps[0][3]);
-    pa[2] = zf_pack_bf16(ps[1][0], ps[1][1]);
-    pa[3] = zf_pack_bf16(ps[1][2], ps[1][3]);
-
-    // Tokens past the end of a partly written page hold stale bytes: zero them so 0 * NaN can't leak.
-    const bool partial = valid < 16;
-    const uint32_t keep_lo = (2 * tig < valid ? 0x0000ffffu : 0u) | (2 * tig + 1 < valid ? 0xffff0000u : 0u);
-    const uint32_t keep_hi = (2 * tig + 8 < valid ? 0x0000ffffu : 0u) | (2 * tig + 9 < valid ? 0xffff0000u : 0u);
+    const uint8_t* kblk[NB];
+    const uint8_t* vblk[NB];
+    size_t ko = (size_t)km[0] * 256, vo = (size_t)vm[0] * 256;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
+      kblk[j] = pool_b + ko;
+      vblk[j] = pool_b + vo;
+      ko += zf_meta_flag(km, j) == ZF_RAW ? 1024 : 768;
+      vo += zf_meta_flag(vm, j) == ZF_RAW ? 1024 : 768;
+    }
+    const int valid = (p == n_pages - 1) ? len - 16 * p : 16;
+    zf_attend_page<D, MW, true>(kblk, vblk, km, vm, valid, lane, sl2, qa, o, m0, m1, l0, l1);
+  }
+  zf_store_partial<D, G>(o_part, ml_part, part, lane, o, m0, m1, l0, l1);
+"""
+)
+
+# Pipelined variant: each warp owns STAGES slots of shared memory (one page of one KV head: K
+# blocks then V blocks at a 1024-byte stride) and keeps STAGES-1 pages in flight with cp.async.
+# Lane i holds the metadata of the warp's page (win + i), so a page's copy starts without a
+# dependent load; the window is refilled every 32 pages.
+PIPE_SOURCE = (
+    _ATTN_PROLOGUE
+    + r"""
+  constexpr int SLOT = 2 * NB * 1024;
+  extern __shared__ __align__(16) uint8_t zf_dyn[];
+  uint8_t* ring = zf_dyn + (size_t)warp * STAGES * SLOT;
+  uint32_t* smeta = reinterpret_cast<uint32_t*>(zf_dyn + (size_t)NW * STAGES * SLOT)
+      + warp * STAGES * (2 * MW);
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  const int first = p_begin + warp;
+  const int n_mine = p_end > first ? (p_end - first + NW - 1) / NW : 0;
+  int win = -64;
+  uint32_t wm[2 * MW];
 #pragma unroll
-      for (int g = 0; g < 2; ++g) {
-        uint32_t vb[4];
-        zf_group(vr[j], zf_meta_flag(vm, j), g, vb);
-        if (partial) { vb[0] &= keep_lo; vb[1] &= keep_hi; vb[2] &= keep_lo; vb[3] &= keep_hi; }
-        zf_mma(o[4 * j + 2 * g], pa, vb[0], vb[1]);
-        zf_mma(o[4 * j + 2 * g + 1], pa, vb[2], vb[3]);
+  for (int i = 0; i < 2 * MW; ++i) wm[i] = 0u;
+
+  for (int k = 0; k < n_mine + STAGES - 1; ++k) {
+    // Issue the copy of page k (if any) into slot k % STAGES; always commit a group.
+    if (k < n_mine) {
+      if (k >= win + 32) {
+        win = k;
+        const int kk = win + lane;
+#pragma unroll
+        for (int i = 0; i < 2 * MW; ++i) wm[i] = 0u;
+        if (kk < n_mine) {
+          const int pid = page_table[(size_t)b * maxp + first + kk * NW];
+          const uint32_t* mrow = meta + (((size_t)layer * n_ids + pid) * n_kv + h) * (2 * MW);
+#pragma unroll
+          for (int i = 0; i < 2 * MW; ++i) wm[i] = mrow[i];
+        }
+      }
+      uint32_t m[2 * MW];
+#pragma unroll
+      for (int i = 0; i < 2 * MW; ++i) m[i] = __shfl_sync(0xffffffffu, wm[i], k - win);
+      const int slot = k % STAGES;
+      if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < 2 * MW; ++i) smeta[slot * 2 * MW + i] = m[i];
+      }
+      const uint32_t dst = ring_s + slot * SLOT;
+      size_t ko = (size_t)m[0] * 256, vo = (size_t)m[MW] * 256;
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const int kn = zf_meta_flag(m, j) == ZF_RAW ? 64 : 48;
+        const int vn = zf_meta_flag(m + MW, j) == ZF_RAW ? 64 : 48;
+        for (int c = lane; c < kn; c += 32) zf_cp16(dst + j * 1024 + c * 16, pool_b + ko + c * 16);
+        for (int c = lane; c < vn; c += 32)
+          zf_cp16(dst + (NB + j) * 1024 + c * 16, pool_b + vo + c * 16);
+        ko += kn * 16;
+        vo += vn * 16;
       }
     }
-  }
-
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-
-  // One partial per warp: [B, Hkv, n_splits * NW, G, D] and (m, l).
-  const size_t part = ((size_t)b * n_kv + h) * n_splits * NW + (size_t)split * NW + warp;
-  float* op = o_part + part * G * D;
-  float* mp = ml_part + part * G * 2;
+    zf_cp_commit();
+    // Consume page c = k - (STAGES - 1): its group is complete once at most STAGES-1 are pending.
+    const int c = k - (STAGES - 1);
+    if (c >= 0) {
+      zf_cp_wait<STAGES - 1>();
+      __syncwarp();
+      const int slot = c % STAGES;
+      uint32_t km[MW], vm[MW];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int d = 8 * nt + 2 * tig;
-    if (gid < G) { op[gid * D + d] = o[nt][0]; op[gid * D + d + 1] = o[nt][1]; }
-    if (gid + 8 < G) { op[(gid + 8) * D + d] = o[nt][2]; op[(gid + 8) * D + d + 1] = o[nt][3]; }
+      for (int i = 0; i < MW; ++i) { km[i] = smeta[slot * 2 * MW + i]; vm[i] = smeta[slot * 2 * MW + MW + i]; }
+      const uint8_t* base = ring + slot * SLOT;
+      const uint8_t* kblk[NB];
+      const uint8_t* vblk[NB];
+#pragma unroll
+      for (int j = 0; j < NB; ++j) { kblk[j] = base + j * 1024; vblk[j] = base + (NB + j) * 1024; }
+      const int p = first + c * NW;
+      const int valid = (p == n_pages - 1) ? len - 16 * p : 16;
+      zf_attend_page<D, MW, false>(kblk, vblk, km, vm, valid, lane, sl2, qa, o, m0, m1, l0, l1);
+      __syncwarp();  // every lane is done with this slot before it is refilled
+    }
   }
-  if (tig == 0) {
-    if (gid < G) { mp[gid * 2] = m0; mp[gid * 2 + 1] = l0; }
-    if (gid + 8 < G) { mp[(gid + 8) * 2] = m1; mp[(gid + 8) * 2 + 1] = l1; }
-  }
+  zf_cp_wait<0>();
+  zf_store_partial<D, G>(o_part, ml_part, part, lane, o, m0, m1, l0, l1);
 """
+)
 
 # Merge the partials of one (sequence, query head) with the token of this step. One thread per
 # dim; template D, G. params: n_parts (= n_splits * NW).
@@ -342,11 +474,22 @@ COMPRESS_OUTPUTS = ["flags", "payload"]
 
 SOURCES = {
     "zipfusion_attn": (ATTN_INPUTS, ATTN_OUTPUTS, ATTN_SOURCE),
+    "zipfusion_attn_pipe": (ATTN_INPUTS, ATTN_OUTPUTS, PIPE_SOURCE),
     "zipfusion_reduce": (REDUCE_INPUTS, REDUCE_OUTPUTS, REDUCE_SOURCE),
     "zipfusion_compress": (COMPRESS_INPUTS, COMPRESS_OUTPUTS, COMPRESS_SOURCE),
 }
 
 NUM_WARPS = 4  # warps per CTA of the attention kernel; each keeps its own softmax partial
+PIPE_STAGES = 3  # pages in flight per warp in the "pipe" variant (STAGES - 1 copies + 1 in use)
+PIPE_HEAD_DIMS = (64, 128, 256)
+# Which attention variant runs by default ("pipe" or "simple"); the benchmark times both.
+DEFAULT_VARIANT = os.environ.get("ROTARYQUANT_ZIPFUSION_VARIANT", "pipe")
+
+
+def pipe_shared_bytes(head_dim: int, num_warps: int = NUM_WARPS, stages: int = PIPE_STAGES) -> int:
+    """Dynamic shared memory of the pipe variant: page slots plus their metadata."""
+    slot = 2 * (head_dim // 32) * codec.RAW_BLOCK_BYTES
+    return num_warps * stages * (slot + 2 * codec.meta_words(head_dim) * 4)
 
 
 def translation_unit(
@@ -380,8 +523,20 @@ def _cuda() -> bool:
 _KERNELS: dict = {}
 if _cuda():
     for _name, (_ins, _outs, _body) in SOURCES.items():
+        if _name == "zipfusion_attn_pipe":
+            continue
         _KERNELS[_name] = mx.fast.cuda_kernel(
             name=_name, input_names=_ins, output_names=_outs, source=_body, header=HEADER
+        )
+    # The pipe variant's shared memory depends on the head dim: one kernel (and name) per dim.
+    for _d in PIPE_HEAD_DIMS:
+        _KERNELS[("zipfusion_attn_pipe", _d)] = mx.fast.cuda_kernel(
+            name=f"zipfusion_attn_pipe_d{_d}_s{PIPE_STAGES}_w{NUM_WARPS}",
+            input_names=ATTN_INPUTS,
+            output_names=ATTN_OUTPUTS,
+            source=PIPE_SOURCE,
+            header=HEADER,
+            shared_memory=pipe_shared_bytes(_d),
         )
 
 
@@ -460,7 +615,10 @@ def paged_attention_reference(
         mask = None
         k, v = k[:, :, :n], v[:, :, :n]
     else:
-        mask = (pos <= seq_len[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        keep = (pos <= seq_len[:, None])[:, None, :, None]  # [B, 1, T, 1]
+        k = mx.where(keep, k, 0)  # slots past the end of a page hold stale bytes (maybe NaN)
+        v = mx.where(keep, v, 0)
+        mask = keep[..., 0][:, :, None, :]  # [B, 1, 1, T]
     out = mx.fast.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, mask=mask)
     return out[:, :, 0]
 
@@ -506,6 +664,7 @@ def paged_decode_attention(
     scale: float,
     n_splits: int | None = None,
     use_kernel: bool | None = None,
+    variant: str | None = None,
 ) -> mx.array:
     """Attention of one new token per sequence over its pages (compressed or raw) and itself.
 
@@ -527,9 +686,18 @@ def paged_decode_attention(
     mw = codec.meta_words(d)
     params = mx.array([layer, n_ids, maxp, s], dtype=mx.int32)
     sl2 = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
-    o_part, ml_part = _KERNELS["zipfusion_attn"](
+    variant = variant or DEFAULT_VARIANT
+    if variant == "pipe" and d in PIPE_HEAD_DIMS:
+        kernel = _KERNELS[("zipfusion_attn_pipe", d)]
+        template = [("D", d), ("G", g), ("NW", NUM_WARPS), ("MW", mw), ("STAGES", PIPE_STAGES)]
+    elif variant in ("pipe", "simple"):
+        kernel = _KERNELS["zipfusion_attn"]
+        template = [("D", d), ("G", g), ("NW", NUM_WARPS), ("MW", mw)]
+    else:
+        raise ValueError(f"unknown ZipFusion attention variant {variant!r}")
+    o_part, ml_part = kernel(
         inputs=[q, pool, meta, page_table, seq_len, params, sl2],
-        template=[("D", d), ("G", g), ("NW", NUM_WARPS), ("MW", mw)],
+        template=template,
         grid=(s * 32 * NUM_WARPS, n_kv, b),
         threadgroup=(32 * NUM_WARPS, 1, 1),
         output_shapes=[(b, n_kv, s * NUM_WARPS, g, d), (b, n_kv, s * NUM_WARPS, g, 2)],

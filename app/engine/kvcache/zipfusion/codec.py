@@ -33,6 +33,12 @@ _K_GROUP_DIMS = (0, 1, 8, 9, 16, 17, 24, 25)
 _V_GROUP_TOKENS = (0, 1, 8, 9)
 
 
+def group_index(lane: int, g: int) -> int:
+    """Where lane `lane`'s group `g` (0 or 1) sits in a block: lanes contiguous per g, so a
+    warp's reads of one g are contiguous (coalesced in global, conflict-free in shared memory)."""
+    return 32 * g + lane
+
+
 def check_head_dim(head_dim: int) -> int:
     """Blocks per (page, head, K or V); head dims must be multiples of 32 up to 256."""
     if head_dim % 32 or not 32 <= head_dim <= 256:
@@ -61,7 +67,7 @@ def k_perm(head_dim: int) -> np.ndarray:
                 token = 8 * g + (lane >> 2)
                 for i, dd in enumerate(_K_GROUP_DIMS):
                     dim = 32 * j + 2 * (lane & 3) + dd
-                    out[j * BLOCK_VALUES + (2 * lane + g) * 8 + i] = token * head_dim + dim
+                    out[j * BLOCK_VALUES + group_index(lane, g) * 8 + i] = token * head_dim + dim
     return out
 
 
@@ -76,7 +82,7 @@ def v_perm(head_dim: int) -> np.ndarray:
                 for i in range(8):
                     dim = 32 * j + 16 * g + (lane >> 2) + 8 * (i >> 2)
                     token = 2 * (lane & 3) + _V_GROUP_TOKENS[i & 3]
-                    out[j * BLOCK_VALUES + (2 * lane + g) * 8 + i] = token * head_dim + dim
+                    out[j * BLOCK_VALUES + group_index(lane, g) * 8 + i] = token * head_dim + dim
     return out
 
 
