@@ -154,7 +154,8 @@ def test_already_quantized_mlx_folder(tmp_path):
     save_model(q_dir, model)
     save_config(config, q_dir / "config.json")
 
-    for spec in ("routed=4,shared=4", "routed=2,dense=8/32"):
+    # same bits as the source (any group): kept; other bits: re-quantized from the dequantized
+    for spec in ("routed=4,shared=4,dense=4/32", "routed=2,dense=8/32"):
         widths = RoleWidths.parse(spec)
         out = tmp_path / f"out-{spec}"
         man = convert(q_dir, out, widths=widths, chunk_bytes=4096)  # many row blocks
@@ -165,7 +166,7 @@ def test_already_quantized_mlx_folder(tmp_path):
             if not hasattr(m, "scales"):
                 continue
             w = widths[module_role(rules, name)]
-            if (w.bits, w.group_size) == (m.bits, m.group_size):
+            if w.bits == m.bits:
                 continue
             dq = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
             if isinstance(m, QuantizedSwitchLinear):
@@ -180,7 +181,7 @@ def test_already_quantized_mlx_folder(tmp_path):
         lm = load_converted(out)
         assert mx.array_equal(lm.model(TOKENS), ref(TOKENS)).item(), spec
         assert isinstance(lm.model.model.layers[0].mlp.gate, nn.Linear)  # router back to float
-        assert ("model.embed_tokens.weight" in man.extra["requantized"]) == ("dense" in spec)
+        assert ("model.embed_tokens.weight" in man.extra["requantized"]) == ("dense=8" in spec)
 
 
 def test_progress_and_interrupt_leave_no_output(tmp_path):

@@ -12,6 +12,10 @@ Output folder:
 - `rotaryquant.json`: widths, parameter counts, bytes and excess kurtosis per role, and the
   records' layout and checksums.
 
+Already-quantized sources: a weight whose role asks for the bits it already has (any group
+size) is copied as it is; other widths are re-quantized from its dequantized values (listed in
+the manifest's `requantized`). Kurtosis is then measured on the dequantized values.
+
 Streaming: names are mapped with the model's own `sanitize` on lazy arrays (nothing is read);
 then each non-expert tensor is read and written in blocks of rows (at most `chunk_bytes` of
 source), and experts one at a time with positioned reads. Peak memory above the process
@@ -40,7 +44,7 @@ from ..manifest import MANIFEST_NAME, Manifest
 from ..offload.records import LayerLayout, LayerWriter, experts_section
 from .experts_src import QuantSrc, find_expert_sources, infer_quant
 from .moments import Moments
-from .roles import ArchRules, param_role, rules_for, width_for
+from .roles import param_role, rules_for, width_for
 from .safetensors_io import OutTensor, SafetensorsReader, ShardedWriter, mx_dtype_name
 from .widths import ROLES, RoleWidth, RoleWidths
 
@@ -82,7 +86,7 @@ class _DenseItem:
     lazy: object = None  # float source: the sanitized lazy array
     src_name: str | None = None  # float source that sanitize passed through unchanged
     qsrc: tuple | None = None  # quantized source: (weight, scales, biases|None, bits, group, mode)
-    passthrough: bool = False  # quantized source already at the target width
+    passthrough: bool = False  # quantized source already at the target bits: kept as is
 
 
 def _quant_shapes(rows_shape: tuple, in_dims: int, dtype, w: RoleWidth) -> list[tuple]:
@@ -263,7 +267,7 @@ def convert(
         writer = None
         for s, lay in zip(sources, layouts, strict=True):
             _write_layer(s, lay, tmp, stats, expected, report)
-        quant = _quant_config(model, rules, widths, modules, expected, exp_mods, items)
+        quant = _quant_config(widths, modules, items, layouts)
         out_cfg = dict(config)
         out_cfg.pop("quantization_config", None)
         if isinstance(out_cfg.get("text_config"), dict):
@@ -327,7 +331,10 @@ def _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods, e
                 raise ModelLoadError(f"config.json does not match the weights: {name} has "
                                      f"shape {list(arr.shape)}, expected {list(shape)}", str(src))
             item.qsrc = (arr, s, b, bits, g, mode)
-            item.passthrough = _qkey(width) == (bits, g, mode)
+            # Same bits (any group): keep the source's codes; re-grouping only adds error.
+            item.passthrough = width is not None and (width.bits, width.mode) == (bits, mode)
+            if item.passthrough:
+                width = item.width = RoleWidth(bits, g, mode)
             fdtype = s.dtype if mode == "affine" else mx.bfloat16
         else:
             if tuple(arr.shape) != shape:
@@ -439,6 +446,9 @@ def _plan_layer(s, widths: RoleWidths, expected: dict, modules: dict) -> LayerLa
         fdtype = w.scales.dtype if isinstance(w, QuantSrc) and w.mode == "affine" else (
             w.dequantize().dtype if isinstance(w, QuantSrc) else w.dtype)
         width = width_for(widths, "routed", want[-1])
+        if isinstance(w, QuantSrc) and width is not None and \
+                (w.bits, w.mode) == (width.bits, width.mode):
+            width = RoleWidth(w.bits, w.group_size, w.mode)  # kept as is, as for dense
         quant[p] = None if width is None else {"bits": width.bits, "group_size": width.group_size,
                                                "mode": width.mode}
         if width is None:
@@ -510,22 +520,20 @@ def _write_layer(s, lay: LayerLayout, folder: Path, stats, expected, report) -> 
                 st.bytes += t.nbytes * s.num_experts
 
 
-def _quant_config(model, rules: ArchRules, widths, modules, expected, exp_mods, items) -> dict:
+def _quant_config(widths, modules, items, layouts) -> dict:
     """mlx-lm's `quantization` dict: defaults plus an entry for every quantizable module."""
     d = widths.dense
     top = d if d.bits is not None else RoleWidth(4, 64)
     q: dict = {"group_size": top.group_size, "bits": top.bits, "mode": top.mode}
-    quantized = {i.name.rpartition(".")[0]: i.width for i in items if i.name.endswith(".weight")}
-    for mod, projs in exp_mods.items():
-        for p in projs:
-            in_dims = expected[f"{mod}.{p}.weight"][-1]
-            quantized[f"{mod}.{p}"] = width_for(widths, "routed", in_dims)
+    quantized = {i.name.rpartition(".")[0]: None if i.width is None else
+                 {"group_size": i.width.group_size, "bits": i.width.bits, "mode": i.width.mode}
+                 for i in items if i.name.endswith(".weight")}
+    for lay in layouts:
+        for p, qp in lay.quantization.items():
+            quantized[f"{lay.module}.{p}"] = qp
     for path, m in modules.items():
-        if not hasattr(m, "to_quantized"):
-            continue
-        w = quantized.get(path)
-        q[path] = False if w is None else {"group_size": w.group_size, "bits": w.bits,
-                                           "mode": w.mode}
+        if hasattr(m, "to_quantized"):
+            q[path] = quantized.get(path) or False
     return q
 
 
