@@ -44,7 +44,22 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--kv-mode", default="fp16", help="fp16 | isoquant3 | isoquant4 | zipfusion ...")
+    p.add_argument("--kv-mode", default="auto",
+                   help="auto (the plan's, else fp16) | fp16 | isoquant3 | isoquant4 | zipfusion ...")
+    p.add_argument("--plan", action="store_true",
+                   help="apply the auto-planner's choices for this machine (paging, KV mode)")
+    p.add_argument("--expert-budget", help="page routed experts within this many bytes, e.g. 4GB")
+
+
+def _load_options(args) -> dict:
+    opts = {"plan": bool(getattr(args, "plan", False))}
+    if getattr(args, "expert_budget", None):
+        from .engine.planner import parse_size
+
+        opts["expert_budget"] = parse_size(args.expert_budget)
+    if getattr(args, "kv_mode", "auto") != "auto":
+        opts["kv_mode"] = args.kv_mode
+    return opts
 
 
 def cmd_prepare_default(args) -> int:
@@ -62,7 +77,7 @@ def cmd_generate(args) -> int:
         from .engine.worker import WorkerClient
 
         with WorkerClient() as c:
-            c.load(_model_path(args.model))
+            c.load(_model_path(args.model), _load_options(args))
             done = None
             for m in c.generate(prompt, settings):
                 if isinstance(m, M.Token):
@@ -78,7 +93,7 @@ def cmd_generate(args) -> int:
     from .engine.generate import Engine, Finished, GenerationSettings, TokenEvent
 
     eng = Engine()
-    eng.load(_model_path(args.model))
+    eng.load(_model_path(args.model), _load_options(args))
     fin = None
     for ev in eng.generate(prompt, GenerationSettings.from_dict(settings)):
         if isinstance(ev, TokenEvent):
@@ -102,7 +117,7 @@ def cmd_chat(args) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     with WorkerClient() as c:
-        info = c.load(_model_path(args.model))
+        info = c.load(_model_path(args.model), _load_options(args))
         print(f"{info['name']} ({info['architecture']}, {info['backend']}). "
               "Empty line or /quit to leave, /reset to forget the conversation.")
         while True:
@@ -151,7 +166,7 @@ def cmd_bench(args) -> int:
     from .engine.generate import Engine
 
     eng = Engine()
-    info = eng.load(_model_path(args.model))
+    info = eng.load(_model_path(args.model), _load_options(args))
     res = bench_generate(eng, args.prompt_tokens, args.gen_tokens, args.trials, args.kv_mode)
     res = {"model": info.name, "machine": machine(), **res}
     print(json.dumps(res, indent=2))
@@ -191,11 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("models", cmd_models, "list local models")
     sp = add("bench", cmd_bench, "prompt/decode tok/s and peak memory")
     if sp:
-        sp.add_argument("--model")
+        _add_gen_args(sp)
         sp.add_argument("--prompt-tokens", type=int, default=256)
         sp.add_argument("--gen-tokens", type=int, default=64)
         sp.add_argument("--trials", type=int, default=3)
-        sp.add_argument("--kv-mode", default="fp16")
     sp = add("prepare-default", cmd_prepare_default, "convert the embedded model (once)")
     if sp:
         sp.add_argument("--force", action="store_true")

@@ -42,9 +42,9 @@ def add_commands(subparsers) -> None:
 class _Printer:
     """Progress on one rewritten line on a terminal, a line per 10% otherwise (logs, CI)."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # looked up now: sys.stderr may be replaced (tests)
+        self.tty = self.stream.isatty()
         self.last_step = -1
         self.last_t = 0.0
 

@@ -30,7 +30,7 @@ class GenerationSettings:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    kv_mode: str = "fp16"  # fp16 | isoquant3 | isoquant4 | isoquant_k4v3 | zipfusion
+    kv_mode: str = "auto"  # auto (the plan's) | fp16 | isoquant3 | isoquant4 | isoquant_k4v3 | zipfusion
     kv_window: int | None = None  # IsoQuant's recent FP16 window (None = the cache's default)
     prefill_step_size: int = 512
 
@@ -100,6 +100,20 @@ def _weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
+    """Plain mlx-lm folders and converted folders (experts in records), resident or paged."""
+    if expert_budget is None:
+        return _loader.load(path)
+    _, manifest = _loader.check_folder(path)
+    if manifest is None or not manifest.experts:
+        raise EngineError("an expert budget needs a converted MoE model (rotaryquant convert)")
+    try:
+        from .offload import load_paged
+    except ImportError as e:
+        raise EngineError("expert paging is not available in this build") from e
+    return load_paged(path, int(expert_budget))
+
+
 def _kvcache_module():
     """The KV-cache package, when present (IsoQuant, ZipFusion); None for fp16-only builds."""
     try:
@@ -118,22 +132,33 @@ class Engine:
         self.loaded: _loader.LoadedModel | None = None
         self.info: ModelInfo | None = None
         self.last_cache: list | None = None
+        self.default_kv_mode = "fp16"
 
     # -- loading ---------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike) -> ModelInfo:
+    def load(self, path: str | os.PathLike, options: dict | None = None) -> ModelInfo:
+        """Load a model folder. `options`: {"expert_budget": bytes} pages the routed experts
+        of a converted folder within that budget (the plan's choice); without it a converted
+        folder loads fully resident."""
         from .backend import detect
 
+        options = dict(options or {})
         t0 = time.perf_counter()
         if str(path) == DEFAULT_MODEL_REF:
             from .embedded import ensure_default_model
 
             path = ensure_default_model()
-        lm = _loader.load(path)
+        plan = None
+        if options.get("plan"):
+            plan = self._plan(path, options)
+            if plan.paging and options.get("expert_budget") is None:
+                options["expert_budget"] = plan.expert_budget
+        lm = _load_any(path, options.get("expert_budget"))
         kv = _kvcache_module()
         if kv is not None and hasattr(kv, "install"):
             kv.install(lm.model)
         self.unload()
         self.loaded = lm
+        self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
         backend = detect()
         modes = tuple(m for m in self._kv_modes(kv) if m in backend.kv_modes or m not in ("zipfusion",))
         self.info = ModelInfo(
@@ -145,8 +170,21 @@ class Engine:
             kv_modes=modes,
             backend=backend.name,
             load_seconds=time.perf_counter() - t0,
+            extra={"plan": plan.to_dict() if plan else None,
+                   "expert_budget": options.get("expert_budget"),
+                   "default_kv_mode": self.default_kv_mode},
         )
         return self.info
+
+    @staticmethod
+    def _plan(path, options: dict):
+        """The auto-planner's choice for this machine; explicit options override it."""
+        from .planner import plan_model
+
+        return plan_model(
+            path, context=options.get("context"), kv_mode=options.get("kv_mode"),
+            expert_budget=options.get("expert_budget"),
+        )
 
     @staticmethod
     def _kv_modes(kv) -> tuple[str, ...]:
@@ -184,18 +222,19 @@ class Engine:
         from mlx_lm.models.cache import make_prompt_cache
 
         model = self._require().model
-        if settings.kv_mode == "fp16":
+        mode = self.default_kv_mode if settings.kv_mode == "auto" else settings.kv_mode
+        if mode == "fp16":
             return make_prompt_cache(model)
         from .backend import detect
 
-        reason = detect().unavailable_reason(settings.kv_mode)
+        reason = detect().unavailable_reason(mode)
         kv = _kvcache_module()
-        if kv is None or settings.kv_mode not in self._kv_modes(kv):
-            reason = reason or f"KV mode {settings.kv_mode!r} is not available in this build"
+        if kv is None or mode not in self._kv_modes(kv):
+            reason = reason or f"KV mode {mode!r} is not available in this build"
         if reason:
             raise EngineError(reason)
         opts = {} if settings.kv_window is None else {"window": settings.kv_window}
-        return kv.make_cache(model, settings.kv_mode, **opts)
+        return kv.make_cache(model, mode, **opts)
 
     @staticmethod
     def cache_nbytes(cache: list | None) -> int:

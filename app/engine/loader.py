@@ -143,6 +143,11 @@ def load(path: str | os.PathLike, lazy: bool = False) -> LoadedModel:
 
     path = Path(path).resolve()
     config, manifest = check_folder(path)
+    if manifest is not None and manifest.experts:
+        # a converted folder keeps its routed experts in per-expert records
+        from .quant.converted import load_converted
+
+        return load_converted(path, lazy=lazy)
     try:
         model, config = load_model(path, lazy=lazy)
     except ValueError as e:

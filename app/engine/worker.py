@@ -94,7 +94,7 @@ class _Worker:
 
     def handle(self, msg) -> None:
         if isinstance(msg, M.Load):
-            info = self.engine.load(msg.path)
+            info = self.engine.load(msg.path, msg.options)
             self.send(M.Loaded(msg.req_id, asdict(info)))
         elif isinstance(msg, M.Generate):
             self.generate(msg)
@@ -292,9 +292,9 @@ class WorkerClient:
             if pred(msg):
                 return msg
 
-    def load(self, path: str, timeout: float = 300.0) -> dict:
+    def load(self, path: str, options: dict | None = None, timeout: float = 300.0) -> dict:
         rid = self.next_id()
-        self.send(M.Load(str(path), req_id=rid))
+        self.send(M.Load(str(path), options=dict(options or {}), req_id=rid))
         msg = self._wait(lambda m: isinstance(m, (M.Loaded, M.Error)) and m.req_id == rid, timeout)
         if isinstance(msg, M.Error):
             raise WorkerError(f"{msg.kind}: {msg.message}")
