@@ -1,0 +1,179 @@
+"""Paged replacements for mlx-lm's stacked expert layers, installed by swapping modules.
+
+`PagedSwitchGLU(x, indices)` / `PagedSwitchMLP(x, indices)` keep the call signature and the
+arithmetic of mlx-lm's `SwitchGLU` / `SwitchMLP` (same projection order, the same sort of
+(token, expert) pairs from 64 pairs up, `gather_qmm` / `gather_mm` with the same options), but
+gather from the pager's slot tensors with indices remapped to slots. Every output row is the
+same computation on the same weights as in the resident model, so outputs are bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import (
+    SwitchGLU,
+    SwitchMLP,
+    _gather_sort,
+    _scatter_unsort,
+)
+
+from .pager import ExpertPager, Route
+
+SORT_FROM = 64  # mlx-lm sorts (token, expert) pairs by expert from this many pairs on
+
+
+@dataclass(frozen=True)
+class _Proj:
+    name: str  # "gate_proj", "fc1", ...
+    quant: dict | None  # {"bits", "group_size", "mode"}; None: float weights
+    bias: bool
+
+
+class _PagedSwitch(nn.Module):
+    """Shared plumbing; subclasses define `_experts(x, idx, sorted_)` like mlx-lm's layer."""
+
+    PROJS: tuple[str, ...] = ()
+
+    def __init__(self, pager: ExpertPager, layer: int, activation):
+        super().__init__()
+        self.activation = activation
+        self._pager = pager  # plain attributes: not parameters of the model
+        self._layer = layer
+        names = {t.name for t in pager.store.layout(layer).tensors}
+        quant = pager.quantization(layer)
+        self._projs = {p: _Proj(p, quant.get(p), f"{p}.bias" in names) for p in self.PROJS}
+        for p in self.PROJS:
+            if f"{p}.weight" not in names:
+                raise ValueError(f"layer {layer}: expert records have no {p}.weight "
+                                 f"(have {sorted(names)})")
+            if quant.get(p) is not None and quant[p].get("mode", "affine") == "affine" and \
+                    f"{p}.scales" not in names:
+                raise ValueError(f"layer {layer}: quantized {p} without scales in the records")
+
+    def _proj(self, name: str, x, idx, sorted_: bool, arrays: dict):
+        p = self._projs[name]
+        w = arrays[f"{name}.weight"]
+        if p.quant is not None:
+            x = mx.gather_qmm(
+                x, w, arrays[f"{name}.scales"], arrays.get(f"{name}.biases"),
+                rhs_indices=idx, transpose=True, group_size=p.quant["group_size"],
+                bits=p.quant["bits"], mode=p.quant.get("mode", "affine"),
+                sorted_indices=sorted_)
+        else:
+            x = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_)
+        if p.bias:
+            x = x + mx.expand_dims(arrays[f"{name}.bias"][idx], -2)
+        return x
+
+    def __call__(self, x, indices) -> mx.array:
+        pager = self._pager
+        route = pager.route(self._layer, indices)
+        if route.slot_idx is None:
+            return self._call_groups(x, indices, route)
+        arrays = pager.arrays(self._layer)
+        # x: [..., H] -> [..., 1, 1, H]; idx: [..., k] slots
+        x = mx.expand_dims(x, (-2, -3))
+        idx = route.slot_idx
+        do_sort = idx.size >= SORT_FROM
+        inv_order = None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, idx)
+        x = self._experts(x, idx, do_sort, arrays)
+        if do_sort:
+            x = _scatter_unsort(x, inv_order, indices.shape)
+        out = x.squeeze(-2)
+        pager.track(out)
+        return out
+
+    def _call_groups(self, x, indices, route: Route) -> mx.array:
+        """More experts than slots: run the pairs of each group of experts, evaluated before
+        the next group reuses the slots, then put the rows back in order."""
+        pager, layer = self._pager, self._layer
+        k = indices.shape[-1]
+        xf = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, H]
+        flat = route.flat
+        parts, rows_all = [], []
+        for g in route.groups:
+            table = pager.acquire(layer, g.experts, flat[g.rows])
+            slots = table[flat[g.rows]]
+            order = np.argsort(slots, kind="stable")  # sorted_indices needs ascending slots
+            rows = g.rows[order]
+            xi = xf[mx.array(rows // k)]
+            si = mx.array(slots[order].astype(np.uint32))
+            part = self._experts(xi, si, True, pager.arrays(layer))
+            mx.eval(part)
+            pager.release()
+            parts.append(part)
+            rows_all.append(rows)
+        inv = np.argsort(np.concatenate(rows_all), kind="stable")
+        y = mx.concatenate(parts, axis=0)[mx.array(inv)]
+        return mx.unflatten(y, 0, indices.shape).squeeze(-2)
+
+
+class PagedSwitchGLU(_PagedSwitch):
+    PROJS = ("gate_proj", "up_proj", "down_proj")
+
+    def _experts(self, x, idx, sorted_, arrays):
+        x_up = self._proj("up_proj", x, idx, sorted_, arrays)
+        x_gate = self._proj("gate_proj", x, idx, sorted_, arrays)
+        return self._proj("down_proj", self.activation(x_up, x_gate), idx, sorted_, arrays)
+
+
+class PagedSwitchMLP(_PagedSwitch):
+    PROJS = ("fc1", "fc2")
+
+    def _experts(self, x, idx, sorted_, arrays):
+        x = self._proj("fc1", x, idx, sorted_, arrays)
+        x = self.activation(x)
+        return self._proj("fc2", x, idx, sorted_, arrays)
+
+
+def _check_shapes(orig, pager: ExpertPager, layer: int, projs) -> None:
+    """The records must hold what the original module would: shapes minus the expert axis."""
+    from mlx.utils import tree_flatten
+
+    specs = {t.name: t.shape for t in pager.store.layout(layer).tensors}
+    for name, p in tree_flatten(orig.parameters()):
+        if name.split(".")[0] not in projs or name.rsplit(".", 1)[-1] not in (
+                "weight", "scales", "biases", "bias"):
+            continue
+        if name not in specs:
+            raise ValueError(f"layer {layer}: the model expects {name} but the expert records "
+                             "do not have it")
+        if tuple(p.shape[1:]) != specs[name] or p.shape[0] != \
+                pager.store.layout(layer).num_experts:
+            raise ValueError(f"layer {layer}: {name} is {list(p.shape)} in the model, "
+                             f"{list(specs[name])} per expert in the records")
+
+
+def paged_module(orig, pager: ExpertPager, layer: int) -> _PagedSwitch:
+    """The paged twin of mlx-lm's expert module `orig` for MoE layer `layer`."""
+    if isinstance(orig, SwitchGLU):
+        cls = PagedSwitchGLU
+    elif isinstance(orig, SwitchMLP):
+        cls = PagedSwitchMLP
+    else:
+        raise TypeError(f"layer {layer}: cannot page expert module {type(orig).__name__} "
+                        "(SwitchGLU and SwitchMLP are supported)")
+    _check_shapes(orig, pager, layer, cls.PROJS)
+    return cls(pager, layer, orig.activation)
+
+
+def install(model, pager: ExpertPager) -> list[str]:
+    """Swap every expert module named in the records for its paged twin; returns the paths."""
+    modules = dict(model.named_modules())
+    done = []
+    for layer in pager.store.layers:
+        path = pager.store.layout(layer).module
+        if path not in modules:
+            raise ValueError(f"layer {layer}: the model has no module {path!r} "
+                             "(records from another architecture?)")
+        parent_path, _, attr = path.rpartition(".")
+        parent = modules[parent_path] if parent_path else model
+        setattr(parent, attr, paged_module(modules[path], pager, layer))
+        done.append(path)
+    return done

@@ -1,0 +1,125 @@
+"""Slot bookkeeping of the expert pager: which (layer, expert) lives in which slot, LRU order,
+pins. Plain Python, no MLX: unit-tested in microseconds (like nano-vllm's BlockManager).
+
+A slot is one expert's place in the resident slot tensors. A pinned slot holds an expert that a
+forward computation still in flight reads: it is never evicted nor freed until unpinned.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+
+class NoFreeSlot(RuntimeError):
+    """Every slot is pinned: the caller must release pins (finish the in-flight step) first."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    key: Hashable  # the (layer, expert) now resident
+    slot: int
+    evicted: Hashable | None  # the key that slot held before, None if it was free
+
+
+class ExpertLRU:
+    """`num_slots` slots: a `free` deque, the used slots in LRU order (oldest first), pins."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"an expert pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.free: deque[int] = deque(range(num_slots))
+        self.slot_of: OrderedDict[Hashable, int] = OrderedDict()  # LRU order: oldest first
+        self.key_of: dict[int, Hashable] = {}
+        self.pinned: set[int] = set()
+
+    # -- queries ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.slot_of
+
+    @property
+    def evictable(self) -> int:
+        """Slots that an allocation may take: free ones plus used ones not pinned."""
+        return len(self.free) + len(self.slot_of) - len(self.pinned)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return n <= self.evictable
+
+    def lookup(self, key: Hashable) -> int | None:
+        """The slot of `key` (marked most recently used), or None if it is not resident."""
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            self.slot_of.move_to_end(key)
+        return slot
+
+    # -- changes ---------------------------------------------------------------------------
+    def allocate(self, key: Hashable) -> Allocation:
+        """Give `key` a slot: a free one, else the least recently used unpinned one."""
+        assert key not in self.slot_of, f"{key} is already resident"
+        evicted = None
+        if self.free:
+            slot = self.free.popleft()
+        else:
+            evicted = next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
+            if evicted is None:
+                raise NoFreeSlot(f"all {self.num_slots} slots are pinned")
+            slot = self.slot_of.pop(evicted)
+        self.slot_of[key] = slot
+        self.key_of[slot] = key
+        return Allocation(key, slot, evicted)
+
+    def deallocate(self, key: Hashable) -> int:
+        """Drop `key` (its slot goes back to the free deque); a pinned slot cannot be freed."""
+        slot = self.slot_of[key]
+        assert slot not in self.pinned, f"{key} (slot {slot}) is pinned"
+        del self.slot_of[key]
+        del self.key_of[slot]
+        self.free.append(slot)
+        return slot
+
+    def pin(self, slot: int) -> None:
+        assert slot in self.key_of, f"slot {slot} holds no expert"
+        self.pinned.add(slot)
+
+    def unpin(self, slot: int) -> None:
+        self.pinned.discard(slot)
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def resolve(self, keys: Iterable[Hashable]) -> tuple[dict, list[Allocation]]:
+        """Pin every key for one computation: hits keep their slot, misses get one.
+        Returns ({key: slot}, [allocations of the misses]). Atomic: if the misses cannot all
+        get a slot (too many pinned), nothing changes and NoFreeSlot is raised."""
+        keys = list(dict.fromkeys(keys))
+        hits = [k for k in keys if k in self.slot_of]
+        misses = [k for k in keys if k not in self.slot_of]
+        newly_pinned = {self.slot_of[k] for k in hits} - self.pinned
+        if len(misses) > self.evictable - len(newly_pinned):
+            raise NoFreeSlot(f"{len(misses)} misses but {self.evictable - len(newly_pinned)} "
+                             f"evictable slots of {self.num_slots}")
+        slots = {}
+        for k in hits:
+            slots[k] = self.lookup(k)
+            self.pin(slots[k])
+        allocs = []
+        for k in misses:
+            a = self.allocate(k)
+            self.pin(a.slot)
+            slots[k] = a.slot
+            allocs.append(a)
+        return slots, allocs
+
+    def check(self) -> None:
+        """Invariants (for tests and debugging)."""
+        assert len(self.free) + len(self.slot_of) == self.num_slots
+        assert len(set(self.free)) == len(self.free)
+        used = set(self.slot_of.values())
+        assert not used & set(self.free)
+        assert {s: k for k, s in self.slot_of.items()} == self.key_of
+        assert self.pinned <= used

@@ -1,0 +1,420 @@
+"""The expert pager (SPEC §3): a bounded set of routed experts resident in slot tensors, the
+rest read from their records on demand, LRU eviction across all MoE layers.
+
+Slots: experts whose records have the same layout (every layer of the models we run) share one
+pool: a tensor per record tensor, `[num_slots, *shape]`, so `gather_qmm` runs on slots with
+remapped indices and any layer can take any slot. The byte budget is split over pools by
+their experts' bytes.
+
+Two paths:
+- all resident (budget >= every expert): records are loaded at start, a layer maps expert e to
+  slot base+e on the device (`indices + base`); nothing is read back to the host, so the step
+  synchronizes exactly as the resident model does.
+- paged: each MoE layer call reads its router's indices back to the host (one sync per MoE
+  layer: the price of knowing what to read), pins its experts, reads the misses into free or
+  least recently used unpinned slots and remaps indices to slots. Its pins hold until the
+  next call's sync has evaluated this call's output; only then may its slots be overwritten.
+
+Writes into slots: with unified memory (CPU, Apple GPU) a record is read with one `preadv`
+straight into the slot tensors' memory (zero copies; safe because only unpinned slots are
+written, after the sync that finished every computation reading them). Elsewhere (CUDA) the
+record is read into host staging and scattered into the slot tensors functionally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import EngineError
+from .lru import ExpertLRU, NoFreeSlot
+from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
+from .stats import LayerStats, total
+
+STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
+
+_NP_STORAGE = {"uint32": np.uint32, "uint8": np.uint8, "float32": np.float32,
+               "float16": np.float16, "bfloat16": np.uint16}
+
+
+class BudgetError(EngineError, ValueError):
+    """The expert budget cannot hold what the pager needs (at least one expert per pool)."""
+
+
+@dataclass(frozen=True)
+class PagerOptions:
+    verify: bool = True  # CRC-check every record read (size is always checked)
+    read_threads: int = 4  # concurrent positioned reads of one call's misses (SSD queue depth)
+    always_resolve: bool = False  # read indices back even when all experts are resident
+    zero_copy: bool | None = None  # preadv into slot memory; None: on unless CUDA
+    drop_page_cache: bool = False  # posix_fadvise DONTNEED after each read (cold-disk runs)
+
+    def __post_init__(self):
+        if self.read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+
+
+def _signature(lay: LayerLayout) -> str:
+    return json.dumps([[t.to_dict() for t in lay.tensors], lay.quantization, lay.record_size],
+                      sort_keys=True)
+
+
+class SlotPool:
+    """Slot tensors for every layer whose records share one layout, and their LRU."""
+
+    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int):
+        import mlx.core as mx
+
+        self.tensors: tuple[TensorSpec, ...] = layout.tensors
+        self.quantization = dict(layout.quantization)
+        self.record_size = layout.record_size
+        self.layers = layers
+        self.num_experts = {lay: 0 for lay in layers}  # filled by the pager
+        self.slot_bytes = sum(t.nbytes for t in self.tensors)
+        self.num_slots = num_slots
+        self.lru = ExpertLRU(num_slots)
+        # storage dtype: bfloat16 kept as uint16 so numpy can address it; viewed at use
+        self.storage = {}
+        for t in self.tensors:
+            store_dt = mx.uint16 if t.dtype == "bfloat16" else getattr(mx, t.dtype)
+            a = mx.zeros((num_slots, *t.shape), dtype=store_dt)
+            mx.eval(a)
+            self.storage[t.name] = a
+        self._views: dict[str, memoryview] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def arrays(self) -> dict:
+        """The slot tensors by record name, in their MLX dtypes."""
+        import mlx.core as mx
+
+        out = {}
+        for t in self.tensors:
+            a = self.storage[t.name]
+            out[t.name] = a.view(mx.bfloat16) if t.dtype == "bfloat16" else a
+        return out
+
+    def slot_views(self, slot: int) -> list[memoryview]:
+        """Writable byte views of one slot in every slot tensor (zero-copy path)."""
+        if self._views is None:
+            self._views = {}
+            for t in self.tensors:
+                mv = memoryview(self.storage[t.name])
+                if not mv.c_contiguous or mv.nbytes != self.num_slots * t.nbytes:
+                    raise RuntimeError(f"slot tensor {t.name} is not a plain contiguous buffer")
+                self._views[t.name] = mv.cast("B")
+        return [self._views[t.name][slot * t.nbytes:(slot + 1) * t.nbytes] for t in self.tensors]
+
+    def scatter(self, slots: list[int], stage: np.ndarray) -> None:
+        """Write records `stage` [n, record_size] into `slots` (functional update)."""
+        import mlx.core as mx
+
+        idx = mx.array(np.asarray(slots, dtype=np.uint32))
+        n = len(slots)
+        for t in self.tensors:
+            part = stage[:n, t.offset:t.offset + t.nbytes].view(_NP_STORAGE[t.dtype])
+            data = mx.array(np.ascontiguousarray(part).reshape(n, *t.shape))
+            self.storage[t.name][idx] = data
+
+
+@dataclass
+class Group:
+    """Experts of one layer call that are resident together (the call's experts exceeded the
+    pool): `rows` are positions in the call's flattened (token, expert) pairs."""
+    experts: list[int]
+    rows: np.ndarray
+
+
+@dataclass
+class Route:
+    slot_idx: object = None  # mx.array shaped like the indices: slots to gather (one pass)
+    groups: list | None = None  # else: groups of experts, run one after another
+    flat: np.ndarray | None = None  # the call's expert index per pair (host), with groups
+
+
+class ExpertPager:
+    """Resident experts for every MoE layer of one model, within `budget_bytes`."""
+
+    def __init__(self, store: ExpertStore, budget_bytes: int,
+                 options: PagerOptions | None = None):
+        import mlx.core as mx
+
+        self.store = store
+        self.options = options = options or PagerOptions()
+        self.budget_bytes = int(budget_bytes)
+        if self.budget_bytes < 0:
+            raise BudgetError(f"expert budget must be >= 0 bytes, got {budget_bytes}")
+        layers = store.layers
+        if not layers:
+            raise ExpertRecordError("no MoE layers in the expert records", str(store.folder))
+        for layer in layers:  # opens every file: size and magic are checked up front
+            store.read_raw(layer, 0)
+        by_sig: dict[str, list[int]] = {}
+        for layer in layers:
+            by_sig.setdefault(_signature(store.layout(layer)), []).append(layer)
+        groups = list(by_sig.values())
+        experts = [sum(store.layout(x).num_experts for x in g) for g in groups]
+        slot_bytes = [sum(t.nbytes for t in store.layout(g[0]).tensors) for g in groups]
+        self.expert_bytes = sum(n * b for n, b in zip(experts, slot_bytes, strict=True))
+        self.full = self.budget_bytes >= self.expert_bytes
+        self.pools: list[SlotPool] = []
+        self.pool_of: dict[int, SlotPool] = {}
+        for g, n, b in zip(groups, experts, slot_bytes, strict=True):
+            slots = n if self.full else min(n, self.budget_bytes * n // self.expert_bytes)
+            if slots < 1:
+                raise BudgetError(
+                    f"expert budget of {self.budget_bytes} bytes holds no expert of layer "
+                    f"{g[0]} ({b} bytes each; all experts: {self.expert_bytes} bytes)")
+            pool = SlotPool(store.layout(g[0]), g, slots)
+            for layer in g:
+                pool.num_experts[layer] = store.layout(layer).num_experts
+                self.pool_of[layer] = pool
+            self.pools.append(pool)
+        self.layer_stats = {layer: LayerStats() for layer in layers}
+        self.base: dict[int, int] = {}  # all-resident path: slot of (layer, e) = base + e
+        zc = options.zero_copy
+        self.zero_copy = (not (getattr(mx, "cuda", None) and mx.cuda.is_available())
+                          if zc is None else zc)
+        self._fds: dict[int, int] = {}
+        self._pool_exec = ThreadPoolExecutor(options.read_threads) \
+            if options.read_threads > 1 else None
+        self._stage: np.ndarray | None = None
+        self._pending: list = []  # outputs of the last call: evaluated before its slots move
+        self.load_bytes_read = 0
+        if self.zero_copy:
+            for pool in self.pools:  # byte views made here, never first in a reader thread
+                pool.slot_views(0)
+        if self.full:
+            self._load_all()
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def arrays(self, layer: int) -> dict:
+        return self.pool_of[layer].arrays()
+
+    def quantization(self, layer: int) -> dict:
+        return self.pool_of[layer].quantization
+
+    def stats(self) -> dict:
+        """Plain numbers for the UI: totals, the configuration and one dict per layer."""
+        sb = {layer: self.pool_of[layer].slot_bytes for layer in self.layer_stats}
+        out = total(self.layer_stats, sb)
+        out.update(mode="resident" if self.full and not self.options.always_resolve else "paged",
+                   budget_bytes=self.budget_bytes, pool_bytes=self.pool_bytes,
+                   expert_bytes=self.expert_bytes,
+                   slots=sum(p.num_slots for p in self.pools),
+                   experts=sum(sum(p.num_experts.values()) for p in self.pools),
+                   layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()})
+        return out
+
+    def reset_stats(self) -> None:
+        for layer, st in self.layer_stats.items():
+            resident = st.resident
+            self.layer_stats[layer] = LayerStats(resident=resident)
+
+    def route(self, layer: int, indices) -> Route:
+        """Slots for one call of `layer`'s experts with router `indices` [..., k]."""
+        import mlx.core as mx
+
+        st = self.layer_stats[layer]
+        if self.full and not self.options.always_resolve:
+            st.hits += indices.size  # every pair hits; counted without reading indices back
+            base = self.base[layer]
+            return Route(slot_idx=indices + base if base else indices)
+        t0 = time.perf_counter()
+        # the last call's output must be computed before any of its slots is overwritten
+        mx.eval(indices, *self._pending)
+        flat = np.array(indices, copy=True).reshape(-1).astype(np.int64)
+        st.readback_s += time.perf_counter() - t0
+        st.readbacks += 1
+        self.release()
+        pool = self.pool_of[layer]
+        ne = pool.num_experts[layer]
+        if flat.size and (flat.min() < 0 or flat.max() >= ne):
+            raise ExpertRecordError(f"router index out of range (0..{ne - 1})",
+                                    str(self.store.folder), layer)
+        uniq = np.unique(flat)
+        if len(uniq) > pool.num_slots:
+            st.split_calls += 1
+            return self._split(layer, flat, uniq)
+        table = self._acquire(layer, uniq.tolist(), flat)
+        slots = table[flat].astype(np.uint32).reshape(indices.shape)
+        return Route(slot_idx=mx.array(slots))
+
+    def acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
+        """Pin `experts` of `layer` (reading misses); returns expert -> slot (numpy table)."""
+        return self._acquire(layer, experts, flat)
+
+    def track(self, out) -> None:
+        """Keep a call's output: the next call evaluates it before moving its slots."""
+        if not (self.full and not self.options.always_resolve):
+            self._pending = [out]
+
+    def release(self) -> None:
+        """Unpin everything: every computation reading the slots has been evaluated."""
+        self._pending = []
+        for p in self.pools:
+            p.lru.unpin_all()
+
+    def close(self) -> None:
+        if self._pool_exec is not None:
+            self._pool_exec.shutdown(wait=True)
+            self._pool_exec = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- internals -------------------------------------------------------------------------
+    def _split(self, layer: int, flat: np.ndarray, uniq: np.ndarray) -> Route:
+        """A call routed to more experts than the pool holds (a long prompt on a small
+        budget): groups of at most `num_slots` experts, resident ones first."""
+        pool = self.pool_of[layer]
+        resident = [e for e in uniq.tolist() if (layer, e) in pool.lru]
+        order = resident + [e for e in uniq.tolist() if (layer, e) not in pool.lru]
+        n = pool.num_slots
+        groups = []
+        for i in range(0, len(order), n):
+            experts = order[i:i + n]
+            rows = np.nonzero(np.isin(flat, experts))[0]
+            groups.append(Group(experts, rows))
+        return Route(groups=groups, flat=flat)
+
+    def _acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
+        pool = self.pool_of[layer]
+        st = self.layer_stats[layer]
+        keys = [(layer, e) for e in experts]
+        missing = {e for e in experts if (layer, e) not in pool.lru}
+        try:
+            slots, allocs = pool.lru.resolve(keys)
+        except NoFreeSlot as e:  # callers release pins first, so this is a bug
+            raise RuntimeError(f"layer {layer}: {e}") from None
+        for a in allocs:
+            if a.evicted is not None:
+                old = self.layer_stats[a.evicted[0]]
+                old.evictions += 1
+                old.resident -= 1
+            st.resident += 1
+        if allocs:
+            self._read_into(pool, layer, [(a.key[1], a.slot) for a in allocs])
+        n_miss = int(np.isin(flat, list(missing)).sum()) if missing else 0
+        pairs = int(np.isin(flat, experts).sum())
+        st.misses += n_miss
+        st.hits += pairs - n_miss
+        table = np.zeros(pool.num_experts[layer], dtype=np.int64)
+        for (_, e), s in slots.items():
+            table[e] = s
+        return table
+
+    def _layer_fd(self, layer: int) -> int:
+        fd = self._fds.get(layer)
+        if fd is None:
+            fd = os.open(self.store.folder / self.store.layout(layer).file, os.O_RDONLY)
+            self._fds[layer] = fd
+        return fd
+
+    def _read_into(self, pool: SlotPool, layer: int, todo: list[tuple[int, int]]) -> None:
+        """Read experts `todo` [(expert, slot)] of `layer` into their slots."""
+        st = self.layer_stats[layer]
+        t0 = time.perf_counter()
+        lay = self.store.layout(layer)
+        fd = self._layer_fd(layer)
+        if self.zero_copy:
+            self._map(lambda es: self._read_direct(pool, layer, lay, fd, *es), todo)
+        else:
+            per = max(1, STAGE_BYTES // lay.record_size)
+            if self._stage is None or self._stage.shape[1] < lay.record_size or \
+                    self._stage.shape[0] < min(per, len(todo)):
+                rows = min(per, max(len(todo), 8))
+                self._stage = np.empty((rows, lay.record_size), dtype=np.uint8)
+            per = min(per, self._stage.shape[0])
+            for b in range(0, len(todo), per):
+                batch = todo[b:b + per]
+                self._map(lambda ie: self._read_stage(layer, lay, fd, *ie),
+                          list(enumerate(e for e, _ in batch)))
+                pool.scatter([s for _, s in batch], self._stage)
+                if b + per < len(todo):  # bound the staged copies held by the lazy scatter
+                    import mlx.core as mx
+
+                    mx.eval(list(pool.storage.values()))
+        st.reads += len(todo)
+        st.bytes_read += len(todo) * lay.record_size
+        st.read_s += time.perf_counter() - t0
+
+    def _map(self, fn, items: list) -> None:
+        if self._pool_exec is None or len(items) < 2:
+            for it in items:
+                fn(it)
+        else:
+            for _ in self._pool_exec.map(fn, items):
+                pass
+
+    def _read_direct(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int,
+                     expert: int, slot: int) -> None:
+        # one preadv of the record: tensors straight into the slot, gaps into scratch
+        bufs, pos = [], 0
+        for t, view in zip(lay.tensors, pool.slot_views(slot), strict=True):
+            if t.offset > pos:
+                bufs.append(memoryview(bytearray(t.offset - pos)))
+            bufs.append(view)
+            pos = t.offset + t.nbytes
+        self._preadv(layer, lay, fd, expert, bufs)
+
+    def _read_stage(self, layer: int, lay: LayerLayout, fd: int, row: int, expert: int) -> None:
+        self._preadv(layer, lay, fd, expert, [memoryview(self._stage[row, :lay.record_size])])
+
+    def _preadv(self, layer: int, lay: LayerLayout, fd: int, expert: int, bufs: list) -> None:
+        off = lay.record_offset(expert)
+        n = os.preadv(fd, bufs, off)
+        if n != lay.record_size:
+            raise ExpertRecordError(f"short read ({n} of {lay.record_size} bytes)",
+                                    str(self.store.folder / lay.file), layer, expert)
+        if self.options.drop_page_cache:
+            os.posix_fadvise(fd, off, lay.stride, os.POSIX_FADV_DONTNEED)
+        if self.options.verify:
+            crc = 0
+            for b in bufs:
+                crc = zlib.crc32(b, crc)
+            want = lay.checksums[expert] if lay.checksums else None
+            if want is None:
+                raise ExpertRecordError("manifest has no checksums for this layer",
+                                        str(self.store.folder / lay.file), layer, expert)
+            if crc != want:
+                raise ExpertRecordError(
+                    f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): the "
+                    "record is corrupt; convert the model again",
+                    str(self.store.folder / lay.file), layer, expert)
+
+    def _load_all(self) -> None:
+        """All-resident start: every expert into slot base+e, layer after layer."""
+        import mlx.core as mx
+
+        for pool in self.pools:
+            for layer in pool.layers:
+                ne = pool.num_experts[layer]
+                allocs = [pool.lru.allocate((layer, e)) for e in range(ne)]
+                self.base[layer] = allocs[0].slot
+                assert [a.slot for a in allocs] == list(range(allocs[0].slot,
+                                                               allocs[0].slot + ne))
+                self._read_into(pool, layer, [(e, a.slot) for e, a in enumerate(allocs)])
+                self.layer_stats[layer].resident = ne
+                if not self.zero_copy:
+                    mx.eval(list(pool.storage.values()))
+        self.load_bytes_read = sum(st.bytes_read for st in self.layer_stats.values())
+        self.reset_stats()  # the start-up load is not paging traffic
