@@ -1,10 +1,13 @@
 """Qt side of the worker: turns the worker client's messages into Qt signals.
 
 The GUI talks to the engine only through this bridge; replies arrive on the client's reader
-thread and are re-emitted as queued signals in the GUI thread.
+thread and are re-emitted as queued signals in the GUI thread. Starting the worker (spawn +
+importing MLX, seconds) happens on a thread too, so the window never waits for it.
 """
 
 from __future__ import annotations
+
+import threading
 
 from PySide6.QtCore import QObject, Signal
 
@@ -28,26 +31,45 @@ class WorkerBridge(QObject):
         self._incoming.connect(self._dispatch)
         self.client = WorkerClient(on_message=self._incoming.emit, env=env)
         self.current: int | None = None  # request being generated
+        self.starting = False
+        self.stats_pending = False
+        self._closed = False
 
+    # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        try:
-            msg = self.client.start()
-        except WorkerError as e:
-            self.died.emit(M.WorkerDied(None, str(e)))
+        """Start the worker on a thread; `ready` (or `died`) follows."""
+        if self.starting:
             return
-        self.ready.emit(msg)
+        self.starting = True
+        self.current = None
+        self.stats_pending = False
+        old_reader = self.client._reader_thread
+
+        def run():
+            # The previous reader must be gone before a new process starts, or it could report
+            # the old process's end as the new one's death.
+            if old_reader is not None:
+                old_reader.join(timeout=10)
+            try:
+                msg = self.client.start()
+            except WorkerError as e:
+                msg = M.WorkerDied(None, str(e))
+            self._incoming.emit(msg)
+
+        threading.Thread(target=run, name="worker-start", daemon=True).start()
 
     def restart(self) -> None:
-        self.current = None
         self.client.kill()
         self.start()
 
     def shutdown(self) -> None:
+        self._closed = True
         self.client.stop()
 
     def is_alive(self) -> bool:
-        return self.client.is_alive()
+        return self.client.is_alive() and not self.starting
 
+    # -- requests ----------------------------------------------------------------------------
     def _send(self, msg) -> bool:
         try:
             self.client.send(msg)
@@ -56,29 +78,39 @@ class WorkerBridge(QObject):
             self.error.emit(M.Error(getattr(msg, "req_id", None), "WorkerError", str(e)))
             return False
 
-    def load(self, path: str) -> int:
+    def load(self, path: str, options: dict | None = None) -> int:
         rid = self.client.next_id()
-        self._send(M.Load(str(path), req_id=rid))
+        self._send(M.Load(str(path), options=dict(options or {}), req_id=rid))
         return rid
 
-    def generate(self, prompt, settings: dict | None = None) -> int:
+    def generate(self, prompt, settings: dict | None = None) -> int | None:
         rid = self.client.next_id()
         if self._send(M.Generate(rid, prompt, dict(settings or {}))):
             self.current = rid
-        return rid
+            return rid
+        return None
 
     def cancel(self) -> None:
         if self.current is not None:
             self._send(M.Cancel(self.current))
 
     def request_stats(self) -> None:
-        if self.client.is_alive():
-            self._send(M.GetStats())
+        """Ask for one Stats reply, unless one is already on its way (the worker answers
+        between requests, so asking during a long load must not pile requests up)."""
+        if self.is_alive() and not self.stats_pending:
+            self.stats_pending = self._send(M.GetStats())
 
+    def crash(self) -> None:
+        """Test and demo hook: make the worker die as a segfault would."""
+        self._send(M.Crash())
+
+    # -- replies -----------------------------------------------------------------------------
     def _dispatch(self, msg) -> None:
         if isinstance(msg, M.Token):
             self.token.emit(msg)
         elif isinstance(msg, M.Stats):
+            if msg.req_id == 0:
+                self.stats_pending = False
             self.stats.emit(msg)
         elif isinstance(msg, M.Prompt):
             self.prompt.emit(msg)
@@ -93,7 +125,11 @@ class WorkerBridge(QObject):
                 self.current = None
             self.error.emit(msg)
         elif isinstance(msg, M.WorkerDied):
+            self.starting = False
             self.current = None
-            self.died.emit(msg)
+            self.stats_pending = False
+            if not self._closed:
+                self.died.emit(msg)
         elif isinstance(msg, M.Ready):
+            self.starting = False
             self.ready.emit(msg)

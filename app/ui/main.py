@@ -1,178 +1,419 @@
-"""The desktop window: a chat pane streaming tokens from the worker, and a status line."""
+"""The desktop window: chat, library and plan tabs beside the live memory panel, over one
+engine session (the worker), and `main()`, the app's entry point."""
 
 from __future__ import annotations
 
-import html
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QActionGroup, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
+    QComboBox,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QPushButton,
-    QTextBrowser,
+    QSplitter,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
-from ..engine import messages as M
-from ..engine.generate import DEFAULT_MODEL_REF
+from .. import paths
 from .bridge import WorkerBridge
+from .chat_model import ChatModel
+from .chat_view import ChatView
+from .library_model import LibraryController, embedded_row
+from .library_view import LibraryView
+from .memory import MemoryPanel
+from .plan_model import PlanController, PlanResult
+from .plan_view import PlanView
+from .session import DEFAULT_MODEL_REF, EngineSession
+from .theme import MODES, RESOURCES, Theme
+
+SETTINGS_FILE = "settings.ini"
+SETTINGS_VERSION = 2  # bump when saved window state can no longer be restored
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB"
+def app_settings() -> QSettings:
+    """The app's settings, in its data dir (so tests with ROTARYQUANT_HOME stay isolated)."""
+    return QSettings(str(paths.data_dir() / SETTINGS_FILE), QSettings.Format.IniFormat)
 
 
-class ChatWindow(QMainWindow):
-    def __init__(self, model: str = DEFAULT_MODEL_REF, bridge: WorkerBridge | None = None):
+def _ref_exists(ref: str) -> bool:
+    return ref == DEFAULT_MODEL_REF or Path(ref).is_dir()
+
+
+class MainWindow(QMainWindow):
+    TABS = ("Chat", "Library", "Plan")
+
+    def __init__(
+        self,
+        model: str | None = None,
+        bridge: WorkerBridge | None = None,
+        settings: QSettings | None = None,
+        library: LibraryController | None = None,
+        theme: Theme | None = None,
+        start: bool = True,
+    ):
         super().__init__()
         self.setWindowTitle("RotaryQuant")
-        self.resize(900, 640)
-        self.model_ref = model
-        self.messages: list[dict] = []
-        self.partial = ""
-        self.model_name = ""
+        self.resize(1280, 800)
+        self.settings = settings or app_settings()
+        self.theme = theme
+        last = str(self.settings.value("last_model", "") or "")
+        model = model or (last if last and _ref_exists(last) else DEFAULT_MODEL_REF)
+        self.session = EngineSession(model, bridge, parent=self)
+        self.bridge = self.session.bridge
+        self.chat = ChatModel(self.session, parent=self)
+        self.library = library or LibraryController(parent=self)
+        self.planner = PlanController(self)
+        self._restore_chat_defaults()
 
-        self.transcript = QTextBrowser()
-        self.transcript.setOpenExternalLinks(False)
-        self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Message (Ctrl+Enter to send, Esc to stop)")
-        self.input.setFixedHeight(90)
-        self.send_btn = QPushButton("Send")
-        self.stop_btn = QPushButton("Stop")
-        self.restart_btn = QPushButton("Restart engine")
-        self.stop_btn.setEnabled(False)
-        self.send_btn.setEnabled(False)
-        self.restart_btn.hide()
-        self.status = QLabel("Starting the engine…")
+        self.chat_view = ChatView(self.chat)
+        self.library_view = LibraryView(self.library)
+        self.plan_view = PlanView(self.planner)
+        self.memory = MemoryPanel()
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        for w, name in zip((self.chat_view, self.library_view, self.plan_view), self.TABS, strict=True):
+            self.tabs.addTab(w, name)
+        self.main_splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.main_splitter.setObjectName("mainSplitter")
+        self.main_splitter.addWidget(self.tabs)
+        self.main_splitter.addWidget(self.memory)
+        self.main_splitter.setStretchFactor(0, 1)
+        self.main_splitter.setStretchFactor(1, 0)
+        self.main_splitter.setSizes([900, 380])
+        self.main_splitter.setCollapsible(0, False)
 
-        buttons = QHBoxLayout()
-        buttons.addStretch(1)
-        buttons.addWidget(self.restart_btn)
-        buttons.addWidget(self.stop_btn)
-        buttons.addWidget(self.send_btn)
-        layout = QVBoxLayout()
-        layout.addWidget(self.transcript, 1)
-        layout.addWidget(self.input)
-        layout.addLayout(buttons)
+        self._build_top()
+        self._build_banner()
         central = QWidget()
-        central.setLayout(layout)
+        lay = QVBoxLayout(central)
+        lay.setContentsMargins(8, 4, 8, 4)
+        lay.setSpacing(4)
+        lay.addLayout(self.top)
+        lay.addWidget(self.banner)
+        lay.addWidget(self.main_splitter, 1)
         self.setCentralWidget(central)
-        self.statusBar().addWidget(self.status, 1)
+        self.status_label = QLabel("")
+        self.statusBar().addPermanentWidget(self.status_label)
+        self._build_menus()
+        self._connect()
+        self._restore_state()
+        self.refresh_models()
+        self.chat.open_latest()
+        if self.chat.recovered:
+            self.statusBar().showMessage(
+                f"Recovered {self.chat.recovered} answer(s) interrupted when the app last closed", 8000
+            )
+        if theme is not None:
+            theme.changed.connect(self._on_theme)
+            self._on_theme(theme.dark)
+        if start:
+            QTimer.singleShot(0, self.start)
 
-        send = QAction("Send", self, shortcut=QKeySequence("Ctrl+Return"), triggered=self.send)
-        stop = QAction("Stop", self, shortcut=QKeySequence(Qt.Key.Key_Escape), triggered=self.stop)
-        self.addAction(send)
-        self.addAction(stop)
-        self.send_btn.clicked.connect(self.send)
-        self.stop_btn.clicked.connect(self.stop)
-        self.restart_btn.clicked.connect(self.restart)
+    def start(self) -> None:
+        self.session.start()
+        self.library.refresh(check=True)
+        self.library.load_verdicts()
 
-        self.bridge = bridge or WorkerBridge(self)
-        b = self.bridge
-        b.ready.connect(self.on_ready)
-        b.loaded.connect(self.on_loaded)
-        b.token.connect(self.on_token)
-        b.done.connect(self.on_done)
-        b.error.connect(self.on_error)
-        b.stats.connect(self.on_stats)
-        b.died.connect(self.on_died)
-        QTimer.singleShot(0, b.start)
+    # -- layout ------------------------------------------------------------------------------
+    def _build_top(self) -> None:
+        self.model_combo = QComboBox()
+        self.model_combo.setAccessibleName("Model")
+        self.model_combo.setMinimumWidth(260)
+        self.model_combo.activated.connect(self._on_model_chosen)
+        label = QLabel("&Model:")
+        label.setBuddy(self.model_combo)
+        self.engine_label = QLabel("")
+        self.engine_label.setObjectName("muted")
+        self.top = QHBoxLayout()
+        self.top.addWidget(label)
+        self.top.addWidget(self.model_combo)
+        self.top.addWidget(self.engine_label, 1)
 
-    # -- worker events -----------------------------------------------------------------------
-    def on_ready(self, msg: M.Ready) -> None:
-        self.status.setText(f"Engine ready on {msg.device}. Loading model…")
-        self.bridge.load(self.model_ref)
+    def _build_banner(self) -> None:
+        self.banner = QFrame()
+        self.banner.setObjectName("banner")
+        bl = QHBoxLayout(self.banner)
+        self.banner_text = QLabel("")
+        self.banner_text.setObjectName("bannerText")
+        self.banner_text.setWordWrap(True)
+        self.restart_btn = QPushButton("Restart engine")
+        self.restart_btn.clicked.connect(self.restart_engine)
+        self.fallback_btn = QPushButton("Load the built-in model")
+        self.fallback_btn.clicked.connect(lambda: self.load_model(DEFAULT_MODEL_REF))
+        bl.addWidget(self.banner_text, 1)
+        bl.addWidget(self.fallback_btn)
+        bl.addWidget(self.restart_btn)
+        self.banner.hide()
 
-    def on_loaded(self, msg: M.Loaded) -> None:
-        info = msg.info
-        self.model_name = info["name"]
-        self.status.setText(f"{info['name']} · {info['architecture']} · {_mib(info['weight_bytes'])} weights · {info['backend']}")
-        self.send_btn.setEnabled(True)
-        self.restart_btn.hide()
-        self.render()
+    def _build_menus(self) -> None:
+        mb = self.menuBar()
+        file = mb.addMenu("&File")
+        self._action(file, "&New chat", "Ctrl+N", self._new_chat)
+        file.addSeparator()
+        self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
+        view = mb.addMenu("&View")
+        for i, name in enumerate(self.TABS):
+            self._action(view, f"&{name}", f"Ctrl+{i + 1}", lambda _c=False, i=i: self.show_tab(i))
+        self._action(view, "Focus the &message box", "Ctrl+L", self._focus_input)
+        view.addSeparator()
+        self.memory_action = self._action(view, "Live &memory panel", "Ctrl+M", self._toggle_memory)
+        self.memory_action.setCheckable(True)
+        self.memory_action.setChecked(True)
+        theme = view.addMenu("&Theme")
+        self.theme_group = QActionGroup(self)
+        for mode in MODES:
+            a = QAction(mode.capitalize(), self, checkable=True)
+            a.setData(mode)
+            a.triggered.connect(lambda _c=False, m=mode: self.set_theme(m))
+            self.theme_group.addAction(a)
+            theme.addAction(a)
+        engine = mb.addMenu("&Engine")
+        self._action(engine, "&Stop generating", None, self.chat.stop)
+        self._action(engine, "&Reload the model", None, lambda: self.load_model(self.session.model_ref))
+        self._action(engine, "Res&tart the engine", "Ctrl+Shift+R", self.restart_engine)
 
-    def on_token(self, msg: M.Token) -> None:
-        self.partial += msg.text
-        self.render()
+    def _action(self, menu, text, shortcut, slot) -> QAction:
+        a = QAction(text, self)
+        if shortcut is not None:
+            a.setShortcut(QKeySequence(shortcut))
+        a.triggered.connect(slot)
+        menu.addAction(a)
+        return a
 
-    def on_done(self, msg: M.Done) -> None:
-        self.messages.append({"role": "assistant", "content": self.partial})
-        self.partial = ""
-        self.set_generating(False)
-        self.render()
-        self.status.setText(
-            f"{self.model_name} · {msg.generated_tokens} tokens · {msg.decode_tps:.1f} tok/s · "
-            f"prompt {msg.prompt_tps:.0f} tok/s · peak {_mib(msg.peak_memory)} · KV {_mib(msg.kv_bytes)}"
+    def _connect(self) -> None:
+        s = self.session
+        s.state_changed.connect(self._on_state)
+        s.model_loaded.connect(self._on_loaded)
+        s.stats.connect(self.memory.add_stats)
+        self.bridge.prompt.connect(self._on_prompt)
+        self.bridge.token.connect(self._on_token_count)
+        self.chat.stream_started.connect(self._on_stream_started)
+        self.chat_view.status.connect(lambda m: self.statusBar().showMessage(m, 5000))
+        self.library_view.status.connect(lambda m: self.statusBar().showMessage(m, 5000))
+        self.library_view.load_requested.connect(self._load_from_library)
+        self.library_view.plan_requested.connect(self._plan_from_library)
+        self.library.entries_changed.connect(self.refresh_models)
+        self.planner.plan_ready.connect(self._on_plan)
+        self.plan_view.apply_requested.connect(self.apply_plan)
+
+    # -- engine ------------------------------------------------------------------------------
+    def load_model(self, ref: str, options: dict | None = None) -> None:
+        self.session.load(ref, options)
+        self._select_model(ref)
+
+    def restart_engine(self) -> None:
+        self.banner.hide()
+        self.session.restart()
+
+    def _on_state(self, state: str, message: str) -> None:
+        self.engine_label.setText(message)
+        self.status_label.setText(
+            {"ready": "●  engine ready", "loading": "◌  loading", "starting": "◌  starting",
+             "crashed": "✕  engine stopped", "idle": "●  no model"}.get(state, state)
+        )
+        if state == "crashed":
+            self.banner_text.setText(message)
+            self.restart_btn.show()
+            self.fallback_btn.hide()
+            self.banner.show()
+        elif state == "idle":
+            self.banner_text.setText(message)
+            self.restart_btn.hide()
+            self.fallback_btn.setVisible(self.session.model_ref != DEFAULT_MODEL_REF)
+            self.banner.show()
+        else:
+            self.banner.hide()
+        self.model_combo.setEnabled(state in ("ready", "idle"))
+
+    def _on_loaded(self, info: dict) -> None:
+        self.settings.setValue("last_model", self.session.model_ref)
+        self.chat_view.set_kv_modes(list(info.get("kv_modes", ["fp16"])), self.plan_view.unavailable)
+        self.planner.set_target(self.session.model_ref, info["name"])
+        self.memory.set_note(
+            f"{info['name']}: {info['num_layers']} layers, {info['architecture']}, on {info['backend']}."
         )
 
-    def on_error(self, msg: M.Error) -> None:
-        if self.partial:
-            self.messages.append({"role": "assistant", "content": self.partial})
-            self.partial = ""
-        self.set_generating(False)
-        self.status.setText(f"Error: {msg.message}")
-        self.render()
+    def _on_prompt(self, msg) -> None:
+        self.memory.history.context_tokens = msg.prompt_tokens
 
-    def on_stats(self, msg: M.Stats) -> None:
-        if msg.generating:
-            self.status.setText(f"{self.model_name} · {msg.decode_tps:.1f} tok/s · memory {_mib(msg.rss)} · KV {_mib(msg.kv_bytes)}")
+    def _on_token_count(self, _msg) -> None:
+        self.memory.history.context_tokens += 1
 
-    def on_died(self, msg: M.WorkerDied) -> None:
-        if self.partial:  # keep what was streamed before the crash
-            self.messages.append({"role": "assistant", "content": self.partial + " [interrupted]"})
-            self.partial = ""
-        self.set_generating(False)
-        self.send_btn.setEnabled(False)
-        self.restart_btn.show()
-        self.status.setText(f"The engine stopped: {msg.message}. Your conversation is kept.")
-        self.render()
+    def _on_stream_started(self, _rid: int) -> None:
+        self.memory.history.kv_mode = self.chat.settings().get("kv_mode", "fp16")
 
-    # -- actions -------------------------------------------------------------------------------
-    def set_generating(self, on: bool) -> None:
-        self.stop_btn.setEnabled(on)
-        self.send_btn.setEnabled(not on and self.bridge.is_alive())
-
-    def send(self) -> None:
-        text = self.input.toPlainText().strip()
-        if not text or not self.send_btn.isEnabled():
+    def _on_plan(self, r: PlanResult) -> None:
+        if r.target != self.session.model_ref:
             return
-        self.input.clear()
-        self.messages.append({"role": "user", "content": text})
-        self.partial = ""
-        self.set_generating(True)
-        self.render()
-        self.bridge.generate(list(self.messages), {"max_tokens": 512})
+        self.memory.set_expected_peak(r.plan.process_peak)
+        sizes = r.plan.sizes
+        if sizes is not None:
+            self.memory.history.kv_fp16 = lambda tokens: sizes.kv_bytes(tokens, "fp16")
+        if self.session.info:
+            self.chat_view.set_kv_modes(list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable)
 
-    def stop(self) -> None:
-        self.bridge.cancel()
+    def apply_plan(self, r: PlanResult) -> None:
+        """Load the planned model with the plan's expert budget, and use its KV mode in chat."""
+        plan = r.plan
+        if not _ref_exists(r.target):
+            entry = next((e for e in self.library.catalog if e.config == r.target), None)
+            if entry is not None:
+                self.library.download(entry.repo, widths=plan.widths.to_dict())
+                self.show_tab(1)
+            return
+        options = {"expert_budget": plan.expert_budget} if plan.paging else {}
+        self.load_model(r.target, options)
+        kv = plan.kv_mode
+        modes = (self.session.info or {}).get("kv_modes", ["fp16"])
+        if kv in modes or kv == "fp16":
+            self.chat.set_settings({"kv_mode": kv})
+        self.statusBar().showMessage(f"Loading {r.label} with its plan (KV {kv})", 5000)
 
-    def restart(self) -> None:
-        self.restart_btn.hide()
-        self.status.setText("Restarting the engine…")
-        self.bridge.restart()
+    # -- models ------------------------------------------------------------------------------
+    def refresh_models(self) -> None:
+        cur = self.session.model_ref
+        self.model_combo.blockSignals(True)
+        self.model_combo.clear()
+        b = embedded_row()
+        self.model_combo.addItem(b.name, b.ref)
+        for e in self.library.entries:
+            if e.state == "ready" and e.folder:
+                self.model_combo.addItem(e.name, e.folder)
+        if self.model_combo.findData(cur) < 0 and cur != DEFAULT_MODEL_REF:
+            self.model_combo.addItem(Path(cur).name, cur)
+        self._select_model(cur)
+        self.model_combo.blockSignals(False)
 
-    def render(self) -> None:
-        parts = []
-        for m in self.messages + ([{"role": "assistant", "content": self.partial + " ▍"}] if self.stop_btn.isEnabled() else []):
-            who = {"user": "You", "assistant": self.model_name or "Assistant"}.get(m["role"], m["role"])
-            body = html.escape(m["content"]).replace("\n", "<br>")
-            parts.append(f"<p><b>{html.escape(who)}</b><br>{body}</p>")
-        self.transcript.setHtml("".join(parts))
-        sb = self.transcript.verticalScrollBar()
-        sb.setValue(sb.maximum())
+    def _select_model(self, ref: str) -> None:
+        i = self.model_combo.findData(ref)
+        if i >= 0:
+            self.model_combo.setCurrentIndex(i)
+
+    def _on_model_chosen(self, i: int) -> None:
+        ref = self.model_combo.itemData(i)
+        if ref and ref != self.session.model_ref:
+            self.load_model(ref)
+
+    def _load_from_library(self, ref: str) -> None:
+        self.load_model(ref)
+        self.show_tab(0)
+
+    def _plan_from_library(self, target: str, label: str) -> None:
+        self.planner.set_target(target, label)
+        self.show_tab(2)
+
+    # -- view --------------------------------------------------------------------------------
+    def show_tab(self, i: int) -> None:
+        self.tabs.setCurrentIndex(i)
+        if i == 0:
+            self._focus_input()
+
+    def _focus_input(self) -> None:
+        self.tabs.setCurrentIndex(0)
+        self.chat_view.input.setFocus()
+
+    def _new_chat(self) -> None:
+        self.show_tab(0)
+        self.chat_view.new_chat()
+
+    def _toggle_memory(self, on: bool) -> None:
+        self.memory.setVisible(on)
+
+    def set_theme(self, mode: str) -> None:
+        if self.theme is not None:
+            self.theme.set_mode(mode)
+        self.settings.setValue("theme", mode)
+
+    def _on_theme(self, dark: bool) -> None:
+        self.memory.apply_theme(dark)
+        self.chat_view.render_all()
+        if self.planner.last is not None:
+            self.plan_view.show_plan(self.planner.last)
+        for a in self.theme_group.actions():
+            a.setChecked(a.data() == self.theme.mode)
+
+    # -- persistence -------------------------------------------------------------------------
+    def _splitters(self) -> dict[str, QSplitter]:
+        return {
+            "main": self.main_splitter, "chat": self.chat_view.splitter,
+            "chat_left": self.chat_view.left, "library": self.library_view.splitter,
+            "plan": self.plan_view.splitter,
+        }
+
+    def save_state(self) -> None:
+        s = self.settings
+        s.setValue("version", SETTINGS_VERSION)
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/state", self.saveState())
+        s.setValue("window/tab", self.tabs.currentIndex())
+        s.setValue("window/memory_visible", self.memory_action.isChecked())
+        for name, sp in self._splitters().items():
+            s.setValue(f"splitters/{name}", sp.saveState())
+        import json
+
+        s.setValue("chat/defaults", json.dumps(self.chat.default_settings))
+        s.setValue("chat/system_prompt", self.chat.default_system_prompt)
+        s.sync()
+
+    def _restore_state(self) -> None:
+        s = self.settings
+        if int(s.value("version", 0) or 0) != SETTINGS_VERSION:
+            return
+        geo = s.value("window/geometry")
+        if geo is not None:
+            self.restoreGeometry(geo)
+        st = s.value("window/state")
+        if st is not None:
+            self.restoreState(st)
+        for name, sp in self._splitters().items():
+            v = s.value(f"splitters/{name}")
+            if v is not None:
+                sp.restoreState(v)
+        self.tabs.setCurrentIndex(int(s.value("window/tab", 0) or 0))
+        visible = str(s.value("window/memory_visible", "true")).lower() != "false"
+        self.memory_action.setChecked(visible)
+        self.memory.setVisible(visible)
+
+    def _restore_chat_defaults(self) -> None:
+        import json
+
+        raw = self.settings.value("chat/defaults")
+        if raw:
+            try:
+                d = json.loads(raw)
+                self.chat.default_settings.update({k: v for k, v in d.items() if k in self.chat.default_settings})
+            except (ValueError, TypeError, AttributeError):
+                pass  # unreadable defaults: the built-in ones
+        self.chat.default_system_prompt = str(self.settings.value("chat/system_prompt", "") or "")
 
     def closeEvent(self, event) -> None:
-        self.bridge.shutdown()
+        self.save_state()
+        self.chat._persist_partial()
+        self.session.shutdown()
+        self.library.shutdown()
         super().closeEvent(event)
+
+
+ChatWindow = MainWindow  # the first window's name, kept for scripts written against it
+
+
+def app_icon() -> QIcon:
+    for name in ("icon.png", "icon.svg"):
+        p = RESOURCES / name
+        if p.exists():
+            return QIcon(str(p))
+    return QIcon()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app = QApplication.instance() or QApplication(argv)
     app.setApplicationName("RotaryQuant")
-    model = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else DEFAULT_MODEL_REF
-    win = ChatWindow(model)
+    app.setWindowIcon(app_icon())
+    settings = app_settings()
+    theme = Theme(app, str(settings.value("theme", "system") or "system"))
+    model = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else None
+    win = MainWindow(model, settings=settings, theme=theme)
     win.show()
     try:
         return app.exec()

@@ -1,0 +1,259 @@
+"""The library view: models on this computer (load, pause, resume, cancel, convert, verify,
+remove) with progress bars, and the catalog with a download button per model."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QModelIndex, Qt, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QApplication,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSplitter,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionProgressBar,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
+
+from .library_model import (
+    CatalogModel,
+    LibraryController,
+    LocalModelsModel,
+    ProgressRole,
+    advice,
+)
+
+
+class ProgressDelegate(QStyledItemDelegate):
+    """Draws a progress bar with its text in cells that carry a fraction."""
+
+    def paint(self, painter, option, index):
+        frac = index.data(ProgressRole)
+        if frac is None:
+            return super().paint(painter, option, index)
+        bar = QStyleOptionProgressBar()
+        bar.rect = option.rect.adjusted(2, 3, -2, -3)
+        bar.minimum, bar.maximum = 0, 1000
+        bar.progress = int(round(float(frac) * 1000))
+        bar.text = index.data(Qt.ItemDataRole.DisplayRole)
+        bar.textVisible = True
+        bar.state = option.state
+        QApplication.style().drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter)
+
+
+def _table(model) -> QTableView:
+    t = QTableView()
+    t.setModel(model)
+    t.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+    t.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+    t.setAlternatingRowColors(True)
+    t.verticalHeader().hide()
+    t.setShowGrid(False)
+    t.setWordWrap(False)
+    t.verticalHeader().setDefaultSectionSize(28)
+    t.setTabKeyNavigation(False)
+    return t
+
+
+class LibraryView(QWidget):
+    load_requested = Signal(str)  # a model reference for the worker
+    plan_requested = Signal(str, str)  # target, label
+    status = Signal(str)
+
+    def __init__(self, ctl: LibraryController, parent=None):
+        super().__init__(parent)
+        self.ctl = ctl
+        self.local = LocalModelsModel(ctl, self)
+        self.cat = CatalogModel(ctl, self)
+        self.buttons: dict[str, QPushButton] = {}
+        self._build()
+        ctl.entries_changed.connect(self._after_reload)
+        ctl.catalog_changed.connect(self._update_download_buttons)
+        ctl.failed.connect(self._on_failed)
+        ctl.message.connect(self.status)
+        self.local.modelReset.connect(self._after_reload)
+        self._update_download_buttons()
+        self._update_actions()
+
+    def _build(self) -> None:
+        self.table = _table(self.local)
+        self.table.setAccessibleName("Models on this computer")
+        self.table.setItemDelegateForColumn(4, ProgressDelegate(self.table))
+        h = self.table.horizontalHeader()
+        h.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        h.setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
+        for col, w in enumerate((210, 90, 70, 200, 280)):
+            self.table.setColumnWidth(col, w)
+        self.table.selectionModel().selectionChanged.connect(lambda *_: self._update_actions())
+        self.table.doubleClicked.connect(lambda _ix: self.load_selected())
+        self.load_btn = QPushButton("&Load")
+        self.plan_btn = QPushButton("&Plan…")
+        self.pause_btn = QPushButton("Pa&use")
+        self.resume_btn = QPushButton("Re&sume")
+        self.cancel_btn = QPushButton("Cancel")
+        self.convert_btn = QPushButton("Con&vert")
+        self.verify_btn = QPushButton("&Verify")
+        self.remove_btn = QPushButton("Remove")
+        actions = (
+            (self.load_btn, self.load_selected), (self.plan_btn, self.plan_selected),
+            (self.pause_btn, lambda: self._on_selected(self.ctl.pause)),
+            (self.resume_btn, lambda: self._on_selected(self.ctl.resume)),
+            (self.cancel_btn, lambda: self._on_selected(self.ctl.cancel)),
+            (self.convert_btn, lambda: self._on_selected(self.ctl.convert)),
+            (self.verify_btn, lambda: self._on_selected(self.ctl.verify)),
+            (self.remove_btn, lambda: self._on_selected(self.ctl.remove)),
+        )
+        row = QHBoxLayout()
+        for b, fn in actions:
+            b.clicked.connect(fn)
+            row.addWidget(b)
+        row.addStretch(1)
+        self.detail = QLabel("")
+        self.detail.setWordWrap(True)
+        self.detail.setObjectName("error")
+        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        QShortcut(QKeySequence(Qt.Key.Key_Return), self.table, self.load_selected,
+                  context=Qt.ShortcutContext.WidgetShortcut)
+        QShortcut(QKeySequence(Qt.Key.Key_Delete), self.table,
+                  lambda: self._on_selected(self.ctl.remove), context=Qt.ShortcutContext.WidgetShortcut)
+        QShortcut(QKeySequence(Qt.Key.Key_F5), self, lambda: self.ctl.refresh(check=True),
+                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
+
+        top = QWidget()
+        tl = QVBoxLayout(top)
+        tl.setContentsMargins(0, 0, 0, 0)
+        head = QLabel("On this computer")
+        head.setObjectName("heading")
+        tl.addWidget(head)
+        tl.addWidget(self.table, 1)
+        tl.addLayout(row)
+        tl.addWidget(self.detail)
+
+        self.catalog = _table(self.cat)
+        self.catalog.setAccessibleName("Catalog")
+        ch = self.catalog.horizontalHeader()
+        for col, w in enumerate((190, 90, 125, 70, 200, 100)):
+            self.catalog.setColumnWidth(col, w)
+        ch.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        for i, e in enumerate(self.ctl.catalog):
+            b = QPushButton("Download")
+            b.setAccessibleName(f"Download {e.name}")
+            b.clicked.connect(lambda _c=False, repo=e.repo: self.ctl.download(repo))
+            self.buttons[e.repo.lower()] = b
+            self.catalog.setIndexWidget(self.cat.index(i, 5), b)
+        self.catalog.doubleClicked.connect(self._plan_catalog)
+        self.repo_edit = QLineEdit()
+        self.repo_edit.setPlaceholderText("Any Hugging Face repo id, e.g. mlx-community/Qwen3-30B-A3B-4bit")
+        self.repo_btn = QPushButton("Download repo")
+        self.repo_btn.clicked.connect(self._download_repo)
+        self.repo_edit.returnPressed.connect(self._download_repo)
+        free = QHBoxLayout()
+        free.addWidget(self.repo_edit, 1)
+        free.addWidget(self.repo_btn)
+        self.catalog_error = QLabel("")
+        self.catalog_error.setObjectName("error")
+        self.catalog_error.setWordWrap(True)
+        self.catalog_error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        bottom = QWidget()
+        bl = QVBoxLayout(bottom)
+        bl.setContentsMargins(0, 0, 0, 0)
+        head2 = QLabel("Download from the Hugging Face hub")
+        head2.setObjectName("heading")
+        bl.addWidget(head2)
+        bl.addWidget(self.catalog, 1)
+        bl.addLayout(free)
+        bl.addWidget(self.catalog_error)
+
+        self.splitter = QSplitter(Qt.Orientation.Vertical)
+        self.splitter.setObjectName("librarySplitter")
+        self.splitter.addWidget(top)
+        self.splitter.addWidget(bottom)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 6, 6)
+        lay.addWidget(self.splitter)
+
+    # -- selection ---------------------------------------------------------------------------
+    def selected_row(self):
+        ix = self.table.selectionModel().selectedRows()
+        return self.local.rows[ix[0].row()] if ix else None
+
+    def select(self, name: str) -> None:
+        i = self.local.row_of(name)
+        if i >= 0:
+            self.table.selectRow(i)
+
+    def _on_selected(self, fn) -> None:
+        r = self.selected_row()
+        if r is not None and not r.builtin:
+            fn(r.name)
+
+    def load_selected(self) -> None:
+        r = self.selected_row()
+        if r is not None and r.state == "ready":
+            self.load_requested.emit(r.ref)
+
+    def plan_selected(self) -> None:
+        r = self.selected_row()
+        if r is not None and r.state == "ready":
+            self.plan_requested.emit(r.ref, r.name)
+
+    def _plan_catalog(self, ix: QModelIndex) -> None:
+        e = self.ctl.catalog[ix.row()]
+        if e.config:
+            self.plan_requested.emit(e.config, e.name)
+
+    def _download_repo(self) -> None:
+        if self.ctl.download(self.repo_edit.text()):
+            self.repo_edit.clear()
+
+    def _after_reload(self) -> None:
+        self._update_actions()
+        self._update_download_buttons()
+
+    def _update_actions(self) -> None:
+        r = self.selected_row()
+        st = r.state if r else ""
+        builtin = bool(r and r.builtin)
+        self.load_btn.setEnabled(st == "ready")
+        self.plan_btn.setEnabled(st == "ready")
+        self.pause_btn.setEnabled(st == "downloading")
+        self.resume_btn.setEnabled(st == "paused")
+        self.cancel_btn.setEnabled(st in ("downloading", "paused"))
+        self.convert_btn.setEnabled(st == "downloaded")
+        self.verify_btn.setEnabled(st in ("ready", "downloaded", "broken") and not builtin)
+        self.remove_btn.setEnabled(st in ("ready", "paused", "downloaded", "broken") and not builtin)
+        if r is None or r.entry is None:
+            self.detail.clear()
+            return
+        self.detail.setText("\n".join(x for x in (r.error, advice(r.entry)) if x))
+
+    def _update_download_buttons(self) -> None:
+        for e in self.ctl.catalog:
+            b = self.buttons[e.repo.lower()]
+            state = self.cat.local_state(e)
+            job = self.ctl.manager.job(e.repo)
+            running = job is not None and not job.finished.is_set()
+            if running or state in ("downloading", "converting"):
+                b.setText("Downloading…" if state != "converting" else "Converting…")
+                b.setEnabled(False)
+            elif state == "paused":
+                b.setText("Resume")
+                b.setEnabled(True)
+            elif state:
+                b.setText("In library")
+                b.setEnabled(False)
+            else:
+                b.setText("Download")
+                b.setEnabled(True)
+
+    def _on_failed(self, who: str, message: str) -> None:
+        self.catalog_error.setText(f"{who}: {message}")
+        self._update_actions()
+        self._update_download_buttons()
