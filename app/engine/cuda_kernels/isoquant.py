@@ -1,0 +1,122 @@
+"""CUDA prologue of the IsoQuant attention kernels (bodies: kvcache_kernels/isoquant_body.h and
+the tensor-core twin isoquant_tc.cuh).
+
+Defines the body's macro contract with CUDA qualifiers and warp shuffles, names the thread and
+block indices in every body and builds kernels with `mx.fast.cuda_kernel`. `translation_unit`
+returns the .cu text MLX would JIT-compile, with a few stand-ins for MLX's device header, so the
+bodies can be compile-checked with nvcc on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+HEADER = r"""
+#define IQ_FN __device__ __forceinline__
+#define IQ_TG
+#define IQ_THREAD
+#define IQ_SHARED __shared__
+#define IQ_BARRIER() __syncthreads()
+#define IQ_WARP_SYNC() __syncwarp()
+#define IQ_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define IQ_SHFL(v, s) __shfl_sync(0xffffffffu, (v), (s))
+#define IQ_EXP2(x) exp2f(x)
+#define IQ_NEG_INF (__int_as_float(0xff800000))
+typedef uint32_t iq_u32;
+typedef unsigned long long iq_u64;
+// c += A (16x16, rows x k) * B (16x8, k x n), fp16 operands, fp32 accumulators (PTX fragments)
+__device__ __forceinline__ void iq_mma(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+
+BODY = r"""
+  const int iq_tid = int(threadIdx.x);
+  const int iq_bx = int(blockIdx.x);
+  const int iq_by = int(blockIdx.y);
+  const int iq_bz = int(blockIdx.z);
+"""
+
+# What MLX's generated .cu provides before the header (mlx/backend/cuda/device/utils.cuh).
+_MLX_STANDIN = r"""
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+}
+"""
+
+_CUDA_TYPES = {
+    "uint8": "uint8_t",
+    "int32": "int32_t",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+}
+
+
+def available() -> bool:
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+
+
+def build(name: str, inputs: list[str], outputs: list[str], body: str, header: str):
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=inputs,
+        output_names=outputs,
+        source=BODY + body,
+        header=HEADER + header,
+        ensure_row_contiguous=False,
+    )
+
+
+def translation_unit(
+    name: str,
+    inputs: list[tuple[str, str]],
+    outputs: list[tuple[str, str]],
+    template: list[tuple[str, object]],
+    body: str,
+    header: str,
+    standin: str = _MLX_STANDIN,
+    prologue: str = HEADER,
+) -> str:
+    """The .cu text MLX generates for one kernel (inputs/outputs as (name, dtype name); template
+    values int, bool or a dtype name), with stand-ins for MLX's includes (`standin`; the CPU
+    emulator in tests passes its own, and its own `prologue`)."""
+    params = []
+    for n, dt in inputs:
+        params.append(f"    const {_CUDA_TYPES[dt]}* {n}")
+        if f"{n}_strides" in body:
+            params.append(f"    const __grid_constant__ Strides {n}_strides")
+    params += [f"    {_CUDA_TYPES[dt]}* {n}" for n, dt in outputs]
+    consts = []
+    for k, v in template:
+        if isinstance(v, bool):
+            consts.append(f"  constexpr bool {k} = {'true' if v else 'false'};")
+        elif isinstance(v, int):
+            consts.append(f"  constexpr int {k} = {v};")
+        else:
+            consts.append(f"  using {k} = {_CUDA_TYPES[v]};")
+    return (
+        standin
+        + prologue
+        + header
+        + "namespace mlx::core::cu {\n__global__ void custom_kernel_"
+        + name
+        + "(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + "\n"
+        + BODY
+        + body
+        + "\n}\n}\n"
+    )

@@ -1,0 +1,571 @@
+"""IsoQuant attention kernels: source factory, kernels built once at import, references,
+launchers and public functions (STYLE "Kernels").
+
+Kernels (bodies in isoquant_body.h, shared by Metal and CUDA; prologues in
+metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
+  A iq_qk_dot          packed K -> scores (query rotated in the kernel)
+  B iq_softmax         scores -> probabilities (lengths, causal float segment, sinks)
+  C iq_value_word      probabilities x packed V -> õ, word-parallel (T < 512)
+    iq_value_dim       the same, dimension-parallel over token splits (T >= 512)
+  D iq_rotate_inverse  o = Rᵀ õ (+ the float segment's output)
+  iq_fused_scalar      A+B+C in one launch: split-K with an online softmax per warp
+  iq_fused_tc          its CUDA tensor-core twin (3-bit, D 64/128; isoquant_tc.cuh)
+  iq_combine           log-sum-exp merge of the splits, Rᵀ once per row, float segment added
+Shapes: q [B, Hq, L, D]; codes [B, Hkv, Tc, D*bits/8] uint8; norms [B, Hkv, Tc] fp16;
+fp K/V [B, Hkv, Tf, D]; rows r = g*L + l per KV head (query head h*G + g, position l).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..cuda_kernels import isoquant as cuda_prologue
+from ..kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
+from ..kvcache.packing import unpack_codes
+from ..kvcache.rotation import Rotation
+from ..metal_kernels import isoquant as metal_prologue
+
+# -- source factory ------------------------------------------------------------------------
+
+_DIR = Path(__file__).parent
+BODY_PATH = _DIR / "isoquant_body.h"
+TC_PATH = _DIR / "isoquant_tc.cuh"
+_SECTION = re.compile(r"^// @(header|kernel (\w+))\s*$(.*?)^// @end\s*$", re.M | re.S)
+
+
+def sections(text: str) -> tuple[str, dict[str, str]]:
+    """("@header" text, {kernel name: body}) of a kernel source file."""
+    header, bodies = "", {}
+    for m in _SECTION.finditer(text):
+        if m.group(1) == "header":
+            header += m.group(3)
+        else:
+            bodies[m.group(2)] = m.group(3)
+    return header, bodies
+
+
+SHARED_HEADER, SHARED_BODIES = sections(BODY_PATH.read_text())
+TC_HEADER, TC_BODIES = sections(TC_PATH.read_text())
+
+_FUSED_IN = [
+    "q", "k_codes", "k_norms", "v_codes", "v_norms", "k_fp", "v_fp", "rot", "lv_k", "lv_v",
+    "lens", "iparams", "fparams",
+]  # fmt: skip
+_PART_OUT = ["part_o", "part_m", "part_l"]
+# name -> (inputs, outputs); every body takes its template values at call time (MLX puts them
+# in the compiled kernel's name), and the q/fp dtype is part of our name (see _kernel_name).
+SPECS: dict[str, tuple[list[str], list[str]]] = {
+    "iq_fused_scalar": (_FUSED_IN, _PART_OUT),
+    "iq_fused_tc": (_FUSED_IN, _PART_OUT),
+    "iq_combine": (["part_o", "part_m", "part_l", "rot", "sinks", "iparams", "fparams"], ["out"]),
+    "iq_qk_dot": (["q", "k_codes", "k_norms", "rot", "lv_k", "iparams", "fparams"], ["scores"]),
+    "iq_softmax": (["scores", "sinks", "lens", "iparams"], ["probs"]),
+    "iq_value_word": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["out"]),
+    "iq_value_dim": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["part"]),
+    "iq_rotate_inverse": (["acc", "add", "rot", "iparams"], ["out"]),
+}
+CUDA_ONLY = ("iq_fused_tc",)
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def source(name: str, backend: str) -> tuple[str, str]:
+    """(header, body) of kernel `name` without the backend prologue."""
+    if name in TC_BODIES:
+        if backend != "cuda":
+            raise ValueError(f"{name} is a CUDA-only kernel")
+        return SHARED_HEADER + TC_HEADER, TC_BODIES[name]
+    return SHARED_HEADER, SHARED_BODIES[name]
+
+
+def _kernel_name(name: str, dtype: str) -> str:
+    return f"{name}_{dtype}_v1"  # v1: bump when a body changes meaning under the same template
+
+
+# -- kernels built once at import ----------------------------------------------------------
+
+
+def _backend() -> str | None:
+    if cuda_prologue.available():
+        return "cuda"
+    if metal_prologue.available():
+        return "metal"
+    return None
+
+
+BACKEND = _backend()
+_KERNELS: dict[tuple[str, str], object] = {}
+if BACKEND is not None:
+    _prologue = cuda_prologue if BACKEND == "cuda" else metal_prologue
+    for _name, (_ins, _outs) in SPECS.items():
+        if _name in CUDA_ONLY and BACKEND != "cuda":
+            continue
+        _hdr, _body = source(_name, BACKEND)
+        for _dt in DTYPES:
+            _KERNELS[(_name, _dt)] = _prologue.build(
+                _kernel_name(_name, _dt), _ins, _outs, _body, _hdr
+            )
+
+
+def kernels_available() -> bool:
+    return bool(_KERNELS)
+
+
+def _dtype_name(dt) -> str:
+    for k, v in DTYPES.items():
+        if v == dt:
+            return k
+    raise ValueError(f"IsoQuant kernels take float16, bfloat16 or float32 queries, not {dt}")
+
+
+# -- problem description -------------------------------------------------------------------
+
+KIND_CODES = {"v3": 0, "v2": 1, "v1": 1, "dense": 2}
+HEAD_DIMS = (64, 128, 256, 512)
+TC_HEAD_DIMS = (64, 128)
+# (query lo part, P' lo part) of the tensor-core kernel; see isoquant_tc.cuh
+TC_PRECISION = tuple(
+    os.environ.get("ROTARYQUANT_ISOQUANT_TC_PRECISION", "10")[i] == "1" for i in (0, 1)
+)
+NW = 4  # warps per threadgroup (IQ_NW)
+# rows per threadgroup of the scalar kernels: keeps RB * D/32 accumulators per lane at <= 32
+SCALAR_RB = {64: 8, 128: 8, 256: 4, 512: 2}
+LOG2E = 1.4426950408889634
+
+
+class Unsupported(ValueError):
+    """This input needs the reference (the dispatcher falls back; a forced kernel raises)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    b: int
+    hq: int
+    hkv: int
+    length: int  # L: queries per head
+    dim: int
+    tc: int
+    tf: int
+    kb: int
+    vb: int
+    kind: int
+    causal: bool
+
+    def __post_init__(self):
+        if self.hq % self.hkv:
+            raise ValueError(f"{self.hq} query heads are not a multiple of {self.hkv} KV heads")
+        if self.dim not in HEAD_DIMS:
+            raise Unsupported(f"IsoQuant kernels take head dims {HEAD_DIMS}, not {self.dim}")
+        if self.causal and self.tf < self.length:
+            raise Unsupported("causal queries must lie in the float segment")
+
+    @property
+    def g(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def rows(self) -> int:
+        return self.g * self.length
+
+    @classmethod
+    def of(cls, q: mx.array, keys: IsoQuantTensor, values: IsoQuantTensor, mask) -> Problem:
+        b, hq, length, d = q.shape
+        if keys.compressed_len != values.compressed_len or keys.fp_len != values.fp_len:
+            raise ValueError("keys and values of an IsoQuant cache cover different tokens")
+        if keys.rotation is not values.rotation and keys.rotation.kind != values.rotation.kind:
+            raise Unsupported("keys and values use different rotations")
+        if mask is not None and not isinstance(mask, str):
+            raise Unsupported("array masks are handled by the reference")
+        if isinstance(mask, str) and mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        causal = mask == "causal" and length > 1
+        return cls(
+            b, hq, keys.codes.shape[1], length, d, keys.compressed_len, keys.fp_len,
+            keys.quantizer.bits, values.quantizer.bits, KIND_CODES[keys.rotation.kind], causal,
+        )  # fmt: skip
+
+
+def _rot_array(rot: Rotation) -> mx.array:
+    return rot.dense if rot.kind == "dense" else rot.blocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pad8(a: mx.array) -> mx.array:
+    # Metal passes arrays of fewer than 8 elements in the constant address space: keep 8+.
+    return a if a.size >= 8 else mx.concatenate([a.reshape(-1), mx.zeros((8 - a.size,), a.dtype)])
+
+
+def _lens(p: Problem, lens) -> mx.array:
+    if lens is None:
+        return _pad8(mx.full((p.b,), p.tc, mx.int32))
+    lens = mx.array(lens, mx.int32).reshape(-1)
+    if lens.shape[0] != p.b:
+        raise ValueError(f"lens has {lens.shape[0]} entries for a batch of {p.b}")
+    return _pad8(mx.minimum(lens, p.tc))
+
+
+def _sinks(p: Problem, sinks) -> mx.array:
+    if sinks is None:
+        return mx.zeros((8,), mx.float32)
+    return _pad8(sinks.astype(mx.float32).reshape(-1))
+
+
+def _iparams(p: Problem, **kw) -> mx.array:
+    v = [0] * 16
+    v[0], v[1], v[2], v[3], v[4], v[7], v[11], v[13] = (
+        p.tc, p.tf, p.length, p.rows, p.g, p.hkv, p.hq, p.b,
+    )  # fmt: skip
+    names = {"sl": 5, "ncb": 6, "nsp": 8, "nspc": 9, "slf": 10, "sinks": 12}
+    for k, val in kw.items():
+        v[names[k]] = int(val)
+    return mx.array(v, mx.int32)
+
+
+def _fparams(scale: float, kinv: float = 1.0, vinv: float = 1.0) -> mx.array:
+    return mx.array([scale, scale * LOG2E, LOG2E, kinv, vinv, 0, 0, 0], mx.float32)
+
+
+@functools.cache
+def _fp16_level_scale(levels: tuple[float, ...]) -> float:
+    """s in [1, 2) that puts s * levels closest to fp16 values (max relative rounding error);
+    the tensor-core kernel keeps its level table in fp16."""
+    lv = np.abs(np.asarray(levels, np.float64))
+    s = np.linspace(1.0, 2.0, 20001)
+    x = s[:, None] * lv[None]
+    err = np.max(np.abs(x.astype(np.float16).astype(np.float64) - x) / x, axis=1)
+    return float(s[int(err.argmin())])
+
+
+def _tc_levels(q) -> tuple[mx.array, float]:
+    s = _fp16_level_scale(tuple(float(v) for v in q.levels.tolist()))
+    return q.levels * s, 1.0 / s
+
+
+def _use_kernel(use_kernel: bool | None) -> bool:
+    if use_kernel is None:
+        return kernels_available()
+    if use_kernel and not kernels_available():
+        raise RuntimeError("IsoQuant kernels need MLX's Metal or CUDA backend")
+    return bool(use_kernel)
+
+
+# -- references ------------------------------------------------------------------------------
+# q: [B, Hq, L, D]; every reference computes in float32 from the same codes.
+
+
+def qk_dot_reference(q: mx.array, keys: IsoQuantTensor, scale: float) -> mx.array:
+    """Kernel A: scores [B*Hkv, R, Tc] = scale * norm/√D * <R q, levels[codes]>."""
+    b, hq, length, d = q.shape
+    hkv = keys.codes.shape[1]
+    qr = keys.rotation.forward(q.astype(mx.float32).reshape(b, hkv, hq // hkv * length, d))
+    lv = keys.quantizer.levels[unpack_codes(keys.codes, keys.quantizer.bits)]  # [B, Hkv, Tc, D]
+    s = qr @ lv.swapaxes(-1, -2)  # [B, Hkv, R, Tc]
+    s = s * (keys.norms.astype(mx.float32) * (scale / math.sqrt(d)))[:, :, None, :]
+    return s.reshape(b * hkv, -1, keys.compressed_len)
+
+
+def softmax_reference(
+    scores: mx.array, p: Problem, lens=None, sinks: mx.array | None = None
+) -> mx.array:
+    """Kernel B: scores [B*Hkv, R, Tc + Tf] -> probabilities with the kernel's masks."""
+    t = p.tc + p.tf
+    j = mx.arange(t)
+    ln = mx.array([p.tc] * p.b if lens is None else list(lens), mx.int32)
+    ln = mx.repeat(mx.minimum(ln, p.tc), p.hkv)[:, None, None]  # [B*Hkv, 1, 1]
+    ok = mx.where(j < p.tc, j < ln, True)
+    if p.causal:
+        lpos = (mx.arange(p.rows) % p.length)[:, None]
+        ok = ok & ((j < p.tc) | (j - p.tc <= p.tf - p.length + lpos))
+    s = mx.where(ok, scores, -mx.inf)
+    if sinks is not None:
+        sk = mx.repeat(sinks.astype(mx.float32).reshape(p.hkv, p.g), p.length, axis=1)  # [Hkv, R]
+        sk = mx.broadcast_to(sk[None], (p.b, p.hkv, p.rows)).reshape(-1, p.rows, 1)
+        return mx.softmax(mx.concatenate([s, sk], axis=-1), axis=-1, precise=True)[..., :-1]
+    return mx.softmax(s, axis=-1, precise=True)
+
+
+def value_accum_reference(probs: mx.array, values: IsoQuantTensor) -> mx.array:
+    """Kernel C: õ [B*Hkv, R, D] = Σ_j probs[:, :, j] norm_j/√D levels[codes_j] (j < Tc)."""
+    b, hkv, tc, _ = values.codes.shape
+    d = values.quantizer.dim
+    lv = values.quantizer.levels[unpack_codes(values.codes, values.quantizer.bits)]
+    lv = lv * (values.norms.astype(mx.float32) / math.sqrt(d))[..., None]  # [B, Hkv, Tc, D]
+    pr = probs[..., :tc].reshape(b, hkv, -1, tc)
+    return (pr @ lv).reshape(b * hkv, -1, d)
+
+
+def rotate_inverse_reference(acc: mx.array, rot: Rotation, p: Problem, add=None, dtype=None):
+    """Kernel D: [B*Hkv, R, D] rotated-space rows -> [B, Hq, L, D] = Rᵀ acc (+ add)."""
+    o = rot.inverse(acc.reshape(p.b, p.hkv, p.rows, p.dim)).reshape(p.b, p.hq, p.length, p.dim)
+    if add is not None:
+        o = o + add.astype(mx.float32)
+    return o if dtype is None else o.astype(dtype)
+
+
+def attention_reference(q, keys, values, scale, mask=None, sinks=None, lens=None) -> mx.array:
+    """The cache's oracle, batch element by element when lengths are ragged."""
+    if lens is None:
+        return isoquant_attention_reference(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    def part(t: IsoQuantTensor, i: int, n: int) -> IsoQuantTensor:
+        fp = None if t.fp is None else t.fp[i : i + 1]
+        return IsoQuantTensor(
+            t.codes[i : i + 1, :, :n], t.norms[i : i + 1, :, :n], fp, t.quantizer, t.rotation
+        )
+
+    outs = []
+    for i, n in enumerate(list(lens)):
+        n = min(int(n), keys.compressed_len)
+        k, v = part(keys, i, n), part(values, i, n)
+        outs.append(isoquant_attention_reference(q[i : i + 1], k, v, scale, mask, sinks))
+    return mx.concatenate(outs, axis=0)
+
+
+# -- launchers -------------------------------------------------------------------------------
+
+
+def _kernel(name: str, dtype) -> object:
+    try:
+        return _KERNELS[(name, _dtype_name(dtype))]
+    except KeyError:
+        raise RuntimeError(f"kernel {name} is not built on this backend ({BACKEND})") from None
+
+
+def split_plan(p: Problem, rows_per_block: int, split_len: int | None = None) -> dict:
+    """Token splits of the fused kernels: one warp per split, NW warps per threadgroup.
+    Default: enough warps to fill a large GPU, splits no shorter than 64/256 tokens so the
+    partials stay small against the KV they summarize."""
+    nrb = _cdiv(p.rows, rows_per_block)
+    heads = p.b * p.hkv * nrb
+    if split_len is None:
+        small = p.tc * p.b * p.hkv <= 1 << 18
+        min_len = 64 if small else 256
+        split_len = max(min_len, _cdiv(p.tc, _cdiv(3072, heads)))
+    sl = max(32, _cdiv(split_len, 32) * 32)
+    ncb = _cdiv(_cdiv(p.tc, sl), NW)
+    slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))
+    nfb = _cdiv(p.tf, NW * slf)
+    return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=(ncb + nfb) * NW, nspc=ncb * NW)
+
+
+def _fused_partials(q, keys, values, scale, p: Problem, lens, variant: str, split_len=None):
+    dt = q.dtype
+    rb = 16 if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
+    plan = split_plan(p, rb, split_len)
+    fpk = keys.fp if p.tf else mx.zeros((1, 1, 1, p.dim), dt)
+    fpv = values.fp if p.tf else mx.zeros((1, 1, 1, p.dim), dt)
+    fpk, fpv = fpk.astype(dt), fpv.astype(dt)
+    ip = _iparams(
+        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"]
+    )
+    nbh = p.b * p.hkv
+    lvk, lvv, kinv, vinv = keys.quantizer.levels, values.quantizer.levels, 1.0, 1.0
+    if variant == "tc":
+        (lvk, kinv), (lvv, vinv) = _tc_levels(keys.quantizer), _tc_levels(values.quantizer)
+    inputs = [
+        q, keys.codes, keys.norms, values.codes, values.norms, fpk, fpv,
+        _rot_array(keys.rotation), lvk, lvv, _lens(p, lens), ip, _fparams(scale, kinv, vinv),
+    ]  # fmt: skip
+    if variant == "tc":
+        tmpl = [("D", p.dim), ("R16", p.rows > 8), ("KIND", p.kind), ("CAUSAL", p.causal)]
+        tmpl += [("QLO", TC_PRECISION[0]), ("PLO", TC_PRECISION[1])]
+    else:
+        tmpl = [
+            ("D", p.dim),
+            ("RB", rb),
+            ("KB", p.kb),
+            ("VB", p.vb),
+            ("KIND", p.kind),
+            ("CAUSAL", p.causal),
+        ]
+    kern = _kernel("iq_fused_tc" if variant == "tc" else "iq_fused_scalar", dt)
+    grid_x = 32 * NW * (plan["ncb"] + plan["nfb"])
+    part = kern(
+        inputs=inputs,
+        template=tmpl,
+        grid=(grid_x, plan["nrb"], nbh),
+        threadgroup=(32 * NW, 1, 1),
+        output_shapes=[
+            (nbh, plan["nsp"], p.rows, p.dim),
+            (nbh, plan["nsp"], p.rows),
+            (nbh, plan["nsp"], p.rows),
+        ],
+        output_dtypes=[mx.float32] * 3,
+    )
+    return part, ip
+
+
+def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, split_len=None):
+    """The split partials (o [B*Hkv, NSP, R, D], m, l [B*Hkv, NSP, R]; log2 domain) — for tests."""
+    p = Problem.of(q, keys, values, mask)
+    return _fused_partials(q, keys, values, scale, p, lens, variant or _variant(p), split_len)[0]
+
+
+def _variant(p: Problem) -> str:
+    if BACKEND == "cuda" and p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS:
+        return "tc"
+    return "scalar"
+
+
+def fused_attention(
+    q, keys, values, scale, mask=None, sinks=None, lens=None, variant=None, split_len=None
+):
+    """Single-pass split-K attention (A+B+C in one launch) + combine. variant: "tc" (CUDA tensor
+    cores, 3-bit, D 64/128) or "scalar" (every backend); default picks tc where it applies."""
+    p = Problem.of(q, keys, values, mask)
+    variant = variant or _variant(p)
+    if variant == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
+        raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
+    (po, pm, pl), ip = _fused_partials(q, keys, values, scale, p, lens, variant, split_len)
+    if sinks is not None:
+        ip = ip.at[12].add(1)  # IQ_P_SINKS
+    return _kernel("iq_combine", q.dtype)(
+        inputs=[po, pm, pl, _rot_array(keys.rotation), _sinks(p, sinks), ip, _fparams(scale)],
+        template=[("D", p.dim), ("KIND", p.kind), ("TO", q.dtype)],
+        grid=(p.dim, p.rows, p.b * p.hkv),
+        threadgroup=(p.dim, 1, 1),
+        output_shapes=[(p.b, p.hq, p.length, p.dim)],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def qk_dot(q, keys: IsoQuantTensor, scale: float, p: Problem | None = None) -> mx.array:
+    """Kernel A -> scores [B*Hkv, R, Tc] float32 (natural units)."""
+    p = p or Problem.of(q, keys, keys, None)
+    rb = min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
+    nrb = _cdiv(p.rows, rb)
+    return _kernel("iq_qk_dot", q.dtype)(
+        inputs=[
+            q,
+            keys.codes,
+            keys.norms,
+            _rot_array(keys.rotation),
+            keys.quantizer.levels,
+            _iparams(p),
+            _fparams(scale),
+        ],  # fmt: skip
+        template=[("D", p.dim), ("RB", rb), ("KB", p.kb), ("KIND", p.kind)],
+        grid=(32 * NW * _cdiv(p.tc, 32 * NW), nrb, p.b * p.hkv),
+        threadgroup=(32 * NW, 1, 1),
+        output_shapes=[(p.b * p.hkv, p.rows, p.tc)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+def softmax(scores: mx.array, p: Problem, lens=None, sinks=None) -> mx.array:
+    """Kernel B: [B*Hkv, R, Tc + Tf] float32 scores -> probabilities."""
+    ip = _iparams(p, sinks=sinks is not None)
+    return _kernel("iq_softmax", mx.float32)(
+        inputs=[scores.astype(mx.float32), _sinks(p, sinks), _lens(p, lens), ip],
+        template=[("CAUSAL", p.causal)],
+        grid=(32 * NW, p.rows, p.b * p.hkv),
+        threadgroup=(32 * NW, 1, 1),
+        output_shapes=[scores.shape],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+WORD_DIM_SWITCH = 512  # T at which kernel C switches to the dimension-parallel schedule (SPEC §4)
+
+
+def value_accum(probs: mx.array, values: IsoQuantTensor, p: Problem, lens=None, schedule=None):
+    """Kernel C: probs [B*Hkv, R, Tp] (first Tc columns) -> õ [B*Hkv, R, D] float32."""
+    schedule = schedule or ("word" if p.tc < WORD_DIM_SWITCH else "dim")
+    rb = min(4, 1 << max(0, (p.rows - 1).bit_length()))
+    nrb = _cdiv(p.rows, rb)
+    tp = probs.shape[-1]
+    nbh = p.b * p.hkv
+    args = [
+        probs.astype(mx.float32),
+        values.codes,
+        values.norms,
+        values.quantizer.levels,
+        _lens(p, lens),
+    ]
+    tmpl = [("D", p.dim), ("RB", rb), ("VB", p.vb)]
+    if schedule == "word":
+        return _kernel("iq_value_word", mx.float32)(
+            inputs=args + [_iparams(p, sl=tp)],
+            template=tmpl,
+            grid=(256, nrb, nbh),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(nbh, p.rows, p.dim)],
+            output_dtypes=[mx.float32],
+        )[0]
+    # enough splits to fill the GPU, at least 128 tokens each
+    ns = max(1, min(_cdiv(p.tc, 128), _cdiv(1024, nbh * nrb)))
+    sld = _cdiv(p.tc, ns)
+    part = _kernel("iq_value_dim", mx.float32)(
+        inputs=args + [_iparams(p, sl=tp, slf=sld)],
+        template=tmpl,
+        grid=(p.dim, nrb * ns, nbh),
+        threadgroup=(p.dim, 1, 1),
+        output_shapes=[(ns, nbh, p.rows, p.dim)],
+        output_dtypes=[mx.float32],
+    )[0]
+    return part.sum(axis=0)
+
+
+def rotate_inverse(
+    acc: mx.array, rot: Rotation, p: Problem, add=None, dtype=mx.float32
+) -> mx.array:
+    """Kernel D: [B*Hkv, R, D] -> [B, Hq, L, D] = Rᵀ acc (+ add [B, Hq, L, D])."""
+    has_add = add is not None
+    add = add.astype(dtype) if has_add else mx.zeros((8,), dtype)
+    return _kernel("iq_rotate_inverse", dtype)(
+        inputs=[acc.astype(mx.float32), add, _rot_array(rot), _iparams(p)],
+        template=[("D", p.dim), ("KIND", KIND_CODES[rot.kind]), ("ADD", has_add), ("TO", dtype)],
+        grid=(p.dim, p.rows, p.b * p.hkv),
+        threadgroup=(p.dim, 1, 1),
+        output_shapes=[(p.b, p.hq, p.length, p.dim)],
+        output_dtypes=[dtype],
+    )[0]
+
+
+def unfused_attention(q, keys, values, scale, mask=None, sinks=None, lens=None, schedule=None):
+    """The paper's four-kernel path A -> B -> C -> D; the float segment's two small products
+    run as MLX ops between them."""
+    p = Problem.of(q, keys, values, mask)
+    s = qk_dot(q, keys, scale, p)
+    if p.tf:
+        qh = q.astype(mx.float32).reshape(p.b, p.hkv, p.rows, p.dim)
+        sf = (qh * scale) @ keys.fp.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, R, Tf]
+        s = mx.concatenate([s, sf.reshape(p.b * p.hkv, p.rows, p.tf)], axis=-1)
+    pr = softmax(s, p, lens, sinks)
+    acc = value_accum(pr, values, p, lens, schedule)
+    add = None
+    if p.tf:
+        pf = pr[..., p.tc :].reshape(p.b, p.hkv, p.rows, p.tf)
+        add = (pf @ values.fp.astype(mx.float32)).reshape(p.b, p.hq, p.length, p.dim)
+    return rotate_inverse(acc, keys.rotation, p, add, q.dtype)
+
+
+# -- public function -------------------------------------------------------------------------
+
+PATHS = ("fused", "unfused")
+# From benchmarks/attention_decode.py on the H200: the fused single pass wins at every measured
+# shape (one launch + a combine against four launches and two MLX products).
+DEFAULT_PATH = os.environ.get("ROTARYQUANT_ISOQUANT_PATH", "fused")
+
+
+def attention(q, keys, values, scale, mask=None, sinks=None, lens=None, use_kernel=None, path=None):
+    """IsoQuant attention: q [B, Hq, L, D] -> [B, Hq, L, D] (q's dtype). Kernels where the
+    backend has them (use_kernel=None), else the reference; path "fused" or "unfused"."""
+    if not _use_kernel(use_kernel):
+        return attention_reference(q, keys, values, scale, mask, sinks, lens)
+    path = path or DEFAULT_PATH
+    if path not in PATHS:
+        raise ValueError(f"unknown IsoQuant attention path {path!r}; expected one of {PATHS}")
+    if path == "fused":
+        return fused_attention(q, keys, values, scale, mask, sinks, lens)
+    return unfused_attention(q, keys, values, scale, mask, sinks, lens)

@@ -1,0 +1,186 @@
+// CPU emulator of the CUDA features the IsoQuant kernels use, so their logic runs in CPU tests:
+// one std::thread per GPU thread of a block (blocks run one after another), __shared__ arrays
+// become function statics, barriers are std::barrier, warp shuffles and mma.sync exchange
+// values through per-warp buffers. Correctness only: nothing here says anything about speed.
+#pragma once
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __global__
+#define __grid_constant__
+#define __shared__ static
+
+struct emu_uint3 {
+  unsigned x, y, z;
+};
+inline thread_local emu_uint3 threadIdx, blockIdx;
+inline thread_local int emu_tid;
+
+struct __half {
+  uint16_t x;
+  __half() = default;
+  __half(float v) {
+    _Float16 f = (_Float16)v;
+    std::memcpy(&x, &f, 2);
+  }
+  operator float() const {
+    _Float16 f;
+    std::memcpy(&f, &x, 2);
+    return (float)f;
+  }
+};
+struct __half2 {
+  __half x, y;
+};
+struct __nv_bfloat16 {
+  uint16_t x;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+    x = uint16_t(u >> 16);
+  }
+  operator float() const {
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+inline float __half2float(__half h) { return float(h); }
+inline __half __float2half_rn(float v) { return __half(v); }
+inline uint16_t __half_as_ushort(__half h) { return h.x; }
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{__half(a), __half(b)}; }
+inline float __low2float(__half2 h) { return float(h.x); }
+inline float __high2float(__half2 h) { return float(h.y); }
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline float min(float a, float b) { return a < b ? a : b; }
+inline float max(float a, float b) { return a > b ? a : b; }
+
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t pool = uint64_t(x) | (uint64_t(y) << 32);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t n = (s >> (4 * i)) & 0xFu;
+    uint32_t byte = uint32_t(pool >> (8 * (n & 7u))) & 0xFFu;
+    if (n & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    r |= byte << (8 * i);
+  }
+  return r;
+}
+
+struct EmuBlock {
+  std::unique_ptr<std::barrier<>> block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  uint64_t xbuf[32][32];
+  uint32_t mbuf[32][32][10];
+};
+inline EmuBlock* emu_blk = nullptr;
+
+inline void __syncthreads() { emu_blk->block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_blk->warps[emu_tid / 32]->arrive_and_wait(); }
+
+template <typename T>
+inline T emu_exchange(T v, int src) {
+  const int w = emu_tid / 32, l = emu_tid % 32;
+  std::memcpy(&emu_blk->xbuf[w][l], &v, sizeof(T));
+  __syncwarp();
+  T r;
+  std::memcpy(&r, &emu_blk->xbuf[w][src & 31], sizeof(T));
+  __syncwarp();
+  return r;
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_exchange(v, (emu_tid % 32) ^ m); }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v, src); }
+inline int __any_sync(unsigned, int pred) {
+  const int w = emu_tid / 32, l = emu_tid % 32;
+  emu_blk->xbuf[w][l] = pred ? 1 : 0;
+  __syncwarp();
+  int any = 0;
+  for (int i = 0; i < 32; ++i) any |= int(emu_blk->xbuf[w][i]);
+  __syncwarp();
+  return any;
+}
+
+inline float emu_h(uint32_t reg, int hi) {
+  __half h;
+  h.x = uint16_t(hi ? reg >> 16 : reg & 0xFFFFu);
+  return float(h);
+}
+
+// mma.sync.m16n8k16.row.col.f32.f16.f16.f32 with the PTX fragment layouts.
+inline void iq_mma(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                   uint32_t b1) {
+  const int w = emu_tid / 32, l = emu_tid % 32;
+  uint32_t* m = emu_blk->mbuf[w][l];
+  m[0] = a0; m[1] = a1; m[2] = a2; m[3] = a3; m[4] = b0; m[5] = b1;
+  __syncwarp();
+  auto A = [&](int row, int k) {  // a0: (g, k<8), a1: (g+8, k<8), a2: (g, k>=8), a3: (g+8, k>=8)
+    const int lane = (row % 8) * 4 + (k % 8) / 2;
+    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return emu_h(emu_blk->mbuf[w][lane][reg], k % 2);
+  };
+  auto B = [&](int k, int n) {  // b0: k<8, b1: k>=8; column n = groupID
+    const int lane = n * 4 + (k % 8) / 2;
+    return emu_h(emu_blk->mbuf[w][lane][4 + (k >= 8 ? 1 : 0)], k % 2);
+  };
+  const int gid = l / 4, tig = l % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0);
+    const int col = 2 * tig + (i % 2);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    out[i] = acc;
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) c[i] = out[i];
+}
+
+// Runs fn() once per thread of every block of grid (gx, gy, gz) x block (nt threads).
+inline void emu_launch(unsigned gx, unsigned gy, unsigned gz, int nt, const std::function<void()>& fn) {
+  for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        EmuBlock blk;
+        blk.block = std::make_unique<std::barrier<>>(nt);
+        for (int w = 0; w < (nt + 31) / 32; ++w)
+          blk.warps.push_back(std::make_unique<std::barrier<>>(std::min(32, nt - 32 * w)));
+        emu_blk = &blk;
+        std::vector<std::thread> ts;
+        for (int t = 0; t < nt; ++t)
+          ts.emplace_back([&, t] {
+            threadIdx = {unsigned(t), 0, 0};
+            blockIdx = {x, y, z};
+            emu_tid = t;
+            fn();
+          });
+        for (auto& th : ts) th.join();
+      }
+}
+
+namespace mlx::core::cu {
+using Shape = std::array<int32_t, 10>;
+using Strides = std::array<int64_t, 10>;
+}  // namespace mlx::core::cu
