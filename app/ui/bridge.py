@@ -29,11 +29,18 @@ class WorkerBridge(QObject):
     def __init__(self, parent=None, env: dict | None = None):
         super().__init__(parent)
         self._incoming.connect(self._dispatch)
-        self.client = WorkerClient(on_message=self._incoming.emit, env=env)
+        self.client = WorkerClient(on_message=self._deliver, env=env)
         self.current: int | None = None  # request being generated
         self.starting = False
         self.stats_pending = False
         self._closed = False
+
+    def _deliver(self, msg) -> None:
+        """Called on the client's threads."""
+        try:
+            self._incoming.emit(msg)
+        except RuntimeError:  # the window (and this bridge) was closed: nothing to deliver to
+            pass
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -54,7 +61,7 @@ class WorkerBridge(QObject):
                 msg = self.client.start()
             except WorkerError as e:
                 msg = M.WorkerDied(None, str(e))
-            self._incoming.emit(msg)
+            self._deliver(msg)
 
         threading.Thread(target=run, name="worker-start", daemon=True).start()
 

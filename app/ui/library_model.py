@@ -124,7 +124,7 @@ class LibraryController(QObject):
         super().__init__(parent)
         self.library = library or Library()
         self.transfer_options = dict(transfer_options or {})
-        self.manager = DownloadManager(self.library, on_event=self._event.emit)
+        self.manager = DownloadManager(self.library, on_event=self._emit_event)
         self.runner = TaskRunner(self, "library")
         self.entries: list[LibraryEntry] = []
         self.progress: dict[str, dict] = {}  # name or repo (lower) -> {"fraction", "text"}
@@ -133,6 +133,13 @@ class LibraryController(QObject):
         self.verdicts: dict[str, str] = {}
         self._event.connect(self._on_event)
         self._job_done.connect(self._on_job_done)
+
+    def _emit_event(self, ev) -> None:
+        """Called on download threads; the window may have closed (it pauses downloads then)."""
+        try:
+            self._event.emit(ev)
+        except RuntimeError:  # the controller is gone: the library's store still has the state
+            pass
 
     # -- reading -----------------------------------------------------------------------------
     def refresh(self, check: bool = False) -> None:
@@ -196,7 +203,10 @@ class LibraryController(QObject):
     def _watch(self, job) -> None:
         def wait():
             job.wait()
-            self._job_done.emit(job.repo, job.outcome, "" if job.error is None else str(job.error))
+            try:
+                self._job_done.emit(job.repo, job.outcome, "" if job.error is None else str(job.error))
+            except RuntimeError:  # the window closed first
+                pass
 
         threading.Thread(target=wait, name=f"watch {job.repo}", daemon=True).start()
 
@@ -234,7 +244,7 @@ class LibraryController(QObject):
 
     def convert(self, name: str) -> None:
         def run():
-            return self.library.convert(name, on_event=self._event.emit)
+            return self.library.convert(name, on_event=self._emit_event)
 
         self.runner.submit(f"convert {name}", run, lambda _r: self.refresh(),
                            lambda err: (self.failed.emit(name, str(err)), self.refresh()),

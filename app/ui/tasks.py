@@ -66,7 +66,10 @@ class TaskRunner(QObject):
                 task.result = task.fn()
             except BaseException as e:  # reported through the signal, never lost on the thread
                 task.error = e
-            self._done.emit(task)
+            try:
+                self._done.emit(task)
+            except RuntimeError:  # the runner's window was closed meanwhile: no one to tell
+                pass
 
         threading.Thread(target=run, name=f"{self.name}: {task.name}", daemon=True).start()
 
