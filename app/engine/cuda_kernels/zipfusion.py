@@ -30,7 +30,38 @@ from ..kvcache.zipfusion import codec
 
 # -- sources -------------------------------------------------------------------------------
 
-HEADER = r"""
+# The few device primitives written in PTX (a CPU emulator in the tests supplies its own).
+HEADER_PTX = r"""
+__device__ __forceinline__ void zf_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t zf_pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t zf_smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void zf_cp16(uint32_t smem_addr, const void* gptr) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr));
+}
+
+__device__ __forceinline__ void zf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void zf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+#define ZF_DYN_SMEM(name) extern __shared__ __align__(16) uint8_t name[]
+"""
+
+HEADER_COMMON = r"""
 #define ZF_RAW 0xFFu
 
 // One lane's 8 values of a compressed block -> 4 bf16x2 registers (values 0-1, 2-3, 4-5, 6-7).
@@ -44,19 +75,6 @@ __device__ __forceinline__ void zf_decode8(
   r[1] = __byte_perm(lo0, hi_a, 0x7362);
   r[2] = __byte_perm(lo1, hi_b, 0x5140);
   r[3] = __byte_perm(lo1, hi_b, 0x7362);
-}
-
-__device__ __forceinline__ void zf_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t zf_pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 __device__ __forceinline__ uint32_t zf_meta_flag(const uint32_t* m, int j) {
@@ -224,15 +242,9 @@ __device__ __forceinline__ void zf_store_partial(
   }
 }
 
-__device__ __forceinline__ void zf_cp16(uint32_t smem_addr, const void* gptr) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr));
-}
-
-__device__ __forceinline__ void zf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void zf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 """
+
+HEADER = HEADER_PTX + HEADER_COMMON
 
 # Shared prologue of both attention variants. Template constants: D (head dim), G (query heads
 # per KV head, <= 16), NW (warps per CTA), MW (metadata words per page/head/K-or-V).
@@ -300,11 +312,11 @@ PIPE_SOURCE = (
     _ATTN_PROLOGUE
     + r"""
   constexpr int SLOT = 2 * NB * 1024;
-  extern __shared__ __align__(16) uint8_t zf_dyn[];
+  ZF_DYN_SMEM(zf_dyn);
   uint8_t* ring = zf_dyn + (size_t)warp * STAGES * SLOT;
   uint32_t* smeta = reinterpret_cast<uint32_t*>(zf_dyn + (size_t)NW * STAGES * SLOT)
       + warp * STAGES * (2 * MW);
-  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t ring_s = zf_smem_addr(ring);
   const int first = p_begin + warp;
   const int n_mine = p_end > first ? (p_end - first + NW - 1) / NW : 0;
   int win = -64;

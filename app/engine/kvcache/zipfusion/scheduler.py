@@ -85,7 +85,9 @@ class ZipScheduler:
         return req.rid
 
     def growth_reserve(self) -> int:
-        return sum(r.req.pages_needed - self.store.pages_allocated(r.sid) for r in self.running)
+        return sum(
+            max(0, r.req.pages_needed - self.store.pages_allocated(r.sid)) for r in self.running
+        )
 
     def can_admit(self, req: Request) -> bool:
         if len(self.running) >= self.store.cfg.max_seqs:

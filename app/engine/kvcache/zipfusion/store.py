@@ -193,6 +193,12 @@ class ZipStore:
             raise RuntimeError(f"layer {layer} staged twice in one step")
         if keys.shape[0] != len(self.active):
             raise ValueError(f"staged batch {keys.shape[0]} != {len(self.active)} active sequences")
+        want = (self.cfg.n_kv_heads, self.cfg.head_dim)
+        if keys.ndim != 4 or (keys.shape[1], keys.shape[3]) != want or values.shape != keys.shape:
+            raise ValueError(
+                f"layer {layer}: K/V of shape {keys.shape}/{values.shape}, the store holds "
+                f"[B, {want[0]}, n, {want[1]}]"
+            )
         self.staged[layer] = (keys.astype(mx.bfloat16), values.astype(mx.bfloat16))
 
     def dense_kv(self, layer: int) -> tuple[mx.array, mx.array]:

@@ -1,0 +1,291 @@
+"""ZipFusion's CUDA kernel bodies run on the CPU through the thread-level emulator in
+tests/cuda_emu/emu.h (one std::thread per GPU thread; shuffles, barriers and mma.sync through
+per-warp buffers). The PTX primitives (bf16 mma, cp.async) get emulated twins here; cp.async
+copies land only at the matching wait_group, as on the GPU. Correctness only, small shapes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from app.engine.cuda_kernels import zipfusion as zk
+from app.engine.kvcache import zipfusion as zf
+from app.engine.kvcache.zipfusion import codec
+
+EMU_DIR = Path(__file__).parent / "cuda_emu"
+_CACHE = Path(tempfile.gettempdir()) / f"zf_emu_{os.getuid()}"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("g++") is None or not (EMU_DIR / "emu.h").exists(),
+        reason="needs g++ and tests/cuda_emu/emu.h",
+    ),
+]
+
+_CT = {
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.int32: "int32_t",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
+_NP = {
+    mx.uint8: np.uint8,
+    mx.uint16: np.uint16,
+    mx.uint32: np.uint32,
+    mx.int32: np.int32,
+    mx.float32: np.float32,
+}
+
+# Emulated twins of HEADER_PTX (plus the CUDA vector types emu.h lacks).
+EMU_PTX = r"""
+#include "emu.h"
+#include <cmath>
+#include <vector>
+struct alignas(16) uint4 { uint32_t x, y, z, w; };
+struct alignas(8) uint2 { uint32_t x, y; };
+inline emu_uint3 gridDim;
+inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
+inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
+inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline float emu_bf(uint32_t reg, int hi) {
+  uint32_t u = (hi ? reg >> 16 : reg & 0xFFFFu) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 with the PTX fragment layouts.
+inline void zf_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  const int w = emu_tid / 32, l = emu_tid % 32;
+  uint32_t* m = emu_blk->mbuf[w][l];
+  m[0] = a[0]; m[1] = a[1]; m[2] = a[2]; m[3] = a[3]; m[4] = b0; m[5] = b1;
+  __syncwarp();
+  auto A = [&](int row, int k) {
+    const int lane = (row % 8) * 4 + (k % 8) / 2;
+    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return emu_bf(emu_blk->mbuf[w][lane][reg], k % 2);
+  };
+  auto B = [&](int k, int n) {
+    const int lane = n * 4 + (k % 8) / 2;
+    return emu_bf(emu_blk->mbuf[w][lane][4 + (k >= 8 ? 1 : 0)], k % 2);
+  };
+  const int gid = l / 4, tig = l % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0), col = 2 * tig + (i % 2);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    out[i] = acc;
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) c[i] = out[i];
+}
+inline uint32_t zf_pack_bf16(float lo, float hi) {
+  __nv_bfloat16 a(lo), b(hi);
+  return uint32_t(a.x) | (uint32_t(b.x) << 16);
+}
+inline uint8_t* zf_emu_smem = nullptr;
+#define ZF_DYN_SMEM(name) alignas(16) static uint8_t name[1 << 20]; zf_emu_smem = name
+inline uint32_t zf_smem_addr(const void* p) { return uint32_t((const uint8_t*)p - zf_emu_smem); }
+// cp.async: a thread's copies land only when a wait_group retires their group.
+struct ZfCopy { uint32_t dst; const void* src; };
+inline thread_local std::vector<std::vector<ZfCopy>> zf_groups;
+inline thread_local std::vector<ZfCopy> zf_open;
+inline void zf_cp16(uint32_t a, const void* g) { zf_open.push_back({a, g}); }
+inline void zf_cp_commit() { zf_groups.push_back(zf_open); zf_open.clear(); }
+template <int N> inline void zf_cp_wait() {
+  while ((int)zf_groups.size() > N) {
+    for (auto& c : zf_groups.front()) std::memcpy(zf_emu_smem + c.dst, c.src, 16);
+    zf_groups.erase(zf_groups.begin());
+  }
+}
+"""
+
+
+class EmuKernel:
+    """Same call signature as an `mx.fast.cuda_kernel` object; compiles once per template."""
+
+    def __init__(self, name: str, inputs: list[str], outputs: list[str], body: str):
+        self.name, self.inputs, self.outputs, self.body = name, inputs, outputs, body
+
+    def _exe(self, in_t: list[str], out_t: list[str], template) -> Path:
+        params = [f"    const {t}* {n}" for t, n in zip(in_t, self.inputs, strict=True)]
+        params += [f"    {t}* {n}" for t, n in zip(out_t, self.outputs, strict=True)]
+        consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+        args = [f"(const {t}*)in{i}.data()" for i, t in enumerate(in_t)]
+        args += [f"({t}*)out{i}.data()" for i, t in enumerate(out_t)]
+        main = [
+            "#include <fstream>\n#include <iterator>\n#include <string>",
+            "static std::vector<char> rd(const std::string& p) {",
+            "  std::ifstream f(p, std::ios::binary);",
+            "  return std::vector<char>(std::istreambuf_iterator<char>(f), {}); }",
+            "int main(int, char** argv) {",
+            "  std::string dir = argv[1];",
+            '  std::ifstream pf(dir + "/params.txt");',
+            "  unsigned gx, gy, gz; int nt; pf >> gx >> gy >> gz >> nt;",
+            "  gridDim = {gx, gy, gz};",
+        ]
+        main += [f'  auto in{i} = rd(dir + "/in{i}.bin");' for i in range(len(in_t))]
+        for i in range(len(out_t)):
+            main.append(f"  size_t nb{i}; pf >> nb{i}; std::vector<char> out{i}(nb{i});")
+            main.append(f"  std::memset(out{i}.data(), 0xFF, nb{i});  // poison")
+        main.append(
+            f"  emu_launch(gx, gy, gz, nt, [&] {{ mlx::core::cu::k_{self.name}({', '.join(args)}); }});"
+        )
+        main += [
+            f'  {{ std::ofstream f(dir + "/out{i}.bin", std::ios::binary); f.write(out{i}.data(), nb{i}); }}'
+            for i in range(len(out_t))
+        ]
+        main.append("  return 0;\n}\n")
+        src = (
+            EMU_PTX + zk.HEADER_COMMON + "namespace mlx::core::cu {\n"
+            + f"void k_{self.name}(\n" + ",\n".join(params) + ") {\n" + consts + self.body
+            + "\n}\n}  // namespace mlx::core::cu\n" + "\n".join(main)
+        )  # fmt: skip
+        exe = _CACHE / f"{self.name}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
+        if not exe.exists():
+            _CACHE.mkdir(parents=True, exist_ok=True)
+            exe.with_suffix(".cpp").write_text(src)
+            cmd = [
+                "g++",
+                "-std=c++20",
+                "-O1",
+                "-pthread",
+                "-w",
+                f"-I{EMU_DIR}",
+                "-o",
+                f"{exe}.tmp",
+                f"{exe}.cpp",
+            ]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-3000:]
+            os.replace(f"{exe}.tmp", exe)
+        return exe
+
+    def __call__(
+        self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), **_
+    ):
+        exe = self._exe([_CT[a.dtype] for a in inputs], [_CT[d] for d in output_dtypes], template)
+        blocks = [-(-g // t) for g, t in zip(grid, threadgroup, strict=True)]
+        with tempfile.TemporaryDirectory() as d:
+            for i, a in enumerate(inputs):
+                a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+                Path(d, f"in{i}.bin").write_bytes(np.ascontiguousarray(np.array(a)).tobytes())
+            sizes = [
+                int(np.prod(s)) * t.size for s, t in zip(output_shapes, output_dtypes, strict=True)
+            ]
+            Path(d, "params.txt").write_text(" ".join(map(str, [*blocks, threadgroup[0], *sizes])))
+            r = subprocess.run([str(exe), d], capture_output=True, timeout=600)
+            assert r.returncode == 0, r.stderr[-2000:]
+            outs = []
+            for i, (shape, dt) in enumerate(zip(output_shapes, output_dtypes, strict=True)):
+                raw = Path(d, f"out{i}.bin").read_bytes()
+                if dt == mx.bfloat16:
+                    outs.append(
+                        mx.array(np.frombuffer(raw, np.uint16).reshape(shape)).view(mx.bfloat16)
+                    )
+                else:
+                    outs.append(mx.array(np.frombuffer(raw, _NP[dt]).reshape(shape)))
+            return outs
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    kernels = {}
+    for name, (ins, outs, body) in zk.SOURCES.items():
+        if name == "zipfusion_attn_pipe":
+            for d in zk.PIPE_HEAD_DIMS:
+                kernels[(name, d)] = EmuKernel(f"{name}_d{d}", ins, outs, body)
+        else:
+            kernels[name] = EmuKernel(name, ins, outs, body)
+    monkeypatch.setattr(zk, "_KERNELS", kernels)
+    return kernels
+
+
+def _bf16(rng, shape, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(mx.bfloat16)
+
+
+def test_emulated_compress_kernel_is_bit_exact(emulated):
+    rng = np.random.default_rng(0)
+    blocks = mx.concatenate(
+        [
+            mx.array(rng.integers(0, 1 << 16, (3, 512), dtype=np.uint16)),
+            _bf16(rng, (6, 512)).view(mx.uint16),
+            (_bf16(rng, (2, 512)) * 1e-38).view(mx.uint16),
+            mx.array(np.full((1, 512), 0x7FC0, np.uint16)),
+        ]
+    )
+    f_ref, p_ref = codec.encode_blocks(blocks)
+    f_k, p_k = zk.compress_blocks(blocks, use_kernel=True)
+    assert bool(mx.all(f_ref == f_k)) and bool(mx.all(p_ref == p_k))
+
+
+def _stores(lengths, n_kv, d, rng):
+    kv = [(_bf16(rng, (1, n_kv, n, d), 2.0), _bf16(rng, (1, n_kv, n, d))) for n in lengths]
+    budget = (sum(-(-n // 16) for n in lengths) + 64) * n_kv * 2 * (d // 32) * 1024 * 2
+    out = []
+    for compress in (True, False):
+        cfg = zf.ZipConfig(
+            1,
+            n_kv,
+            d,
+            budget,
+            max_seqs=len(lengths),
+            max_tokens_per_seq=max(lengths) + 32,
+            compress=compress,
+        )
+        st = zf.ZipStore(cfg, use_kernel=True)
+        st.pool = mx.full(st.pool.shape, 0x7FC0, mx.uint16)  # stale NaN where nothing was written
+        for k, v in kv:
+            sid = st.add_sequence()
+            n = k.shape[2]
+            cut = n - n % 16 if n % 16 else max(0, n - 16)
+            for a, b in ((0, cut), (cut, n)):
+                if b > a:
+                    st.begin([sid])
+                    st.stage(0, k[:, :, a:b], v[:, :, a:b])
+                    st.commit()
+        out.append(st)
+    return out
+
+
+@pytest.mark.parametrize("d,n_q,n_kv,lengths", [(128, 8, 2, [1, 17, 70]), (64, 6, 2, [16, 45])])
+def test_emulated_attention_is_lossless_and_matches_reference(emulated, d, n_q, n_kv, lengths):
+    rng = np.random.default_rng(d)
+    zst, rst = _stores(lengths, n_kv, d, rng)
+    assert zst.stats["blocks_compressed"] > 0
+    b = len(lengths)
+    q = _bf16(rng, (b, n_q, d))
+    kn, vn = _bf16(rng, (b, n_kv, d)), _bf16(rng, (b, n_kv, d))
+    res = {}
+    for st, tag in ((zst, "zip"), (rst, "raw")):
+        st.begin(list(range(b)))
+        for variant in ("simple", "pipe"):
+            for splits in (1, 2):
+                res[tag, variant, splits] = zk.paged_decode_attention(
+                    q, st.pool, st.meta, st.page_table, st.seq_len, kn, vn, layer=0,
+                    n_ids=st.n_ids, scale=d**-0.5, n_splits=splits, use_kernel=True, variant=variant,
+                )  # fmt: skip
+        st.staged = [None]
+    ref = zk.paged_attention_reference(
+        q, rst.pool, rst.meta, rst.page_table, rst.seq_len, kn, vn, 0, rst.n_ids, d**-0.5
+    ).astype(mx.float32)
+    for splits in (1, 2):
+        z = res["zip", "pipe", splits]
+        assert bool(mx.all(mx.isfinite(z.astype(mx.float32))))
+        assert bool(mx.all(z == res["raw", "pipe", splits]))
+        assert bool(mx.all(z == res["zip", "simple", splits]))
+        assert bool(mx.all(res["zip", "simple", splits] == res["raw", "simple", splits]))
+        err = float(mx.linalg.norm(z.astype(mx.float32) - ref) / mx.linalg.norm(ref))
+        assert err < 1e-2, err
