@@ -642,6 +642,10 @@ def device_main(args) -> dict:
 
     from app.engine.cuda_kernels import zipfusion as zk
 
+    out["variant_ok"] = quick_check(zk)
+    log("variant check (kernel vs reference):", out["variant_ok"])
+    save()
+
     # Model KV (random weights, Llama-3.1-8B shape): compressible fraction + timing/admission data.
     kv_layers = None
     model = None
@@ -691,6 +695,8 @@ def device_main(args) -> dict:
     if model is not None and kv_layers is not None and not args.skip_admission:
         try:
             zk.DEFAULT_VARIANT = args.variant or best_variant(out)
+            if not out.get("variant_ok", {}).get(zk.DEFAULT_VARIANT, True):
+                zk.DEFAULT_VARIANT = "simple" if zk.DEFAULT_VARIANT == "pipe" else "pipe"
             out["admission_variant"] = zk.DEFAULT_VARIANT
             log(f"admission at equal memory (variant {zk.DEFAULT_VARIANT})")
             adm = admission(
@@ -727,6 +733,53 @@ def device_main(args) -> dict:
         )
     )
     return out
+
+
+def quick_check(zk) -> dict:
+    """Each attention variant vs the reference on a small mixed-length batch (in process, so a
+    broken variant is not used for the admission run even if the pytest run was skipped)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from tests.test_zipfusion_kernels import build_stores
+
+    ok = {}
+    zst, rst = build_stores([5, 16, 300, 1025], 8, 128, seed=3, poison=True)
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((4, 32, 128)).astype(np.float32)).astype(mx.bfloat16)
+    kn = mx.array(rng.standard_normal((4, 8, 128)).astype(np.float32)).astype(mx.bfloat16)
+    vn = mx.array(rng.standard_normal((4, 8, 128)).astype(np.float32)).astype(mx.bfloat16)
+    for st in (zst, rst):
+        st.begin([0, 1, 2, 3])
+    ref = zk.paged_attention_reference(
+        q, rst.pool, rst.meta, rst.page_table, rst.seq_len, kn, vn, 0, rst.n_ids, 128**-0.5
+    ).astype(mx.float32)
+    for variant in ("pipe", "simple"):
+        try:
+            outs = [
+                zk.paged_decode_attention(
+                    q,
+                    st.pool,
+                    st.meta,
+                    st.page_table,
+                    st.seq_len,
+                    kn,
+                    vn,
+                    layer=0,
+                    n_ids=st.n_ids,
+                    scale=128**-0.5,
+                    use_kernel=True,
+                    variant=variant,
+                )
+                for st in (zst, rst)
+            ]
+            err = float(mx.linalg.norm(outs[0].astype(mx.float32) - ref) / mx.linalg.norm(ref))
+            ok[variant] = bool(mx.all(outs[0] == outs[1])) and err < 1e-2
+            ok[variant + "_rel_err"] = err
+        except Exception as e:
+            ok[variant] = False
+            ok[variant + "_error"] = f"{type(e).__name__}: {e}"
+    return ok
 
 
 def best_variant(out) -> str:
