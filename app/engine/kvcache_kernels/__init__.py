@@ -1,2 +1,97 @@
 """Fused IsoQuant attention kernels (Metal and CUDA) and the switch between them and the
-MLX-ops reference. Kernel module: isoquant.py."""
+MLX-ops reference (kvcache/isoquant_attention.py). Kernel module: isoquant.py.
+
+The cache's attention calls the kernels whenever the backend has them, the reference otherwise;
+the setting ROTARYQUANT_ISOQUANT_ATTENTION = auto | kernel | reference (or `use_kernel=`)
+forces either. Importing this package registers the kernel path with the cache
+(kvcache.register_kernel) when the backend has kernels and the setting allows it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..kvcache.isoquant_attention import register_kernel
+from .isoquant import (
+    BACKEND,
+    Problem,
+    Unsupported,
+    attention,
+    attention_reference,
+    fused_attention,
+    kernels_available,
+    unfused_attention,
+)
+
+SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
+SETTINGS = ("auto", "kernel", "reference")
+
+
+def setting() -> str:
+    value = os.environ.get(SETTING_ENV, "auto").strip().lower() or "auto"
+    if value not in SETTINGS:
+        raise ValueError(f"{SETTING_ENV}={value!r}: expected one of {SETTINGS}")
+    return value
+
+
+def _resolve(use_kernel: bool | None) -> bool | None:
+    """None = kernel where possible; True = kernel or raise; False = reference."""
+    if use_kernel is not None:
+        return use_kernel
+    s = setting()
+    return {"auto": None, "kernel": True, "reference": False}[s]
+
+
+def isoquant_attention(
+    queries, keys, values, scale, mask=None, sinks=None, use_kernel=None, lens=None, path=None
+):
+    """queries [B, Hq, L, D] over an IsoQuant K/V pair -> [B, Hq, L, D] (queries' dtype).
+    mask as mlx-lm passes it; sinks [Hq] (gpt-oss); lens [B] valid compressed tokens per
+    sequence (ragged batches). Inputs the kernels don't take (array masks, other head dims)
+    go to the reference unless use_kernel=True, which raises instead."""
+    want = _resolve(use_kernel)
+    if want is False:
+        return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+    if want and not kernels_available():
+        raise RuntimeError("IsoQuant kernels need MLX's Metal or CUDA backend")
+    if not kernels_available():
+        return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+    try:
+        return attention(
+            queries, keys, values, scale, mask, sinks, lens, use_kernel=True, path=path
+        )
+    except Unsupported:
+        if want:
+            raise
+        return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+
+
+def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
+    # The signature kvcache.isoquant_attention calls a registered kernel with.
+    return isoquant_attention(queries, keys, values, scale, mask, sinks, use_kernel=None)
+
+
+def install() -> bool:
+    """Register the kernel path with the cache when the backend has kernels and the setting
+    is not "reference"; otherwise make sure none is registered. Returns whether it is."""
+    on = kernels_available() and setting() != "reference"
+    register_kernel(_cache_entry if on else None)
+    return on
+
+
+install()
+
+__all__ = [
+    "BACKEND",
+    "SETTINGS",
+    "SETTING_ENV",
+    "Problem",
+    "Unsupported",
+    "attention_reference",
+    "fused_attention",
+    "install",
+    "isoquant_attention",
+    "kernels_available",
+    "setting",
+    "unfused_attention",
+]

@@ -569,3 +569,49 @@ def attention(q, keys, values, scale, mask=None, sinks=None, lens=None, use_kern
     if path == "fused":
         return fused_attention(q, keys, values, scale, mask, sinks, lens)
     return unfused_attention(q, keys, values, scale, mask, sinks, lens)
+
+
+# -- inputs for tests and benchmarks ----------------------------------------------------------
+
+
+def random_problem(
+    b: int,
+    hkv: int,
+    g: int,
+    length: int,
+    dim: int,
+    tc: int,
+    tf: int = 0,
+    kb: int = 3,
+    vb: int = 3,
+    kind: str = "v3",
+    dtype=mx.bfloat16,
+    seed: int = 0,
+    encoded: bool = True,
+):
+    """(q [B, Hq, L, D], keys, values) with tc packed and tf float tokens. encoded=True runs
+    the cache's quantizer on Gaussian K/V; False draws random code bytes and norms directly
+    (every byte pattern is a valid code stream: fast for benchmark-sized caches)."""
+    from ..kvcache.quantizer import Quantizer, encode
+
+    mx.random.seed(seed)
+    rot = Rotation.make(kind, dim, hkv, seed=seed, layer=1)
+    kq, vq = Quantizer.make(dim, kb), Quantizer.make(dim, vb)
+    if encoded:
+        kc, kn = encode(mx.random.normal((b, hkv, tc, dim)) * 2.0, rot, kq)
+        vc, vn = encode(mx.random.normal((b, hkv, tc, dim)), rot, vq)
+    else:
+        kc = mx.random.randint(0, 256, (b, hkv, tc, kq.row_bytes)).astype(mx.uint8)
+        vc = mx.random.randint(0, 256, (b, hkv, tc, vq.row_bytes)).astype(mx.uint8)
+        kn = (mx.random.uniform(10.0, 30.0, (b, hkv, tc))).astype(mx.float16)
+        vn = (mx.random.uniform(5.0, 15.0, (b, hkv, tc))).astype(mx.float16)
+    fk = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
+    fv = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
+    q = (mx.random.normal((b, hkv * g, length, dim)) * 1.5).astype(dtype)
+    return q, IsoQuantTensor(kc, kn, fk, kq, rot), IsoQuantTensor(vc, vn, fv, vq, rot)
+
+
+def rel_error(out: mx.array, ref: mx.array) -> float:
+    """‖out − ref‖ / ‖ref‖ in float32 (NaN when out has a NaN)."""
+    a, b = out.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.linalg.norm((a - b).reshape(-1)) / mx.linalg.norm(b.reshape(-1))).item()

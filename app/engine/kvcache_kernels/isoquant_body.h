@@ -633,12 +633,12 @@ IQ_FN void iq_store_partial(
       iq_red[tl * D + gi * 8 + k] = acc[r * 8 + k];
     }
     IQ_BARRIER();
-    if (iq_tid < D && r0 + r < R) {
+    for (int c = iq_tid; c < D && r0 + r < R; c += 256) {
       float t = 0.0f;
       for (int i = 0; i < TL; ++i) {
-        t += iq_red[i * D + iq_tid];
+        t += iq_red[i * D + c];
       }
-      out[(long(bh) * R + r0 + r) * D + iq_tid] = t;
+      out[(long(bh) * R + r0 + r) * D + c] = t;
     }
     IQ_BARRIER();
   }

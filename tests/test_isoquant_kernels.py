@@ -1,0 +1,219 @@
+"""IsoQuant attention kernels on the CPU: the per-kernel references against the cache's oracle,
+the paper's identities, the dispatch switch, and the CUDA kernel bodies themselves run through
+the CPU emulator (tests/cuda_emu) on awkward sizes. The GPU twin of the kernel tests is
+tests/gpu/test_isoquant_gpu.py."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import mlx.core as mx
+import pytest
+
+from app.engine import kvcache_kernels as kk
+from app.engine.kvcache_kernels import isoquant as iq
+
+cache_attention = importlib.import_module("app.engine.kvcache.isoquant_attention")
+
+TOL = 1e-3  # the issue's bound on ‖out − ref‖ / ‖ref‖ for every kernel path
+
+
+def _scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
+
+
+def _unfused_reference(q, keys, values, scale, mask=None, sinks=None, lens=None):
+    """A -> B -> C -> D composed from the per-kernel references."""
+    p = iq.Problem.of(q, keys, values, mask)
+    s = iq.qk_dot_reference(q, keys, scale)
+    if p.tf:
+        qh = q.astype(mx.float32).reshape(p.b, p.hkv, p.rows, p.dim)
+        sf = (qh * scale) @ keys.fp.astype(mx.float32).swapaxes(-1, -2)
+        s = mx.concatenate([s, sf.reshape(p.b * p.hkv, p.rows, p.tf)], axis=-1)
+    pr = iq.softmax_reference(s, p, lens, sinks)
+    acc = iq.value_accum_reference(pr, values)
+    add = None
+    if p.tf:
+        pf = pr[..., p.tc :].reshape(p.b, p.hkv, p.rows, p.tf)
+        add = (pf @ values.fp.astype(mx.float32)).reshape(p.b, p.hq, p.length, p.dim)
+    return iq.rotate_inverse_reference(acc, keys.rotation, p, add, q.dtype)
+
+
+@pytest.mark.parametrize(
+    "b,hkv,g,length,d,tc,tf,kind,sinks",
+    [
+        (1, 2, 4, 1, 64, 15, 0, "v3", False),
+        (2, 1, 1, 1, 128, 33, 5, "dense", True),
+        (1, 2, 2, 3, 64, 17, 6, "v2", False),
+        (3, 1, 8, 1, 128, 9, 2, "v1", True),
+    ],
+)
+def test_per_kernel_references_compose_to_the_oracle(b, hkv, g, length, d, tc, tf, kind, sinks):
+    q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kind=kind, dtype=mx.float32, seed=tc)
+    sk = mx.random.normal((hkv * g,)) if sinks else None
+    mask = "causal" if length > 1 else None
+    ref = iq.attention_reference(q, k, v, _scale(d), mask, sk)
+    out = _unfused_reference(q, k, v, _scale(d), mask, sk)
+    assert iq.rel_error(out, ref) < 1e-5
+
+
+def test_one_inverse_rotation_equals_rotating_every_value():
+    # SPEC §4: õ = Σ α_j ŷ_j in rotated space, then o = Rᵀ õ once == Σ α_j (Rᵀ ŷ_j)
+    q, k, v = iq.random_problem(1, 2, 1, 1, 128, 40, dtype=mx.float32, seed=4)
+    from app.engine.kvcache.quantizer import decode
+
+    p = iq.Problem.of(q, k, v, None)
+    probs = iq.softmax_reference(iq.qk_dot_reference(q, k, _scale(128)), p)  # [B*Hkv, 1, T]
+    once = iq.rotate_inverse_reference(iq.value_accum_reference(probs, v), v.rotation, p)
+    every = probs.reshape(1, 2, 1, 40) @ decode(v.codes, v.norms, v.rotation, v.quantizer)
+    assert iq.rel_error(once, every.reshape(once.shape)) < 1e-5
+
+
+def test_ragged_lengths_reference_ignores_the_tail():
+    q, k, v = iq.random_problem(2, 1, 2, 1, 64, 20, dtype=mx.float32, seed=5)
+    out = iq.attention_reference(q, k, v, 0.125, lens=[20, 7])
+    # changed codes past token 7 matter to sequence 0 (length 20), not to sequence 1 (7)
+    k2 = cache_attention.IsoQuantTensor(
+        k.codes.at[:, :, 7:].add(mx.array(1, mx.uint8)), k.norms, None, k.quantizer, k.rotation
+    )
+    out2 = iq.attention_reference(q, k2, v, 0.125, lens=[20, 7])
+    assert mx.array_equal(out[1], out2[1])
+    assert not mx.array_equal(out[0], out2[0])
+
+
+def test_dispatch_on_cpu_uses_the_reference_and_refuses_a_forced_kernel(monkeypatch):
+    q, k, v = iq.random_problem(1, 1, 2, 1, 64, 10, 2, dtype=mx.float32, seed=6)
+    ref = iq.attention_reference(q, k, v, 0.125)
+    assert mx.array_equal(kk.isoquant_attention(q, k, v, 0.125, use_kernel=False), ref)
+    if kk.kernels_available():
+        pytest.skip("this machine has a GPU backend: the CPU-only behaviour does not apply")
+    assert mx.array_equal(kk.isoquant_attention(q, k, v, 0.125), ref)
+    with pytest.raises(RuntimeError, match="Metal or CUDA"):
+        kk.isoquant_attention(q, k, v, 0.125, use_kernel=True)
+    monkeypatch.setenv(kk.SETTING_ENV, "kernel")
+    with pytest.raises(RuntimeError):
+        kk.isoquant_attention(q, k, v, 0.125)
+    monkeypatch.setenv(kk.SETTING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="expected one of"):
+        kk.isoquant_attention(q, k, v, 0.125)
+    monkeypatch.setenv(kk.SETTING_ENV, "auto")
+    assert kk.install() is False
+    assert cache_attention._kernel is None
+
+
+def test_problem_rejects_what_kernels_cannot_take():
+    q, k, v = iq.random_problem(1, 2, 2, 1, 64, 4, 0, dtype=mx.float32)
+    with pytest.raises(iq.Unsupported, match="array masks"):
+        iq.Problem.of(q, k, v, mx.ones((1, 4), mx.bool_))
+    with pytest.raises(ValueError, match="unknown attention mask"):
+        iq.Problem.of(q, k, v, "sliding")
+    with pytest.raises(iq.Unsupported, match="float segment"):
+        iq.Problem.of(mx.zeros((1, 4, 3, 64)), k, v, "causal")  # causal queries but Tf = 0
+    with pytest.raises(iq.Unsupported, match="head dims"):
+        iq.Problem(1, 2, 1, 1, 96, 4, 0, 3, 3, 0, False)
+
+
+def test_split_plan_covers_every_token():
+    for tc, tf, b in [(1, 0, 1), (513, 64, 3), (32768, 64, 8), (131072, 0, 32)]:
+        p = iq.Problem(b, 32, 8, 1, 128, tc, tf, 3, 3, 0, False)
+        plan = iq.split_plan(p, 16)
+        assert plan["ncb"] * iq.NW * plan["sl"] >= tc > (plan["ncb"] - 1) * iq.NW * plan["sl"]
+        assert plan["nfb"] * iq.NW * plan["slf"] >= tf
+        assert plan["sl"] % 32 == 0 and plan["slf"] % 32 == 0
+
+
+def test_fp16_level_scale_tightens_the_table():
+    from app.engine.kvcache.quantizer import Quantizer
+
+    lv = Quantizer.make(128, 3).levels
+    s = iq._fp16_level_scale(tuple(lv.tolist()))
+    plain = mx.max(mx.abs(lv.astype(mx.float16).astype(mx.float32) - lv) / mx.abs(lv)).item()
+    scaled = mx.max(
+        mx.abs((lv * s).astype(mx.float16).astype(mx.float32) - lv * s) / mx.abs(lv * s)
+    )
+    assert 1.0 <= s < 2.0 and scaled.item() < plain / 4
+
+
+# -- the CUDA bodies on the CPU emulator -------------------------------------------------------
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """iq's kernels replaced by CPU-emulated CUDA kernels built from the same sources."""
+    harness = pytest.importorskip("cuda_emu.harness")
+    if harness.gxx() is None:
+        pytest.skip("needs g++ to build the CUDA emulator")
+    kernels = {}
+    for name, (ins, outs) in iq.SPECS.items():
+        hdr, body = iq.source(name, "cuda")
+        for dt in iq.DTYPES:
+            kernels[(name, dt)] = harness.EmuKernel(iq._kernel_name(name, dt), ins, outs, body, hdr)
+    monkeypatch.setattr(iq, "_KERNELS", kernels)
+    monkeypatch.setattr(iq, "BACKEND", "cuda")
+    return iq
+
+
+EMU_CASES = [
+    # path, b, hkv, g, length, d, tc, tf, kb, vb, kind, lens, sinks, dtype
+    ("tc", 3, 2, 4, 1, 64, 100, 3, 3, 3, "v3", [100, 37, 1], True, mx.float16),
+    ("tc", 1, 1, 16, 1, 128, 513, 64, 3, 3, "v3", None, False, mx.bfloat16),
+    ("tc", 1, 1, 4, 3, 128, 15, 9, 3, 3, "dense", None, False, mx.float32),
+    ("scalar", 2, 2, 8, 1, 128, 511, 1, 3, 3, "v3", [511, 200], False, mx.bfloat16),
+    ("scalar", 1, 1, 2, 4, 256, 33, 7, 4, 3, "v1", None, True, mx.float16),
+    ("scalar", 1, 1, 3, 1, 512, 40, 0, 3, 4, "v2", None, False, mx.float32),
+    ("word", 3, 1, 4, 1, 64, 15, 2, 3, 3, "v3", [15, 4, 1], True, mx.float16),
+    ("dim", 1, 2, 1, 2, 128, 513, 5, 4, 3, "dense", None, False, mx.float32),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[0]}-d{c[5]}-t{c[6]}-g{c[3]}")
+def test_emulated_cuda_kernels_match_the_reference(emulated, case):
+    path, b, hkv, g, length, d, tc, tf, kb, vb, kind, lens, sinks, dtype = case
+    q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kb, vb, kind, dtype, seed=tc + d)
+    sk = mx.random.normal((hkv * g,)) if sinks else None
+    mask = "causal" if length > 1 else None
+    ref = iq.attention_reference(q, k, v, _scale(d), mask, sk, lens)
+    if path in ("tc", "scalar"):
+        out = iq.fused_attention(q, k, v, _scale(d), mask, sk, lens, variant=path)
+    else:
+        out = iq.unfused_attention(q, k, v, _scale(d), mask, sk, lens, schedule=path)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    # output dtype rounding alone is ~2e-4 (fp16) / 2e-3 (bf16): compare in that dtype's terms
+    tol = 8e-3 if dtype == mx.bfloat16 else TOL
+    assert iq.rel_error(out, ref) < tol
+
+
+@pytest.mark.slow
+def test_emulated_kernels_one_by_one(emulated):
+    q, k, v = iq.random_problem(2, 2, 4, 1, 64, 47, 0, dtype=mx.float32, seed=7)
+    p = iq.Problem.of(q, k, v, None)
+    s = iq.qk_dot(q, k, 0.125, p)
+    s_ref = iq.qk_dot_reference(q, k, 0.125)
+    assert iq.rel_error(s, s_ref) < 1e-5
+    pr = iq.softmax(s_ref, p, [47, 20])
+    pr_ref = iq.softmax_reference(s_ref, p, [47, 20])
+    assert iq.rel_error(pr, pr_ref) < 1e-5
+    assert mx.all(pr[2:, :, 20:] == 0).item()  # sequence 1's tail is masked
+    for schedule in ("word", "dim"):
+        acc = iq.value_accum(pr_ref, v, p, schedule=schedule)
+        assert iq.rel_error(acc, iq.value_accum_reference(pr_ref, v)) < 1e-5
+    o = iq.rotate_inverse(acc, v.rotation, p)
+    assert iq.rel_error(o, iq.rotate_inverse_reference(acc, v.rotation, p)) < 1e-5
+
+
+@pytest.mark.slow
+def test_emulated_dispatch_uses_the_kernel_and_falls_back(emulated, monkeypatch):
+    q, k, v = iq.random_problem(1, 1, 2, 1, 64, 20, 2, dtype=mx.float32, seed=8)
+    calls = []
+    real = iq._fused_partials  # reached only once the inputs are accepted
+    monkeypatch.setattr(iq, "_fused_partials", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = kk.isoquant_attention(q, k, v, 0.125)
+    assert calls and iq.rel_error(out, iq.attention_reference(q, k, v, 0.125)) < TOL
+    calls.clear()
+    array_mask = mx.ones((1, 22), mx.bool_)
+    kk.isoquant_attention(q, k, v, 0.125, mask=array_mask)  # reference, no kernel call
+    assert not calls
+    with pytest.raises(iq.Unsupported):
+        kk.isoquant_attention(q, k, v, 0.125, mask=array_mask, use_kernel=True)
