@@ -14,6 +14,23 @@ from PySide6.QtCore import QObject, Signal
 from ..engine import messages as M
 from ..engine.worker import WorkerClient, WorkerError
 
+WORKER_NICE = 5  # the engine yields the CPU to the window: a CPU-bound decode never starves it
+
+
+def lower_priority(pid: int | None, nice: int = WORKER_NICE) -> None:
+    """Run the worker below the GUI's priority (CPU backend: both compete for the same cores;
+    on a GPU backend the worker mostly waits, so this costs nothing)."""
+    if pid is None:
+        return
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        if p.nice() < nice:
+            p.nice(nice)
+    except Exception:  # not permitted or already gone: a priority is a nicety, never an error
+        pass
+
 
 class WorkerBridge(QObject):
     ready = Signal(object)  # M.Ready
@@ -59,6 +76,7 @@ class WorkerBridge(QObject):
                 old_reader.join(timeout=10)
             try:
                 msg = self.client.start()
+                lower_priority(self.client.pid)
             except WorkerError as e:
                 msg = M.WorkerDied(None, str(e))
             self._deliver(msg)
