@@ -74,10 +74,11 @@ class LibraryView(QWidget):
         self.cat = CatalogModel(ctl, self)
         self.buttons: dict[str, QPushButton] = {}
         self._build()
-        ctl.entries_changed.connect(self._after_reload)
         ctl.catalog_changed.connect(self._update_download_buttons)
         ctl.failed.connect(self._on_failed)
         ctl.message.connect(self.status)
+        self._keep: str | None = None
+        self.local.modelAboutToBeReset.connect(self._remember_selection)
         self.local.modelReset.connect(self._after_reload)
         self._update_download_buttons()
         self._update_actions()
@@ -213,7 +214,13 @@ class LibraryView(QWidget):
         if self.ctl.download(self.repo_edit.text()):
             self.repo_edit.clear()
 
+    def _remember_selection(self) -> None:
+        r = self.selected_row()
+        self._keep = r.name if r else None
+
     def _after_reload(self) -> None:
+        if self._keep is not None:  # a refresh keeps the user's selection
+            self.select(self._keep)
         self._update_actions()
         self._update_download_buttons()
 
