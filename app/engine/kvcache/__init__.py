@@ -11,6 +11,7 @@ from .isoquant_attention import (
 )
 from .modes import KV_MODES, MODES, cache_nbytes, finish_prefill, make_cache, mode_spec
 from .packing import FORMAT_VERSION, pack_codes, unpack_codes
+from .persist import load_cache, save_cache
 from .rotation import Rotation
 
 __all__ = [
@@ -25,9 +26,11 @@ __all__ = [
     "install",
     "isoquant_attention",
     "isoquant_attention_reference",
+    "load_cache",
     "make_cache",
     "mode_spec",
     "pack_codes",
     "register_kernel",
+    "save_cache",
     "unpack_codes",
 ]

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .isoquant_attention import IsoQuantTensor
-from .packing import FORMAT_VERSION
+from .packing import FORMAT_VERSION, unpack_codes
 from .quantizer import Quantizer, encode
 from .rotation import KINDS, Rotation
 
@@ -35,6 +35,7 @@ class IsoQuantKVCache(_BaseCache):
         window: int = 64,
         seed: int = 0,
         layer: int = 0,
+        decoded_shadow: bool = False,
     ):
         if rotation_kind not in KINDS:
             raise ValueError(f"unknown rotation {rotation_kind!r}; expected one of {KINDS}")
@@ -46,6 +47,9 @@ class IsoQuantKVCache(_BaseCache):
         # `bits` attribute as its own QuantizedKVCache.
         self.rotation_kind, self.key_bits, self.value_bits = rotation_kind, key_bits, value_bits
         self.window, self.seed, self.layer = window, seed, layer
+        # Benchmark aid on CPU: also keep levels[codes] in float32 (counted in nbytes).
+        self.decoded_shadow = decoded_shadow
+        self.k_dec = self.v_dec = None  # [B, Hkv, cap_c, D] float32
         self.offset = 0
         self.compressed = 0
         self.rotation: Rotation | None = None  # built on first update (needs Hkv and D)
@@ -116,6 +120,9 @@ class IsoQuantKVCache(_BaseCache):
         self.v_codes = grow(self.v_codes, (self.vq.row_bytes,), mx.uint8)
         self.k_norms = grow(self.k_norms, (), mx.float16)
         self.v_norms = grow(self.v_norms, (), mx.float16)
+        if self.decoded_shadow:
+            self.k_dec = grow(self.k_dec, (self.kq.dim,), mx.float32)
+            self.v_dec = grow(self.v_dec, (self.vq.dim,), mx.float32)
 
     def _compress_to(self, upto: int) -> None:
         """Compress float tokens [compressed, upto)."""
@@ -130,6 +137,9 @@ class IsoQuantKVCache(_BaseCache):
         self.k_norms[:, :, c:upto] = kn
         self.v_codes[:, :, c:upto] = vc
         self.v_norms[:, :, c:upto] = vn
+        if self.decoded_shadow:  # decoded from the packed bytes, as attention would
+            self.k_dec[:, :, c:upto] = self.kq.levels[unpack_codes(kc, self.kq.bits)]
+            self.v_dec[:, :, c:upto] = self.vq.levels[unpack_codes(vc, self.vq.bits)]
         self.compressed = upto
         if upto - c > self.step:
             # A bulk compression (end of prefill): release the prompt's float buffer now.
@@ -240,6 +250,10 @@ class IsoQuantKVCache(_BaseCache):
         self.fp_start = self.compressed
         n_fp = 0 if self.fp_keys is None else self.fp_keys.shape[2]
         self.offset = self.compressed + n_fp
+        self.k_dec = self.v_dec = None
+        if self.decoded_shadow and self.compressed:
+            self.k_dec = self.kq.levels[unpack_codes(self.k_codes, self.kq.bits)]
+            self.v_dec = self.vq.levels[unpack_codes(self.v_codes, self.vq.bits)]
 
     @property
     def meta_state(self) -> str:

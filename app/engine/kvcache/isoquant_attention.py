@@ -35,6 +35,15 @@ class IsoQuantTensor:
     fp: mx.array | None  # [B, Hkv, T_f, D] model dtype; None when T_f = 0
     quantizer: Quantizer
     rotation: Rotation
+    # Optional levels[codes] of the compressed rows, kept by a cache built with
+    # decoded_shadow=True so CPU benchmarks skip the per-step unpack; same numbers exactly.
+    decoded: mx.array | None = None  # [B, Hkv, T_c, D] float32
+
+    def levels(self) -> mx.array:
+        """levels[codes]: [B, Hkv, T_c, D] float32 unit-variance coordinates (rotated space)."""
+        if self.decoded is not None:
+            return self.decoded
+        return self.quantizer.levels[unpack_codes(self.codes, self.quantizer.bits)]
 
     @property
     def compressed_len(self) -> int:
@@ -92,20 +101,19 @@ def isoquant_attention_reference(
     rot_k, rot_v = keys.rotation, values.rotation
     inv_sqrt_d = 1.0 / math.sqrt(d)
 
-    q = queries.astype(mx.float32).reshape(b, hkv, g, qlen, d)  # [B, Hkv, G, L, D]
+    # The G query heads of a group are folded into rows so K/V are read once per KV head.
+    q = queries.astype(mx.float32).reshape(b, hkv, g * qlen, d)  # [B, Hkv, G*L, D]
     parts = []
     if tc:
-        q_rot = rot_k.forward(q)  # [B, Hkv, G, L, D]
-        k_lv = keys.quantizer.levels[
-            unpack_codes(keys.codes, keys.quantizer.bits)
-        ]  # [B, Hkv, Tc, D]
-        s_c = q_rot @ k_lv[:, :, None].swapaxes(-1, -2)  # [B, Hkv, G, L, Tc]
+        q_rot = rot_k.forward(q)  # [B, Hkv, G*L, D]
+        k_lv = keys.levels()  # [B, Hkv, Tc, D]
         k_scale = keys.norms.astype(mx.float32) * (inv_sqrt_d * scale)  # [B, Hkv, Tc]
-        parts.append(s_c * k_scale[:, :, None, None, :])
+        parts.append((q_rot @ k_lv.swapaxes(-1, -2)) * k_scale[:, :, None, :])  # [B, Hkv, G*L, Tc]
     if tf:
-        k_fp = keys.fp.astype(mx.float32)[:, :, None]  # [B, Hkv, 1, Tf, D]
-        parts.append((q * scale) @ k_fp.swapaxes(-1, -2))  # [B, Hkv, G, L, Tf]
+        k_fp = keys.fp.astype(mx.float32)  # [B, Hkv, Tf, D]
+        parts.append((q * scale) @ k_fp.swapaxes(-1, -2))  # [B, Hkv, G*L, Tf]
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    scores = scores.reshape(b, hkv, g, qlen, tc + tf)  # [B, Hkv, G, L, T]
 
     m = _scores_mask(mask, qlen, tc + tf, hkv, g)
     if m is not None:
@@ -122,14 +130,15 @@ def isoquant_attention_reference(
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)  # [B, Hkv, G, L, T]
 
+    probs = probs.reshape(b, hkv, g * qlen, tc + tf)  # [B, Hkv, G*L, T]
     out = None
     if tc:
-        v_lv = values.quantizer.levels[unpack_codes(values.codes, values.quantizer.bits)]
+        v_lv = values.levels()  # [B, Hkv, Tc, D]
         v_scale = values.norms.astype(mx.float32) * inv_sqrt_d  # [B, Hkv, Tc]
-        p_c = probs[..., :tc] * v_scale[:, :, None, None, :]
-        out = rot_v.inverse(p_c @ v_lv[:, :, None])  # [B, Hkv, G, L, D]
+        p_c = probs[..., :tc] * v_scale[:, :, None, :]
+        out = rot_v.inverse(p_c @ v_lv)  # [B, Hkv, G*L, D]
     if tf:
-        o_f = probs[..., tc:] @ values.fp.astype(mx.float32)[:, :, None]
+        o_f = probs[..., tc:] @ values.fp.astype(mx.float32)
         out = o_f if out is None else out + o_f
     if out is None:
         raise ValueError("attention over an empty IsoQuant cache")

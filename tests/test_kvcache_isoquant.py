@@ -1,0 +1,283 @@
+"""IsoQuantKVCache: protocol (deferred prefill, window, nbytes, state, trim), installation on
+mlx-lm models and generation on every tiny architecture with IsoQuant on."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from app.engine import kvcache
+from app.engine.kvcache import IsoQuantKVCache, IsoQuantTensor
+from app.engine.kvcache.quantizer import decode
+from app.engine.random_models import TINY_CONFIGS
+
+
+def _kv(b, h, t, d, seed):
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return mx.random.normal((b, h, t, d), key=k1), mx.random.normal((b, h, t, d), key=k2)
+
+
+def _feed(cache, keys, values, prefill):
+    """Prefill `prefill` tokens at once, then one token at a time (as generation does)."""
+    cache.update_and_fetch(keys[:, :, :prefill], values[:, :, :prefill])
+    out = None
+    for t in range(prefill, keys.shape[2]):
+        out = cache.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    return out
+
+
+def test_deferred_prefill_then_window():
+    c = IsoQuantKVCache(window=4)
+    k, v = _kv(1, 2, 30, 64, 0)
+    out_k, out_v = c.update_and_fetch(k[:, :, :20], v[:, :, :20])
+    assert isinstance(out_k, mx.array) and mx.array_equal(out_k, k[:, :, :20])  # prefill: exact
+    assert c.compressed == 0 and c.offset == 20
+    out_k, out_v = c.update_and_fetch(k[:, :, 20:21], v[:, :, 20:21])  # first decode step
+    assert isinstance(out_k, IsoQuantTensor)
+    assert c.compressed == 17 and out_k.compressed_len == 17 and out_k.fp_len == 4
+    assert mx.array_equal(out_k.fp, k[:, :, 17:21]) and mx.array_equal(out_v.fp, v[:, :, 17:21])
+    for t in range(21, 30):
+        out_k, out_v = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert c.offset == 30 and c.compressed == 26 and out_k.shape == (1, 2, 30, 64)
+    # compressed rows decode to the originals up to the 3-bit codebook error
+    dk = decode(out_k.codes, out_k.norms, out_k.rotation, out_k.quantizer)
+    rel = float(mx.sum((dk - k[:, :, :26]) ** 2) / mx.sum(k[:, :, :26] ** 2))
+    assert 0.02 < rel < 0.05
+
+
+def test_finish_prefill_and_window_zero():
+    c = IsoQuantKVCache(window=0)
+    k, v = _kv(2, 1, 9, 128, 1)
+    c.update_and_fetch(k, v)
+    kvcache.finish_prefill([c, KVCache()])
+    assert c.compressed == 9 and c._fetch()[0].fp is None
+    out_k, _ = c.update_and_fetch(
+        k[:, :, :1], v[:, :, :1]
+    )  # W = 0: the new token is compressed too
+    assert c.compressed == 10 and out_k.fp_len == 0
+
+
+def _held_arrays(c):
+    return [
+        a
+        for a in (
+            c.k_codes,
+            c.k_norms,
+            c.v_codes,
+            c.v_norms,
+            c.fp_keys,
+            c.fp_values,
+            c.k_dec,
+            c.v_dec,
+        )
+        if a is not None
+    ]
+
+
+@pytest.mark.parametrize("kb,vb,d", [(3, 3, 128), (4, 3, 64), (4, 4, 64)])
+def test_nbytes_is_exact(kb, vb, d):
+    c = IsoQuantKVCache(key_bits=kb, value_bits=vb, window=8)
+    assert c.nbytes == 0 and c.used_nbytes == 0 and c.empty()
+    k, v = _kv(1, 2, 300, d, 2)
+    _feed(c, k, v, prefill=290)
+    mx.eval(*_held_arrays(c))
+    assert c.nbytes == sum(a.nbytes for a in _held_arrays(c))
+    # 292 compressed tokens × 2 heads × (codes K + codes V + two fp16 norms) + 8 float32 tokens
+    per_tok = d * kb // 8 + d * vb // 8 + 4
+    assert c.used_nbytes == 2 * (292 * per_tok + 8 * d * 4 * 2)
+    if (kb, vb, d) == (3, 3, 128):
+        assert per_tok == 100  # 48 + 48 bytes of codes + 2 + 2 bytes of norms
+    # the prompt's float buffer was released after the bulk compression
+    assert c.fp_keys.shape[2] == c.step
+    assert kvcache.cache_nbytes([c, KVCache()]) == c.nbytes
+
+
+def test_state_round_trip_with_format_version(tmp_path):
+    c = IsoQuantKVCache("v3", 4, 3, window=3, seed=7, layer=5)
+    k, v = _kv(1, 2, 40, 64, 3)
+    _feed(c, k, v, prefill=30)
+    c2 = IsoQuantKVCache.from_state(c.state, c.meta_state)
+    assert (c2.offset, c2.compressed, c2.layer, c2.seed) == (40, 37, 5, 7)
+    a, b = c._fetch(), c2._fetch()
+    for x, y in zip(a, b, strict=True):
+        assert mx.array_equal(x.codes, y.codes) and mx.array_equal(x.norms, y.norms)
+        assert mx.array_equal(x.fp, y.fp)
+    assert mx.array_equal(c.rotation.blocks, c2.rotation.blocks)
+    # both continue identically
+    nk, nv = _kv(1, 2, 1, 64, 9)
+    ra, rb = c.update_and_fetch(nk, nv), c2.update_and_fetch(nk, nv)
+    assert mx.array_equal(ra[0].codes, rb[0].codes)
+    # through a file, next to mlx-lm's own cache types
+    rot = RotatingKVCache(max_size=8)
+    rot.update_and_fetch(*_kv(1, 2, 5, 64, 4))
+    path = tmp_path / "cache.safetensors"
+    kvcache.save_cache(path, [c, rot], {"model": "tiny"})
+    loaded, meta = kvcache.load_cache(path)
+    assert meta == {"model": "tiny"} and isinstance(loaded[1], RotatingKVCache)
+    assert loaded[0].offset == c.offset and mx.array_equal(
+        loaded[0]._fetch()[1].codes, c._fetch()[1].codes
+    )
+    bad = c.meta_state.replace('"format_version": 1', '"format_version": 99')
+    with pytest.raises(ValueError, match="version 99"):
+        IsoQuantKVCache.from_state(c.state, bad)
+
+
+def test_trim():
+    c = IsoQuantKVCache(window=4)
+    k, v = _kv(1, 1, 50, 64, 5)
+    _feed(c, k, v, prefill=40)
+    assert (c.offset, c.compressed) == (50, 46)
+    assert c.trim(3) == 3 and (c.offset, c.compressed) == (47, 46)
+    assert c.trim(10) == 10 and (c.offset, c.compressed) == (37, 37)
+    out_k, _ = c.update_and_fetch(k[:, :, 37:38], v[:, :, 37:38])
+    # codes are never decompressed: the float tail refills from the re-fed tokens on
+    assert c.offset == 38 and out_k.compressed_len == 37 and out_k.fp_len == 1
+    assert mx.array_equal(out_k.fp, k[:, :, 37:38])
+    # the surviving compressed rows are the same codes a fresh cache makes for those tokens
+    ref = IsoQuantKVCache(window=0)
+    ref.update_and_fetch(k[:, :, :37], v[:, :, :37])
+    ref.finish_prefill()
+    assert mx.array_equal(ref._fetch()[0].codes, out_k.codes)
+    assert c.trim(100) == 38 and c.empty()
+
+
+def test_bits_attribute_is_absent():
+    # mlx-lm's attention routes any cache with `bits` to its QuantizedKVCache path
+    assert not hasattr(IsoQuantKVCache(), "bits")
+
+
+def test_make_cache_modes_and_errors():
+    assert set(kvcache.KV_MODES) >= {"fp16", "isoquant3", "isoquant4", "isoquant_k4v3"}
+    with pytest.raises(ValueError, match="unknown KV mode"):
+        kvcache.make_cache(None, "isoquant2")
+    with pytest.raises(ValueError, match="window"):
+        IsoQuantKVCache(window=-1)
+
+
+# ---- models -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_models(tiny_model_path):
+    from app.engine.loader import load
+
+    out = {}
+
+    def get(arch):
+        if arch not in out:
+            lm = load(tiny_model_path(arch))
+            kvcache.install(lm.model)
+            out[arch] = lm.model
+        return out[arch]
+
+    return get
+
+
+def _run(model, cache, prompt, n):
+    toks, logits = [], []
+    for (t, lp), _ in zip(
+        generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n),
+        range(n),
+        strict=False,
+    ):
+        toks.append(int(t))
+        logits.append(np.array(lp.astype(mx.float32)))
+    return toks, np.stack(logits)
+
+
+RELATIVE_LOGIT_ERROR = 0.2
+
+
+class _DenseView(IsoQuantKVCache):
+    """Same cache, but hands attention x̂ = Rᵀ ŷ as plain arrays (mlx's own attention)."""
+
+    @classmethod
+    def of(cls, c):
+        return cls(c.rotation_kind, c.key_bits, c.value_bits, c.window, c.seed, c.layer)
+
+    def _fetch(self):
+        k, v = super()._fetch()
+        if not isinstance(k, IsoQuantTensor):
+            return k, v
+
+        def dense(t):
+            x = decode(t.codes, t.norms, t.rotation, t.quantizer).astype(t.dtype)
+            return x if t.fp is None else mx.concatenate([x, t.fp], axis=2)
+
+        return dense(k), dense(v)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_generation_on_tiny_architectures(arch, tiny_models, monkeypatch):
+    model = tiny_models(arch)
+    prompt = list(range(3, 40))
+    fp_toks, fp_logits = _run(model, kvcache.make_cache(model, "fp16"), prompt, 6)
+
+    # A window longer than the whole run never compresses: identical to the float cache.
+    big = kvcache.make_cache(model, "isoquant3", window=1000)
+    toks, logits = _run(model, big, prompt, 6)
+    assert toks == fp_toks and np.array_equal(logits, fp_logits)
+
+    calls = []
+    from app.engine.kvcache import dispatch
+
+    real = dispatch.isoquant_attention
+    monkeypatch.setattr(
+        dispatch, "isoquant_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    cache = kvcache.make_cache(model, "isoquant4", window=2, seed=1)
+    iso = [c for c in cache if isinstance(c, IsoQuantKVCache)]
+    full_layers = {"gemma4_text": 2, "gpt_oss": 2, "nemotron_h": 1}.get(arch, len(cache))
+    assert len(iso) == full_layers  # sliding-window and Mamba layers keep their own caches
+    assert all(isinstance(c, (IsoQuantKVCache, RotatingKVCache, ArraysCache)) for c in cache)
+    toks, logits = _run(model, cache, prompt, 6)
+    assert calls, "compressed-space attention never ran"
+    assert all(c.compressed == c.offset - 2 for c in iso)
+    # every generated token read 4-bit KV (the last prompt token is a decode step): close
+    assert not np.array_equal(logits, fp_logits)
+    # Random tiny models have near-uniform next-token laws, so compare the logits themselves:
+    # the 4-bit KV error must stay a small fraction of the logits' own spread.
+    dev = logits - logits.mean(-1, keepdims=True)
+    ref = fp_logits - fp_logits.mean(-1, keepdims=True)
+    rel = float(np.linalg.norm(dev - ref) / np.linalg.norm(ref))
+    if arch != "gemma4_text":  # random q/k norms with scale 1: attention is nearly one-hot
+        assert rel < RELATIVE_LOGIT_ERROR, f"{arch}: relative logit error {rel}"
+
+    # Exactness: the same run with attention over the dequantized K/V (same codes) in float.
+    dense = kvcache.make_cache(model, "isoquant4", window=2, seed=1)
+    dense = [_DenseView.of(c) if isinstance(c, IsoQuantKVCache) else c for c in dense]
+    d_toks, d_logits = _run(model, dense, prompt, 6)
+    assert d_toks == toks
+    err = float(np.abs(d_logits - logits).max() / np.abs(logits).max())
+    assert err < 1e-4, f"{arch}: compressed-space vs dequantized dense attention differ by {err}"
+    assert kvcache.cache_nbytes(cache) > 0
+
+
+def test_install_is_idempotent_and_passes_other_caches_through(tiny_models):
+    import mlx_lm.models.llama as llama_mod
+
+    model = tiny_models("llama")
+    before = llama_mod.scaled_dot_product_attention
+    assert kvcache.install(model) == ["mlx_lm.models.llama"]
+    assert llama_mod.scaled_dot_product_attention is before
+    q, k, v = (mx.random.normal((1, 4, 3, 32), key=mx.random.key(i)) for i in range(3))
+    got = llama_mod.scaled_dot_product_attention(q, k, v, cache=None, scale=0.2, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    assert mx.array_equal(got, ref)
+
+
+def test_multi_token_chunk_after_compression_uses_causal_mask(tiny_models):
+    """A second prompt (new chat turn) after decoding: mask over codes + float tail."""
+    model = tiny_models("llama")
+    cache = kvcache.make_cache(model, "isoquant4", window=0)
+    _run(model, cache, list(range(5, 25)), 3)
+    ref_cache = kvcache.make_cache(model, "fp16")
+    _run(model, ref_cache, list(range(5, 25)), 3)
+    turn = mx.array([list(range(50, 60))])
+    a = np.array(model(turn, cache=cache)[0, -1].astype(mx.float32))
+    b = np.array(model(turn, cache=ref_cache)[0, -1].astype(mx.float32))
+    assert math.isfinite(a.sum())
+    assert np.corrcoef(a, b)[0, 1] > 0.98
