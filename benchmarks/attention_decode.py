@@ -1,0 +1,252 @@
+"""Decode attention: IsoQuant fused kernels vs bf16 mx.fast SDPA vs torch SDPA (issue 3).
+
+One query token, 32 query heads, 8 KV heads, d = 128, B in {1, 8, 32}, T in {2K, 8K, 32K,
+128K}. IsoQuant reads 3-bit packed K and V (48 B + a 2-byte norm per token, head and tensor);
+bf16 reads 256 B each. Effective GB/s = bytes of KV (plus q and out) / time, against the card's
+~4.3 TB/s. Every method rotates over enough input sets that its KV is several times the L2, and
+is timed as a queue of calls evaluated at once (MLX) or between CUDA events (torch); median of
+trials after warm-up. Also: the split-K variants side by side (tensor-core, scalar, the
+four-kernel path) and the tensor-core precision options, on a few shapes.
+
+    python benchmarks/attention_decode.py [--quick] [--out FILE]
+Results: benchmarks/results/attention_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+BS = (1, 8, 32)
+TS = (2048, 8192, 32768, 131072)
+L2_BYTES = 60 << 20
+CARD_GB_S = 4300.0
+
+
+def _sets(bytes_per_set: int) -> int:
+    return max(1, min(160, math.ceil(4 * L2_BYTES / max(1, bytes_per_set))))
+
+
+def time_mlx(fn, sets, trials=7, min_calls=20) -> float:
+    """Median µs per call: `n` calls queued lazily then evaluated together."""
+    n = max(min_calls, len(sets))
+    mx.eval([fn(*sets[i % len(sets)]) for i in range(len(sets))])  # warm-up, JIT compile
+    mx.synchronize()
+    out = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        mx.eval([fn(*sets[i % len(sets)]) for i in range(n)])
+        mx.synchronize()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(out)
+
+
+def time_torch(fn, sets, trials=7, min_calls=20) -> float:
+    import torch
+
+    n = max(min_calls, len(sets))
+    for i in range(len(sets)):
+        fn(*sets[i])
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(n):
+            fn(*sets[i % len(sets)])
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / n * 1e3)
+    return statistics.median(out)
+
+
+def isoquant_sets(b: int, t: int, dtype=mx.bfloat16):
+    per = b * HKV * t * 2 * (3 * D // 8 + 2)
+    sets = []
+    for s in range(_sets(per)):
+        q, k, v = iq.random_problem(
+            b, HKV, HQ // HKV, 1, D, t, 0, dtype=dtype, seed=s, encoded=False
+        )
+        mx.eval(q, k.codes, k.norms, v.codes, v.norms)
+        sets.append((q, k, v))
+    return sets, per
+
+
+def record(rows, backend, kernel, b, t, us, nbytes, **extra):
+    gbs = nbytes / (us * 1e-6) / 1e9
+    rows.append(dict(backend=backend, kernel=kernel, B=b, T=t, d=D, time_us=round(us, 2),
+                     gb_s=round(gbs, 1), bytes=nbytes, **extra))  # fmt: skip
+    print(
+        f"  {kernel:28s} B={b:<3d} T={t:<7d} {us:9.1f} us  {gbs:7.0f} GB/s ({gbs / CARD_GB_S:4.0%})"
+    )
+
+
+def bench_shape(rows, b, t, with_torch, variants):
+    scale = 1 / math.sqrt(D)
+    qo = 2 * b * HQ * D * 2  # q in, out back (bf16)
+    sets, per = isoquant_sets(b, t)
+    for name, fn in variants.items():
+        us = time_mlx(lambda q, k, v, fn=fn: fn(q, k, v, scale), sets)
+        record(rows, "mlx-cuda", name, b, t, us, per + qo)
+    del sets
+    mx.clear_cache()
+    per = b * HKV * t * D * 2 * 2
+    sets = []
+    for s in range(_sets(per)):
+        mx.random.seed(100 + s)
+        q = mx.random.normal((b, HQ, 1, D)).astype(mx.bfloat16)
+        k = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
+        v = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
+        mx.eval(q, k, v)
+        sets.append((q, k, v))
+    us = time_mlx(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), sets)
+    record(rows, "mlx-cuda", "mx_sdpa_bf16", b, t, us, per + qo)
+    del sets
+    mx.clear_cache()
+    if with_torch:
+        import torch
+        import torch.nn.functional as F
+
+        def randn(shape, gen):
+            return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        tsets = []
+        for s in range(_sets(per)):
+            gen = torch.Generator(device="cuda").manual_seed(200 + s)
+            tsets.append(
+                tuple(randn(sh, gen) for sh in ((b, HQ, 1, D), (b, HKV, t, D), (b, HKV, t, D)))
+            )
+        us = time_torch(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), tsets
+        )
+        record(rows, "torch-cuda", "torch_sdpa_bf16", b, t, us, per + qo)
+        del tsets
+        torch.cuda.empty_cache()
+
+
+def check_accuracy() -> dict:
+    """Fused output vs the MLX-ops reference on the same codes (bench-like shape)."""
+    q, k, v = iq.random_problem(2, HKV, HQ // HKV, 1, D, 4097, 64, dtype=mx.float32, seed=9)
+    ref = iq.attention_reference(q, k, v, 1 / math.sqrt(D))
+    res = {}
+    for variant in ("tc", "scalar"):
+        res[variant] = iq.rel_error(
+            iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant=variant), ref
+        )
+    res["unfused"] = iq.rel_error(iq.unfused_attention(q, k, v, 1 / math.sqrt(D)), ref)
+    print(
+        "  rel. error vs reference (B=2, T=4097+64, fp32 q):",
+        {a: f"{e:.1e}" for a, e in res.items()},
+    )
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="B=8, T=32K only")
+    ap.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "attention_decode.json")
+    )
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    if not iq.kernels_available():
+        sys.exit("needs MLX's CUDA or Metal backend")
+    rows: list[dict] = []
+    acc = check_accuracy()
+    fused = {"isoquant_fused": lambda q, k, v, s: iq.fused_attention(q, k, v, s)}
+    shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
+
+    def save():
+        info = {}
+        try:
+            info = {k: str(v) for k, v in mx.device_info().items()}
+        except Exception:  # older MLX: the device name is optional
+            pass
+        out = dict(
+            machine=dict(
+                platform=platform.platform(),
+                device=info.get("device_name", "?"),
+                mlx=mx.__version__,
+            ),
+            shape=dict(hq=HQ, hkv=HKV, d=D, query_tokens=1, isoquant_bits=3, dtype="bfloat16"),
+            method="median of 7 trials; each trial queues >= 20 calls over rotating input sets "
+            "(KV >= 4x the 60 MB L2 where memory allows) and evaluates them at once (MLX) or "
+            "times them with CUDA events (torch)",
+            accuracy_rel_error=acc,
+            records=rows,
+        )
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+    for b, t in shapes:
+        print(f"B={b} T={t}", flush=True)
+        bench_shape(rows, b, t, not args.no_torch, fused)
+        save()
+    # variants side by side on a few shapes: which path wins where
+    variants = {
+        "isoquant_fused_scalar": lambda q, k, v, s: iq.fused_attention(
+            q, k, v, s, variant="scalar"
+        ),
+        "isoquant_unfused": lambda q, k, v, s: iq.unfused_attention(q, k, v, s),
+    }
+    for b, t in [(1, 2048), (8, 32768)] if not args.quick else []:
+        sets, per = isoquant_sets(b, t)
+        for name, fn in variants.items():
+            us = time_mlx(lambda q, k, v, fn=fn: fn(q, k, v, 1 / math.sqrt(D)), sets)
+            record(rows, "mlx-cuda", name, b, t, us, per + 4 * b * HQ * D)
+        for prec in ((False, False), (True, True)):
+            iq.TC_PRECISION = prec
+            us = time_mlx(lambda q, k, v: iq.fused_attention(q, k, v, 1 / math.sqrt(D)), sets)
+            record(
+                rows,
+                "mlx-cuda",
+                f"isoquant_fused_qlo{int(prec[0])}_plo{int(prec[1])}",
+                b,
+                t,
+                us,
+                per,
+            )
+        iq.TC_PRECISION = (True, False)
+        for sl in (128, 512, 2048):
+            us = time_mlx(
+                lambda q, k, v, sl=sl: iq.fused_attention(q, k, v, 1 / math.sqrt(D), split_len=sl),
+                sets,
+            )
+            record(rows, "mlx-cuda", f"isoquant_fused_split{sl}", b, t, us, per, split_len=sl)
+        del sets
+        mx.clear_cache()
+        save()
+    save()
+    print_summary(rows)
+
+
+def print_summary(rows) -> None:
+    by = {(r["kernel"], r["B"], r["T"]): r["time_us"] for r in rows}
+    print("\n B    T      isoquant  mx_sdpa  torch   vs mx   vs torch")
+    for b in BS:
+        for t in TS:
+            iqt, mxt, tt = (
+                by.get((k, b, t)) for k in ("isoquant_fused", "mx_sdpa_bf16", "torch_sdpa_bf16")
+            )
+            if iqt is None:
+                continue
+            vm = f"{mxt / iqt:5.2f}x" if mxt else "   -  "
+            vt = f"{tt / iqt:5.2f}x" if tt else "   -  "
+            print(f" {b:<4d} {t:<7d}{iqt:9.1f}{mxt or 0:9.1f}{tt or 0:8.1f}   {vm}   {vt}")
+
+
+if __name__ == "__main__":
+    main()

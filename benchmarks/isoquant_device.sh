@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# IsoQuant kernels on the lent H200 in one call (after MLX-CUDA is installed: see
+# /work/shared/device/README.md): attention benchmark, GPU tests, end-to-end decode.
+# Each stage has its own time limit and writes into $OUT, so a stage that fails or runs out
+# still leaves the others' results.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/iq_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+timeout ${BENCH_S:-230} python3 benchmarks/attention_decode.py --out "$OUT/attention_decode.json" 2>&1 | tee "$OUT/attention.txt"
+timeout ${TESTS_S:-170} python3 -m pytest tests/gpu/test_isoquant_gpu.py -q -n 8 -p no:cacheprovider \
+  -o addopts="" 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+timeout ${E2E_S:-140} python3 benchmarks/e2e_decode_isoquant.py --reference --steps 24 \
+  --out "$OUT/e2e_decode_isoquant.json" 2>&1 | tee "$OUT/e2e.txt"
+echo done

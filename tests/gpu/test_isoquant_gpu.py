@@ -1,0 +1,139 @@
+"""IsoQuant attention kernels on a GPU backend (run on the H200 with MLX's CUDA backend; the same
+file runs the Metal build on a Mac). Every kernel path against the MLX-ops reference on fresh
+random inputs over the issue's sizes: T in {1, 15, 511, 512, 513, 4097, 32768}, head dims
+64/128/256/512, GQA ratios 1/4/8, batch 1 and 3 with ragged lengths, the float segment,
+causal chunks and sinks. Relative error of the output < 1e-3 on the same codes (float32
+queries, so the bound measures the kernels, not the output dtype)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from app.engine import kvcache
+from app.engine import kvcache_kernels as kk
+from app.engine.kvcache_kernels import isoquant as iq
+
+pytestmark = pytest.mark.skipif(
+    not iq.kernels_available(), reason="needs MLX's Metal or CUDA backend (a GPU)"
+)
+
+TOL = 1e-3
+FUSED = ["tc", "scalar"] if iq.BACKEND == "cuda" else ["scalar"]
+
+
+def _run(path, q, k, v, mask=None, sinks=None, lens=None):
+    s = 1.0 / math.sqrt(q.shape[-1])
+    if path in ("tc", "scalar"):
+        return iq.fused_attention(q, k, v, s, mask, sinks, lens, variant=path)
+    return iq.unfused_attention(q, k, v, s, mask, sinks, lens, schedule=path)
+
+
+def _check(
+    path, b, hkv, g, length, d, tc, tf, kb=3, vb=3, kind="v3", lens=None, sinks=False, seed=0
+):
+    if path == "tc" and (kb, vb) != (3, 3) or path == "tc" and d not in iq.TC_HEAD_DIMS:
+        pytest.skip("the tensor-core kernel takes 3-bit codes and head dims 64/128")
+    q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kb, vb, kind, mx.float32, seed)
+    sk = mx.random.normal((hkv * g,)) if sinks else None
+    mask = "causal" if length > 1 else None
+    ref = iq.attention_reference(q, k, v, 1.0 / math.sqrt(d), mask, sk, lens)
+    out = _run(path, q, k, v, mask, sk, lens)
+    err = iq.rel_error(out, ref)
+    assert err < TOL, f"{path} rel error {err:.2e}"
+
+
+@pytest.mark.parametrize("path", FUSED + ["word", "dim"])
+@pytest.mark.parametrize("t", [1, 15, 511, 512, 513, 4097, 32768])
+def test_lengths(path, t):
+    _check(path, 1, 2, 4, 1, 128, t, 0, seed=t)
+
+
+@pytest.mark.parametrize("path", FUSED + ["word", "dim"])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("t", [1, 513, 4097])
+def test_head_dims(path, d, t):
+    _check(path, 1, 2, 4, 1, d, t, 7, seed=d + t)
+
+
+@pytest.mark.parametrize("path", FUSED)
+@pytest.mark.parametrize("g", [1, 4, 8, 16])
+def test_gqa_ratios(path, g):
+    _check(path, 1, 8 // min(g, 8), g, 1, 128, 4097, 64, seed=g)
+
+
+@pytest.mark.parametrize("path", FUSED + ["word", "dim"])
+def test_batch_with_ragged_lengths_and_sinks(path):
+    _check(path, 3, 2, 4, 1, 64, 4097, 64, lens=[4097, 1500, 1], sinks=True, seed=3)
+
+
+@pytest.mark.parametrize("path", FUSED + ["word"])
+@pytest.mark.parametrize("kind", ["v3", "v2", "v1", "dense"])
+def test_causal_chunk_over_a_compressed_prefix(path, kind):
+    _check(path, 1, 2, 4, 5, 128, 2000, 37, kind=kind, seed=11)
+
+
+@pytest.mark.parametrize("kb,vb", [(4, 4), (4, 3), (3, 4)])
+def test_four_bit_codes(kb, vb):
+    _check("scalar", 2, 2, 4, 1, 128, 3000, 10, kb, vb, seed=kb * 10 + vb)
+
+
+def test_bf16_queries_and_views_of_a_grown_cache():
+    # The cache hands out slices of larger buffers: the kernels read them through strides.
+    q, k, v = iq.random_problem(2, 8, 4, 1, 128, 700, 64, dtype=mx.bfloat16, seed=5)
+
+    def pad(a):
+        return mx.concatenate([a, mx.zeros_like(a)[:, :, :100]], axis=2)[:, :, : a.shape[2]]
+
+    def grown(t):
+        return kvcache.IsoQuantTensor(
+            pad(t.codes), pad(t.norms), pad(t.fp), t.quantizer, t.rotation
+        )
+
+    ref = iq.attention_reference(q, k, v, 1 / math.sqrt(128))
+    for path in FUSED:
+        out = iq.fused_attention(q, grown(k), grown(v), 1 / math.sqrt(128), variant=path)
+        assert out.dtype == mx.bfloat16
+        assert iq.rel_error(out, ref) < 8e-3  # bf16 output rounding is ~4e-3 by itself
+
+
+def test_each_kernel_against_its_reference():
+    q, k, v = iq.random_problem(2, 2, 4, 1, 128, 1500, 0, dtype=mx.float32, seed=6)
+    p = iq.Problem.of(q, k, v, None)
+    s_ref = iq.qk_dot_reference(q, k, 0.1)
+    assert iq.rel_error(iq.qk_dot(q, k, 0.1, p), s_ref) < 1e-5
+    pr_ref = iq.softmax_reference(s_ref, p, [1500, 333])
+    assert iq.rel_error(iq.softmax(s_ref, p, [1500, 333]), pr_ref) < 1e-5
+    acc_ref = iq.value_accum_reference(pr_ref, v)
+    for schedule in ("word", "dim"):
+        assert iq.rel_error(iq.value_accum(pr_ref, v, p, [1500, 333], schedule), acc_ref) < 1e-5
+    o_ref = iq.rotate_inverse_reference(acc_ref, v.rotation, p)
+    assert iq.rel_error(iq.rotate_inverse(acc_ref, v.rotation, p), o_ref) < 1e-5
+
+
+def test_the_cache_attention_uses_the_kernel_and_the_setting_forces_the_reference(monkeypatch):
+    assert kk.install()
+    cache = kvcache.IsoQuantKVCache("v3", 3, 3, window=16)
+    mx.random.seed(0)
+    for _ in range(3):
+        cache.update_and_fetch(mx.random.normal((1, 2, 100, 64)), mx.random.normal((1, 2, 100, 64)))
+    keys, values = cache.update_and_fetch(
+        mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
+    )
+    assert isinstance(keys, kvcache.IsoQuantTensor) and keys.compressed_len == 301 - 16
+    q = mx.random.normal((1, 8, 1, 64))
+    calls = []
+    real = iq._fused_partials
+    monkeypatch.setattr(iq, "_fused_partials", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = kvcache.isoquant_attention(q, keys, values, 0.125)
+    ref = kvcache.isoquant_attention(q, keys, values, 0.125, use_kernel=False)
+    assert calls and iq.rel_error(out, ref) < TOL
+    monkeypatch.setenv(kk.SETTING_ENV, "reference")
+    assert not kk.install()
+    calls.clear()
+    kvcache.isoquant_attention(q, keys, values, 0.125)
+    assert not calls
+    monkeypatch.setenv(kk.SETTING_ENV, "auto")
+    assert kk.install()
