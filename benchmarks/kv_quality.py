@@ -71,6 +71,13 @@ def treatments(window: int) -> dict[str, tuple]:
         "isoquant3_w32": ("isoquant", "v3", 3, 3, 32),
         "isoquant3_w128": ("isoquant", "v3", 3, 3, 128),
         "isoquant4_w0": ("isoquant", "v3", 4, 4, 0),
+        # beyond the paper: the first S tokens (attention sinks) kept in float too
+        "isoquant3_w0_s4": ("isoquant", "v3", 3, 3, 0, 4),
+        f"isoquant3_w{window}_s4": ("isoquant", "v3", 3, 3, window, 4),
+        f"isoquant3_w{window}_s16": ("isoquant", "v3", 3, 3, window, 16),
+        "isoquant3_w32_s4": ("isoquant", "v3", 3, 3, 32, 4),
+        "turboquant3_w0_s4": ("isoquant", "dense", 3, 3, 0, 4),
+        f"isoquant_k4v3_w{window}_s4": ("isoquant", "v3", 4, 3, window, 4),
     }
 
 
@@ -80,8 +87,8 @@ def bits_per_value(spec: tuple, context: int, head_dim: int, float_bits: int = 1
         return float(float_bits)
     if spec[0] == "mlx":
         return spec[1] + 2 * 16 / 64  # fp16 scale and bias per group of 64
-    _, _, kb, vb, w = spec
-    w = min(w, context)
+    _, _, kb, vb, w = spec[:5]
+    w = min(w + (spec[5] if len(spec) > 5 else 0), context)
     code_bits = (kb + vb) / 2 + 16 / head_dim  # fp16 norm per vector
     return ((context - w) * code_bits + w * 16) / context
 
@@ -171,7 +178,8 @@ def build_cache(spec: tuple, kv: list, seed: int, shadow: bool = True) -> list:
     caches = []
     for i, (k, v) in enumerate(kv):
         if spec[0] == "isoquant":
-            c = IsoQuantKVCache(spec[1], spec[2], spec[3], spec[4], seed, i, decoded_shadow=shadow)
+            sink = spec[5] if len(spec) > 5 else 0
+            c = IsoQuantKVCache(spec[1], spec[2], spec[3], spec[4], seed, i, shadow, sink)
         elif spec[0] == "mlx" and mlx_kv_emulated():
             c = RoundTripKVCache(spec[1])
         else:
@@ -225,6 +233,12 @@ def main() -> None:
     )
     ap.add_argument("--kv-file", default="/tmp/rq_kv_quality_prefill.safetensors")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="earlier results JSON of the same protocol: keep its rows, add/replace this run's "
+        "(refused unless both runs' float PPLs agree to 1e-3)",
+    )
     args = ap.parse_args()
 
     all_specs = treatments(args.window)
@@ -261,12 +275,17 @@ def main() -> None:
 
     out_path = Path(args.out)
     rows, timings = [], {}
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
     base_ppl = None
     for name in names:
         spec = all_specs[name]
         t = time.perf_counter()
         caches = build_cache(spec, kv, args.seed, shadow=not args.no_shadow)
-        kv_bytes = kvcache.cache_nbytes(caches)
+        iso = [c for c in caches if isinstance(c, IsoQuantKVCache)]
+        measured_bits = None
+        if iso:  # from the cache's own byte count (no capacity, no benchmark shadow)
+            values = sum(c.offset * c.rotation.n_heads * c.rotation.head_dim * 2 for c in iso)
+            measured_bits = 8 * sum(c.used_nbytes for c in iso) / (values * tokens.shape[0])
         nll = score(model, tokens, caches, steps)
         timings[name] = round(time.perf_counter() - t, 1)
         ppl = [math.exp(x / steps) for x in nll.tolist()]
@@ -281,7 +300,9 @@ def main() -> None:
             "ppl": [round(p, 4) for p in ppl],
             "delta_ppl_pct": [round(d, 3) for d in deltas],
             "mean_delta_ppl_pct": round(sum(deltas) / len(deltas), 3),
-            "kv_bytes_after_prefill": kv_bytes,
+            "measured_bits_per_value_after_prefill": None
+            if measured_bits is None
+            else round(measured_bits, 4),
             "seconds": timings[name],
         }
         rows.append(row)
@@ -291,8 +312,22 @@ def main() -> None:
             f"per window {row['delta_ppl_pct']}",
             flush=True,
         )
+        if name == "fp16" and earlier is not None:
+            old = next(r for r in earlier["treatments"] if r["name"] == "fp16")["ppl"]
+            if (
+                earlier["windows"] != plays
+                or max(abs(a / b - 1) for a, b in zip(ppl, old, strict=True)) > 1e-3
+            ):
+                raise SystemExit(
+                    "--merge: the earlier run is not comparable (windows or float PPL differ)"
+                )
         if not args.probe:
-            write(out_path, args, plays, rows, prefill_s, head_dim, t0)
+            merged = rows
+            if earlier is not None:
+                names_now = {r["name"] for r in rows}
+                merged = [r for r in earlier["treatments"] if r["name"] not in names_now] + rows
+                merged.sort(key=lambda r: r["name"] != "fp16")
+            write(out_path, args, plays, merged, prefill_s, head_dim, t0)
     if args.probe:
         print(f"probe timings (s, {steps} steps):", timings, "prefill", round(prefill_s, 1))
 

@@ -36,6 +36,7 @@ TREATMENTS = {
     "fp16": ("float",),
     "isoquant3_w64": ("isoquant", "v3", 3, 3, 64),
     "isoquant3_w0": ("isoquant", "v3", 3, 3, 0),
+    "isoquant3_w64_s4": ("isoquant", "v3", 3, 3, 64, 4),
     "isoquant4_w0": ("isoquant", "v3", 4, 4, 0),
     "turboquant3_w0": ("isoquant", "dense", 3, 3, 0),
     "mlx_q4": ("mlx", 4),

@@ -271,6 +271,24 @@ def test_attention_masks_sinks_and_dtype():
     assert isoquant_attention_reference(q16, keys, values, scale).dtype == mx.float16
 
 
+def test_float_prefix_segment_is_merged_in_position_order():
+    b, hq, hkv, dim, tc, tf, tp, qlen = 1, 6, 2, 64, 12, 3, 4, 2
+    keys, values, dk, dv = _make_kv("v3", b, hkv, tc, tf, dim, 3, 3, seed=8)
+    pk = mx.random.normal((b, hkv, tp, dim), key=mx.random.key(20)) * 2
+    pv = mx.random.normal((b, hkv, tp, dim), key=mx.random.key(21))
+    keys = IsoQuantTensor(keys.codes, keys.norms, keys.fp, keys.quantizer, keys.rotation, None, pk)
+    values = IsoQuantTensor(
+        values.codes, values.norms, values.fp, values.quantizer, values.rotation, None, pv
+    )
+    dk, dv = np.concatenate([_np(pk), dk], 2), np.concatenate([_np(pv), dv], 2)
+    q = mx.random.normal((b, hq, qlen, dim), key=mx.random.key(22))
+    out = isoquant_attention_reference(q, keys, values, 0.125, mask="causal")
+    t = tp + tc + tf
+    causal = np.arange(t - qlen, t)[:, None] >= np.arange(t)[None]
+    assert keys.shape == (b, hkv, t, dim)
+    assert _rel(_np(out), _dense_attention(_np(q), dk, dv, 0.125, causal)) < 1e-5
+
+
 def test_decoded_shadow_gives_identical_attention():
     keys, values, _, _ = _make_kv("v3", 1, 2, 40, 3, 64, 3, 3, seed=1)
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))

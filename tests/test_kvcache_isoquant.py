@@ -63,20 +63,10 @@ def test_finish_prefill_and_window_zero():
 
 
 def _held_arrays(c):
-    return [
-        a
-        for a in (
-            c.k_codes,
-            c.k_norms,
-            c.v_codes,
-            c.v_norms,
-            c.fp_keys,
-            c.fp_values,
-            c.k_dec,
-            c.v_dec,
-        )
-        if a is not None
-    ]
+    """Every array attribute of the cache, found independently of c._arrays()."""
+    held = [a for a in vars(c).values() if isinstance(a, mx.array)]
+    assert sorted(map(id, held)) == sorted(map(id, c._arrays()))
+    return held
 
 
 @pytest.mark.parametrize("kb,vb,d", [(3, 3, 128), (4, 3, 64), (4, 4, 64)])
@@ -195,8 +185,8 @@ class _DenseView(IsoQuantKVCache):
     """Same cache, but hands attention x̂ = Rᵀ ŷ as plain arrays (mlx's own attention)."""
 
     @classmethod
-    def of(cls, c):
-        return cls(c.rotation_kind, c.key_bits, c.value_bits, c.window, c.seed, c.layer)
+    def of(cls, c, sink):
+        return cls(c.rotation_kind, c.key_bits, c.value_bits, c.window, c.seed, c.layer, sink=sink)
 
     def _fetch(self):
         k, v = super()._fetch()
@@ -205,7 +195,8 @@ class _DenseView(IsoQuantKVCache):
 
         def dense(t):
             x = decode(t.codes, t.norms, t.rotation, t.quantizer).astype(t.dtype)
-            return x if t.fp is None else mx.concatenate([x, t.fp], axis=2)
+            segs = [a for a in (t.prefix, x, t.fp) if a is not None]
+            return mx.concatenate(segs, axis=2)
 
         return dense(k), dense(v)
 
@@ -248,7 +239,7 @@ def test_generation_on_tiny_architectures(arch, tiny_models, monkeypatch):
 
     # Exactness: the same run with attention over the dequantized K/V (same codes) in float.
     dense = kvcache.make_cache(model, "isoquant4", window=2, seed=1)
-    dense = [_DenseView.of(c) if isinstance(c, IsoQuantKVCache) else c for c in dense]
+    dense = [_DenseView.of(c, 0) if isinstance(c, IsoQuantKVCache) else c for c in dense]
     d_toks, d_logits = _run(model, dense, prompt, 6)
     assert d_toks == toks
     err = float(np.abs(d_logits - logits).max() / np.abs(logits).max())
@@ -281,3 +272,43 @@ def test_multi_token_chunk_after_compression_uses_causal_mask(tiny_models):
     b = np.array(model(turn, cache=ref_cache)[0, -1].astype(mx.float32))
     assert math.isfinite(a.sum())
     assert np.corrcoef(a, b)[0, 1] > 0.98
+
+
+def test_sink_prefix_stays_float():
+    c = IsoQuantKVCache(window=3, sink=4)
+    k, v = _kv(1, 2, 40, 64, 11)
+    out_k, out_v = _feed(c, k, v, prefill=2)  # the sink fills while decoding, then codes start
+    assert (c.offset, c.compressed) == (40, 37)
+    assert out_k.prefix_len == 4 and out_k.compressed_len == 33 and out_k.fp_len == 3
+    assert mx.array_equal(out_k.prefix, k[:, :, :4]) and mx.array_equal(out_v.prefix, v[:, :, :4])
+    assert out_k.shape == (1, 2, 40, 64)
+    # code row r is position 4 + r: the same codes as a sink-less cache makes for those tokens
+    ref = IsoQuantKVCache(window=0)
+    ref.update_and_fetch(k[:, :, 4:37], v[:, :, 4:37])
+    ref.finish_prefill()
+    assert mx.array_equal(ref._fetch()[0].codes, out_k.codes)
+    per_row = 24 + 24 + 4
+    assert c.used_nbytes == 2 * (33 * per_row + 7 * 64 * 4 * 2)
+    mx.eval(*c._arrays())
+    assert c.nbytes == sum(a.nbytes for a in c._arrays())
+    # state round trip keeps the sink; trimming into the sink shrinks it
+    c2 = IsoQuantKVCache.from_state(c.state, c.meta_state)
+    assert c2.sink == 4 and mx.array_equal(c2._fetch()[0].prefix, out_k.prefix)
+    c.trim(38)
+    assert (c.offset, c.compressed) == (2, 2)
+    pk, _ = c._fetch()
+    assert isinstance(pk, mx.array) and mx.array_equal(pk, k[:, :, :2])  # no codes: plain arrays
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_sink_generation_equals_dense_attention(arch, tiny_models):
+    model = tiny_models(arch)
+    prompt = list(range(3, 30))
+    cache = kvcache.make_cache(model, "isoquant3", window=1, sink=3, seed=2)
+    toks, logits = _run(model, cache, prompt, 5)
+    assert all(c.compressed == c.offset - 1 for c in cache if isinstance(c, IsoQuantKVCache))
+    dense = kvcache.make_cache(model, "isoquant3", window=1, sink=3, seed=2)
+    dense = [_DenseView.of(c, 3) if isinstance(c, IsoQuantKVCache) else c for c in dense]
+    d_toks, d_logits = _run(model, dense, prompt, 5)
+    assert d_toks == toks
+    assert float(np.abs(d_logits - logits).max() / np.abs(logits).max()) < 1e-4

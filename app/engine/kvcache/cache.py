@@ -1,7 +1,7 @@
 """IsoQuantKVCache: mlx-lm's cache protocol over a compressed prefix and a float tail.
 
-Tokens [0, compressed) are stored as packed codes + fp16 norms (packing.py); tokens
-[compressed, offset) in the model's dtype. Deferred prefill: multi-token updates (the prompt)
+Tokens [sink, compressed) are stored as packed codes + fp16 norms (packing.py); tokens
+[compressed, offset) — and the first `sink` tokens, if asked — in the model's dtype. Deferred prefill: multi-token updates (the prompt)
 only append float K/V, so the prompt attends to itself exactly as with mlx-lm's KVCache; the
 first single-token update (or finish_prefill()) compresses all but the last `window` tokens in
 bulk, and from then on each decoded token pushes the oldest float token into the codes.
@@ -36,6 +36,7 @@ class IsoQuantKVCache(_BaseCache):
         seed: int = 0,
         layer: int = 0,
         decoded_shadow: bool = False,
+        sink: int = 0,
     ):
         if rotation_kind not in KINDS:
             raise ValueError(f"unknown rotation {rotation_kind!r}; expected one of {KINDS}")
@@ -43,10 +44,15 @@ class IsoQuantKVCache(_BaseCache):
             raise ValueError(f"IsoQuant stores 3- or 4-bit codes, not K{key_bits}/V{value_bits}")
         if window < 0:
             raise ValueError(f"the float window must be ≥ 0 tokens, got {window}")
+        if sink < 0:
+            raise ValueError(f"the float sink prefix must be ≥ 0 tokens, got {sink}")
         # Named key_bits/value_bits, never `bits`: mlx-lm's attention treats any cache with a
         # `bits` attribute as its own QuantizedKVCache.
         self.rotation_kind, self.key_bits, self.value_bits = rotation_kind, key_bits, value_bits
         self.window, self.seed, self.layer = window, seed, layer
+        # The first `sink` tokens stay in float: attention sinks draw much of every query's mass.
+        self.sink = sink
+        self.sink_keys = self.sink_values = None  # [B, Hkv, sink, D] model dtype
         # Benchmark aid on CPU: also keep levels[codes] in float32 (counted in nbytes).
         self.decoded_shadow = decoded_shadow
         self.k_dec = self.v_dec = None  # [B, Hkv, cap_c, D] float32
@@ -55,7 +61,8 @@ class IsoQuantKVCache(_BaseCache):
         self.rotation: Rotation | None = None  # built on first update (needs Hkv and D)
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
-        # compressed tokens [0, compressed): capacity grows by `step`
+        # tokens [0, compressed) left the float tail: positions < sink are in sink_keys, code
+        # row r is position sink + r; code capacity grows by `step`
         self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
         # float tokens: fp_keys[:, :, i] is absolute position fp_start + i
         self.fp_keys = self.fp_values = None
@@ -103,17 +110,26 @@ class IsoQuantKVCache(_BaseCache):
         self.fp_values[:, :, end - n : end] = values
         self.offset += n
 
+    @property
+    def _n_sink(self) -> int:
+        return min(self.sink, self.compressed)
+
+    @property
+    def _n_rows(self) -> int:
+        return self.compressed - self._n_sink
+
     def _grow_codes(self, needed: int) -> None:
         b, h = self.fp_keys.shape[:2]
         cap = 0 if self.k_codes is None else self.k_codes.shape[2]
         if needed <= cap:
             return
         new_cap = _round_up(needed, self.step)
+        rows = self._n_rows
 
         def grow(a, shape_tail, dtype):
             z = mx.zeros((b, h, new_cap, *shape_tail), dtype)
-            if a is not None and self.compressed:
-                z[:, :, : self.compressed] = a[:, :, : self.compressed]
+            if a is not None and rows:
+                z[:, :, :rows] = a[:, :, :rows]
             return z
 
         self.k_codes = grow(self.k_codes, (self.kq.row_bytes,), mx.uint8)
@@ -125,23 +141,35 @@ class IsoQuantKVCache(_BaseCache):
             self.v_dec = grow(self.v_dec, (self.vq.dim,), mx.float32)
 
     def _compress_to(self, upto: int) -> None:
-        """Compress float tokens [compressed, upto)."""
-        if upto <= self.compressed:
+        """Move float tokens [compressed, upto) out of the tail: into the sink, then codes."""
+        start = c = self.compressed
+        if upto <= c:
             return
-        lo, hi = self.compressed - self.fp_start, upto - self.fp_start
-        kc, kn = encode(self.fp_keys[:, :, lo:hi], self.rotation, self.kq)
-        vc, vn = encode(self.fp_values[:, :, lo:hi], self.rotation, self.vq)
-        self._grow_codes(upto)
-        c = self.compressed
-        self.k_codes[:, :, c:upto] = kc
-        self.k_norms[:, :, c:upto] = kn
-        self.v_codes[:, :, c:upto] = vc
-        self.v_norms[:, :, c:upto] = vn
-        if self.decoded_shadow:  # decoded from the packed bytes, as attention would
-            self.k_dec[:, :, c:upto] = self.kq.levels[unpack_codes(kc, self.kq.bits)]
-            self.v_dec[:, :, c:upto] = self.vq.levels[unpack_codes(vc, self.vq.bits)]
+        if c < self.sink:
+            s_hi = min(upto, self.sink)
+            if self.sink_keys is None:
+                b, h, _, d = self.fp_keys.shape
+                self.sink_keys = mx.zeros((b, h, self.sink, d), self.fp_keys.dtype)
+                self.sink_values = mx.zeros((b, h, self.sink, d), self.fp_values.dtype)
+            lo, hi = c - self.fp_start, s_hi - self.fp_start
+            self.sink_keys[:, :, c:s_hi] = self.fp_keys[:, :, lo:hi]
+            self.sink_values[:, :, c:s_hi] = self.fp_values[:, :, lo:hi]
+            c = s_hi
+        if upto > c:
+            lo, hi = c - self.fp_start, upto - self.fp_start
+            kc, kn = encode(self.fp_keys[:, :, lo:hi], self.rotation, self.kq)
+            vc, vn = encode(self.fp_values[:, :, lo:hi], self.rotation, self.vq)
+            r0, r1 = c - self.sink, upto - self.sink
+            self._grow_codes(r1)
+            self.k_codes[:, :, r0:r1] = kc
+            self.k_norms[:, :, r0:r1] = kn
+            self.v_codes[:, :, r0:r1] = vc
+            self.v_norms[:, :, r0:r1] = vn
+            if self.decoded_shadow:  # decoded from the packed bytes, as attention would
+                self.k_dec[:, :, r0:r1] = self.kq.levels[unpack_codes(kc, self.kq.bits)]
+                self.v_dec[:, :, r0:r1] = self.vq.levels[unpack_codes(vc, self.vq.bits)]
         self.compressed = upto
-        if upto - c > self.step:
+        if upto - start > self.step:
             # A bulk compression (end of prefill): release the prompt's float buffer now.
             self._shrink_fp()
 
@@ -162,16 +190,31 @@ class IsoQuantKVCache(_BaseCache):
             return None, None
         return self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
 
+    def _sink_view(self):
+        ns = self._n_sink
+        if ns == 0:
+            return None, None
+        return self.sink_keys[:, :, :ns], self.sink_values[:, :, :ns]
+
     def _fetch(self):
         fk, fv = self._fp_view()
-        if self.compressed == 0:
-            return fk, fv  # nothing compressed yet: plain arrays, mlx-lm's own attention
-        c = self.compressed
+        pk, pv = self._sink_view()
+        r = self._n_rows
+        if r == 0:
+            # No codes yet: plain arrays (prompt, or sink only), mlx-lm's own attention.
+            if pk is None:
+                return fk, fv
+            if fk is None:
+                return pk, pv
+            return mx.concatenate([pk, fk], axis=2), mx.concatenate([pv, fv], axis=2)
+        kd = vd = None
+        if self.decoded_shadow:
+            kd, vd = self.k_dec[:, :, :r], self.v_dec[:, :, :r]
         keys = IsoQuantTensor(
-            self.k_codes[:, :, :c], self.k_norms[:, :, :c], fk, self.kq, self.rotation
+            self.k_codes[:, :, :r], self.k_norms[:, :, :r], fk, self.kq, self.rotation, kd, pk
         )
         values = IsoQuantTensor(
-            self.v_codes[:, :, :c], self.v_norms[:, :, :c], fv, self.vq, self.rotation
+            self.v_codes[:, :, :r], self.v_norms[:, :, :r], fv, self.vq, self.rotation, vd, pv
         )
         return keys, values
 
@@ -195,63 +238,68 @@ class IsoQuantKVCache(_BaseCache):
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
+    def _arrays(self):
+        arrays = (self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys)
+        arrays += (self.fp_values, self.sink_keys, self.sink_values, self.k_dec, self.v_dec)
+        return [a for a in arrays if a is not None]
+
     @property
     def nbytes(self) -> int:
         """Bytes of every KV buffer this cache holds (capacity included), exactly."""
-        arrays = (
-            self.k_codes,
-            self.k_norms,
-            self.v_codes,
-            self.v_norms,
-            self.fp_keys,
-            self.fp_values,
-        )
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(a.nbytes for a in self._arrays())
 
     @property
     def used_nbytes(self) -> int:
         """Bytes the cached tokens need (no spare capacity): what bits-per-value counts."""
-        if self.rotation is None:
+        if self.rotation is None or self.fp_keys is None:
             return 0
         b, h, _, d = self.fp_keys.shape
-        per_tok = self.kq.row_bytes + self.vq.row_bytes + 2 * 2  # codes + two fp16 norms
-        n_fp = self.offset - self.compressed
+        per_row = self.kq.row_bytes + self.vq.row_bytes + 2 * 2  # codes + two fp16 norms
         fp_tok = d * (self.fp_keys.itemsize + self.fp_values.itemsize)
-        return b * h * (self.compressed * per_tok + n_fp * fp_tok)
+        n_float = self.offset - self.compressed + self._n_sink
+        return b * h * (self._n_rows * per_row + n_float * fp_tok)
 
     # ---- persistence -------------------------------------------------------------------
     @property
     def state(self):
-        """Arrays trimmed to the live tokens (k_codes, k_norms, v_codes, v_norms, fp_k, fp_v)."""
+        """Live arrays: (k_codes, k_norms, v_codes, v_norms, fp_k, fp_v, sink_k, sink_v)."""
         if self.rotation is None:
             return ()
-        c = self.compressed
+        r = self._n_rows
         fk, fv = self._fp_view()
-        if c == 0:
-            return (None, None, None, None, fk, fv)
-        return (
-            self.k_codes[:, :, :c],
-            self.k_norms[:, :, :c],
-            self.v_codes[:, :, :c],
-            self.v_norms[:, :, :c],
-            fk,
-            fv,
-        )
+        pk, pv = self._sink_view()
+        if r == 0:
+            return (None, None, None, None, fk, fv, pk, pv)
+        codes = (self.k_codes, self.k_norms, self.v_codes, self.v_norms)
+        return (*(a[:, :, :r] for a in codes), fk, fv, pk, pv)
 
     @state.setter
     def state(self, v):
+        self.k_dec = self.v_dec = None
         if not v:
             self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
-            self.fp_keys = self.fp_values = None
+            self.fp_keys = self.fp_values = self.sink_keys = self.sink_values = None
             self.offset = self.compressed = self.fp_start = 0
             return
-        self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys, self.fp_values = v
-        self.compressed = 0 if self.k_codes is None else self.k_codes.shape[2]
+        v = tuple(v) + (None, None) * (len(v) == 6)  # states saved before the sink prefix
+        self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys, self.fp_values = v[:6]
+        pk, pv = v[6:8]
+        ns = 0 if pk is None else pk.shape[2]
+        rows = 0 if self.k_codes is None else self.k_codes.shape[2]
+        if rows and ns != self.sink:
+            raise ValueError(f"IsoQuant state has {ns} sink tokens, its meta says {self.sink}")
+        self.sink_keys = self.sink_values = None
+        if ns:  # full-size sink buffers, so compression can keep filling them
+            b, h, _, d = pk.shape
+            self.sink_keys = mx.zeros((b, h, self.sink, d), pk.dtype)
+            self.sink_values = mx.zeros((b, h, self.sink, d), pv.dtype)
+            self.sink_keys[:, :, :ns] = pk
+            self.sink_values[:, :, :ns] = pv
+        self.compressed = ns + rows
         self.fp_start = self.compressed
         n_fp = 0 if self.fp_keys is None else self.fp_keys.shape[2]
         self.offset = self.compressed + n_fp
-        self.k_dec = self.v_dec = None
-        if self.decoded_shadow and self.compressed:
+        if self.decoded_shadow and rows:
             self.k_dec = self.kq.levels[unpack_codes(self.k_codes, self.kq.bits)]
             self.v_dec = self.vq.levels[unpack_codes(self.v_codes, self.vq.bits)]
 
@@ -267,6 +315,7 @@ class IsoQuantKVCache(_BaseCache):
                 "key_bits": self.key_bits,
                 "value_bits": self.value_bits,
                 "window": self.window,
+                "sink": self.sink,
                 "seed": self.seed,
                 "layer": self.layer,
                 "heads_dim": shape,
@@ -290,6 +339,7 @@ class IsoQuantKVCache(_BaseCache):
             meta["window"],
             meta["seed"],
             meta["layer"],
+            sink=meta.get("sink", 0),
         )
         if meta["heads_dim"] is not None:
             h, d = meta["heads_dim"]

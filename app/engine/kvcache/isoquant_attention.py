@@ -6,7 +6,7 @@ output to a stated tolerance. Packed format: packing.py; rotation arrays: rotati
 Per KV head h with rotation R (GQA: the G = Hq/Hkv query heads of group h share it):
     q̃ = R q                                        once per query
     s_j = scale · (norm_j/√D) · <q̃, levels[c_j]>    compressed keys j < T_c
-    s_j = scale · <q, k_j>                          float keys (prefill / recent window)
+    s_j = scale · <q, k_j>                          float keys (sink prefix, prefill, recent window)
     α = softmax(s + mask [, sink])                  one softmax over both segments
     õ = Σ_{j<T_c} α_j (norm_j/√D) levels[c'_j]      value codes, rotated space
     o = Rᵀ õ + Σ_{j≥T_c} α_j v_j                    one inverse rotation per head and step
@@ -38,6 +38,8 @@ class IsoQuantTensor:
     # Optional levels[codes] of the compressed rows, kept by a cache built with
     # decoded_shadow=True so CPU benchmarks skip the per-step unpack; same numbers exactly.
     decoded: mx.array | None = None  # [B, Hkv, T_c, D] float32
+    # The first tokens of the sequence kept in float (attention sinks): positions [0, T_p).
+    prefix: mx.array | None = None  # [B, Hkv, T_p, D] model dtype; None when T_p = 0
 
     def levels(self) -> mx.array:
         """levels[codes]: [B, Hkv, T_c, D] float32 unit-variance coordinates (rotated space)."""
@@ -54,9 +56,13 @@ class IsoQuantTensor:
         return 0 if self.fp is None else self.fp.shape[2]
 
     @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix is None else self.prefix.shape[2]
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         b, h, t, _ = self.codes.shape
-        return (b, h, t + self.fp_len, self.quantizer.dim)
+        return (b, h, self.prefix_len + t + self.fp_len, self.quantizer.dim)
 
     @property
     def dtype(self):
@@ -95,15 +101,17 @@ def isoquant_attention_reference(
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     g = hq // hkv
-    tc, tf = keys.compressed_len, keys.fp_len
-    if values.compressed_len != tc or values.fp_len != tf:
+    tp, tc, tf = keys.prefix_len, keys.compressed_len, keys.fp_len
+    if (values.prefix_len, values.compressed_len, values.fp_len) != (tp, tc, tf):
         raise ValueError("keys and values of an IsoQuant cache cover different tokens")
     rot_k, rot_v = keys.rotation, values.rotation
     inv_sqrt_d = 1.0 / math.sqrt(d)
 
     # The G query heads of a group are folded into rows so K/V are read once per KV head.
     q = queries.astype(mx.float32).reshape(b, hkv, g * qlen, d)  # [B, Hkv, G*L, D]
-    parts = []
+    parts = []  # scores of the segments in position order: float prefix, codes, float tail
+    if tp:
+        parts.append((q * scale) @ keys.prefix.astype(mx.float32).swapaxes(-1, -2))  # [.., Tp]
     if tc:
         q_rot = rot_k.forward(q)  # [B, Hkv, G*L, D]
         k_lv = keys.levels()  # [B, Hkv, Tc, D]
@@ -113,9 +121,10 @@ def isoquant_attention_reference(
         k_fp = keys.fp.astype(mx.float32)  # [B, Hkv, Tf, D]
         parts.append((q * scale) @ k_fp.swapaxes(-1, -2))  # [B, Hkv, G*L, Tf]
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-    scores = scores.reshape(b, hkv, g, qlen, tc + tf)  # [B, Hkv, G, L, T]
+    t_all = tp + tc + tf
+    scores = scores.reshape(b, hkv, g, qlen, t_all)  # [B, Hkv, G, L, T]
 
-    m = _scores_mask(mask, qlen, tc + tf, hkv, g)
+    m = _scores_mask(mask, qlen, t_all, hkv, g)
     if m is not None:
         if m.dtype == mx.bool_:
             scores = mx.where(m, scores, mx.finfo(mx.float32).min)
@@ -130,16 +139,17 @@ def isoquant_attention_reference(
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)  # [B, Hkv, G, L, T]
 
-    probs = probs.reshape(b, hkv, g * qlen, tc + tf)  # [B, Hkv, G*L, T]
+    probs = probs.reshape(b, hkv, g * qlen, t_all)  # [B, Hkv, G*L, T]
     out = None
     if tc:
         v_lv = values.levels()  # [B, Hkv, Tc, D]
         v_scale = values.norms.astype(mx.float32) * inv_sqrt_d  # [B, Hkv, Tc]
-        p_c = probs[..., :tc] * v_scale[:, :, None, :]
+        p_c = probs[..., tp : tp + tc] * v_scale[:, :, None, :]
         out = rot_v.inverse(p_c @ v_lv)  # [B, Hkv, G*L, D]
-    if tf:
-        o_f = probs[..., tc:] @ values.fp.astype(mx.float32)
-        out = o_f if out is None else out + o_f
+    for seg, lo, n in ((values.prefix, 0, tp), (values.fp, tp + tc, tf)):
+        if n:
+            o_f = probs[..., lo : lo + n] @ seg.astype(mx.float32)  # [B, Hkv, G*L, D]
+            out = o_f if out is None else out + o_f
     if out is None:
         raise ValueError("attention over an empty IsoQuant cache")
     return out.reshape(b, hq, qlen, d).astype(queries.dtype)

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from .cache import IsoQuantKVCache
 
 DEFAULT_WINDOW = 64  # chosen from benchmarks/kv_quality.py (SmolLM2-135M): see results JSON
+DEFAULT_SINK = 0  # first tokens kept in float (attention sinks); see results JSON
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,27 @@ def mode_spec(kv_mode: str) -> KVModeSpec:
 
 
 def make_cache(
-    model, kv_mode: str = "fp16", *, window: int = DEFAULT_WINDOW, seed: int = 0
+    model,
+    kv_mode: str = "fp16",
+    *,
+    window: int = DEFAULT_WINDOW,
+    sink: int = DEFAULT_SINK,
+    seed: int = 0,
+    decoded_shadow: bool = False,
 ) -> list:
     """The model's prompt cache with every growing full-attention KVCache replaced by an
-    IsoQuantKVCache (layer i seeded with (seed, i)); sliding-window and SSM caches are kept."""
+    IsoQuantKVCache (layer i seeded with (seed, i)); sliding-window and SSM caches are kept.
+    window: recent tokens kept in float; sink: first tokens kept in float; decoded_shadow:
+    also keep levels[codes] in float32 (CPU benchmarks only: same numbers, more memory)."""
     spec = mode_spec(kv_mode)
     caches = make_prompt_cache(model)
     if spec.rotation is None:
         return caches
     # type() is exact on purpose: subclasses of KVCache may not be growing full-attention KV.
     return [
-        IsoQuantKVCache(spec.rotation, spec.key_bits, spec.value_bits, window, seed, i)
+        IsoQuantKVCache(
+            spec.rotation, spec.key_bits, spec.value_bits, window, seed, i, decoded_shadow, sink
+        )
         if type(c) is KVCache
         else c
         for i, c in enumerate(caches)
