@@ -301,3 +301,35 @@ def test_decoded_shadow_gives_identical_attention():
     a = isoquant_attention_reference(q, keys, values, 0.1)
     b = isoquant_attention_reference(q, shadow_k, shadow_v, 0.1)
     assert mx.array_equal(a, b)
+
+
+def test_registered_kernel_is_used_but_not_for_a_sink_prefix():
+    import importlib
+
+    mod = importlib.import_module(
+        "app.engine.kvcache.isoquant_attention"
+    )  # the module, not the function
+
+    keys, values, _, _ = _make_kv("v3", 1, 2, 10, 2, 64, 3, 3, seed=4)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(1))
+    calls = []
+    previous = mod._kernel
+    try:
+        mod.register_kernel(
+            lambda *a, **k: calls.append(1) or mod.isoquant_attention_reference(*a, **k)
+        )
+        mod.isoquant_attention(q, keys, values, 0.1)
+        assert calls == [1]
+        pk = mx.zeros((1, 2, 3, 64))
+        kp = IsoQuantTensor(
+            keys.codes, keys.norms, keys.fp, keys.quantizer, keys.rotation, None, pk
+        )
+        vp = IsoQuantTensor(
+            values.codes, values.norms, values.fp, values.quantizer, values.rotation, None, pk
+        )
+        mod.isoquant_attention(q, kp, vp, 0.1)
+        assert calls == [1]
+        with pytest.raises(RuntimeError, match="sink prefix"):
+            mod.isoquant_attention(q, kp, vp, 0.1, use_kernel=True)
+    finally:
+        mod.register_kernel(previous)

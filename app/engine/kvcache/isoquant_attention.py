@@ -174,7 +174,12 @@ def isoquant_attention(
     sinks=None,
     use_kernel=None,
 ):
-    """The public entry: the registered fused kernel where present, else the reference."""
+    """The public entry: the registered fused kernel where present, else the reference.
+    Kernels implement format v1 (codes + float tail); a float sink prefix uses the reference."""
+    if keys.prefix is not None and not getattr(_kernel, "supports_prefix", False):
+        if use_kernel is True:
+            raise RuntimeError("the fused IsoQuant kernel does not take a float sink prefix")
+        use_kernel = False
     if use_kernel is not False and _kernel is not None:
         return _kernel(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if use_kernel is True:
