@@ -34,9 +34,13 @@ PREFILL_CHUNK = 512  # GenerationSettings.prefill_step_size: tokens per prefill 
 OS_RESERVE_MIN = 3 * GiB  # the OS and other apps' floor...
 OS_RESERVE_FRACTION = 8  # ...or 1/8 of RAM on larger machines
 GUI_RESERVE = 512 * MiB  # the Qt GUI process (PySide6 + pyqtgraph + chat history)
-# Python + MLX + mlx-lm + tokenizer before any weight is loaded (measured ~0.3 GiB on Linux
+# Python + MLX + mlx-lm + tokenizer before any weight is loaded (measured 80-130 MiB on Linux
 # CPU; Metal adds its framework). The worker passes its measured RSS instead when it can.
 RUNTIME_BASE = 512 * MiB
+# Resident memory the first computation adds beyond MLX's arrays: OpenBLAS thread buffers,
+# kernel code, MLX's buffer cache. Measured 8-49 MiB on Linux CPU (benchmarks/planner_accuracy.py).
+COMPUTE_ALLOWANCE = 32 * MiB
+SSM_STEP = 256  # mlx-lm's Mamba-2 prefill works in 256-token steps
 # Metal's recommended working set as a fraction of RAM (Apple: ~2/3 below 36 GB, ~3/4 above);
 # used only when planning for a Mac other than this one.
 METAL_WORKING_SET = ((36 * GiB, 2 / 3), (1 << 62, 3 / 4))
@@ -240,9 +244,15 @@ def activation_bytes(s: ModelSizes, context: int, m: Machine, chunk: int = PREFI
     scores = 0
     if not fused_attention(s, m) and s.kv:
         span = max(k.tokens(context, c) for k in s.kv)
-        scores = 2 * s.q_heads * c * span * act  # scores and their softmax, one layer
+        # one [Hq, C, T] score matrix of one layer is live at a time (measured on MLX's CPU
+        # fallback); attention sinks (gpt_oss) concatenate and re-split it: three copies
+        copies = 3 if s.architecture == "gpt_oss" else 1
+        scores = copies * s.q_heads * c * span * act
+    # Mamba-2 chunked scan: ~3 live [heads, step, step] fp32 matrices (segsum, decay, CB).
+    # MLX evaluates the chunk's graph as a whole, so layers' transients can overlap: add them.
+    ssm = 3 * s.ssm_heads * min(c, SSM_STEP) ** 2 * 4
     logits = 2 * s.vocab_size * 4  # the last token's logits (fp32) and the sampler's copy
-    return resid + widest + scores + logits
+    return resid + widest + scores + ssm + logits
 
 
 def min_expert_budget(s: ModelSizes) -> int:
@@ -416,6 +426,7 @@ class _Budget:
             + self.s.recurrent_state_bytes
             + activation_bytes(self.s, context, self.m)
             + self.m.runtime_base
+            + COMPUTE_ALLOWANCE
         )
 
     def left_for_experts(self, context: int, modes: dict) -> int:
@@ -477,14 +488,16 @@ def make_plan(
     b = _Budget(s, m, resident)
     need_min = min_expert_budget(s)
 
-    def refuse_too_large(setting: str, reason: str, needed: int) -> PlanRefused:
+    def refuse_too_large(
+        setting: str, reason: str, needed: int, available: int | None = None
+    ) -> PlanRefused:
         smallest = (
             _smallest_ram(s, m, context, kv_mode, expert_budget, widths_fixed, share)
             if _search_smallest
             else None
         )
         cls = ModelTooLarge if setting == "model" else PlanRefused
-        return cls(setting, reason, needed, m.usable, smallest)
+        return cls(setting, reason, needed, m.usable if available is None else available, smallest)
 
     # 2. KV mode per layer kind: the ">20% rule" at the target context, then fit
     compressible = any(k.kind == "full" for k in s.kv)
@@ -558,7 +571,7 @@ def make_plan(
             modes = comp
         if not fits(target, modes):
             if explicit_context:
-                raise PlanRefused(
+                raise refuse_too_large(
                     "context",
                     f"KV for {target} tokens ({', '.join(f'{k} {v}' for k, v in modes.items())}) does not fit beside the weights",
                     b.fixed(target) + s.kv_bytes(target, modes, PREFILL_CHUNK) + need_min,
@@ -582,7 +595,7 @@ def make_plan(
         if not s.moe_layers:
             raise PlanRefused("expert-budget", f"{s.name} has no routed experts")
         if want > left:
-            raise PlanRefused(
+            raise refuse_too_large(
                 "expert-budget",
                 f"a {gb(want)} expert budget does not fit beside the weights and KV",
                 want,
@@ -630,7 +643,7 @@ def make_plan(
         "kv_cache": s.kv_bytes(context_limit, modes, PREFILL_CHUNK),
         "recurrent_state": s.recurrent_state_bytes,
         "activations": activation_bytes(s, context_limit, m),
-        "runtime": m.runtime_base,
+        "runtime": m.runtime_base + COMPUTE_ALLOWANCE,
         "os_gui_reserve": m.reserve,
     }
     return Plan(

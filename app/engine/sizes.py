@@ -207,6 +207,7 @@ class ModelSizes:
     q_heads: int = 0  # query heads of the widest attention layer (unfused attention scores)
     max_head_dim: int = 0
     widest_per_token: int = 0  # largest per-token intermediate (elements) of one layer
+    ssm_heads: int = 0  # Mamba-2 heads (their chunked prefill builds [heads, 256, 256] matrices)
     weights_on_disk: int | None = None  # measured from the folder's files, when there is one
     excluded: dict = field(
         default_factory=dict
@@ -309,6 +310,7 @@ class _Info:
     kv: list = field(default_factory=list)
     recurrent_layers: int = 0
     recurrent_state: int = 0
+    ssm_heads: int = 0
     excluded: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
 
@@ -786,6 +788,7 @@ def _nemotron_h(cfg: dict, arch: str):
         kv=_kv_from_counts(n_attn, 0, nkv, hd, None),
     )
     info.recurrent_layers, info.recurrent_state = n_mamba, state
+    info.ssm_heads = cfg.get("mamba_num_heads", 0) if n_mamba else 0
     mtp = cfg.get("mtp_hybrid_override_pattern")
     if mtp and cfg.get("num_nextn_predict_layers"):
         m = _Builder()
@@ -940,6 +943,7 @@ def compute(
         max_context=text.get("max_position_embeddings"),
         q_heads=text.get("num_attention_heads", 0),
         max_head_dim=max((max(k.k_head_dim, k.v_head_dim) for k in kv), default=0),
+        ssm_heads=info.ssm_heads,
         widest_per_token=max(3 * dense_w, exp_w + info.top_k * text.get("hidden_size", 0)),
         excluded=info.excluded,
         notes=tuple(info.notes),
