@@ -344,7 +344,14 @@ def build_timing_stores(kv_src, batch: int, ctx: int, n_kv: int, d: int):
     return stores
 
 
-def _paged_calls(zk, st, qs, kn, vn, d, variant):
+def _paged_calls(zk, st, qs, kn, vn, d, cfg):
+    variant, nw, stages, split_scale = cfg
+    splits = max(
+        1,
+        round(
+            zk.default_splits(kn.shape[0], kn.shape[1], st.page_table.shape[1], nw) * split_scale
+        ),
+    )
     return [
         zk.paged_decode_attention(
             q,
@@ -359,9 +366,25 @@ def _paged_calls(zk, st, qs, kn, vn, d, variant):
             scale=d**-0.5,
             use_kernel=True,
             variant=variant,
+            num_warps=nw,
+            stages=stages or None,
+            n_splits=splits,
         )
         for q in qs
     ]
+
+
+# (variant, warps per CTA, pipe stages, split scale) tried at batch 8 and 64 before the table
+SWEEP = [
+    ("pipe", 4, 3, 1.0),
+    ("pipe", 4, 3, 2.0),
+    ("pipe", 4, 5, 1.0),
+    ("pipe", 8, 3, 1.0),
+    ("pipe", 2, 6, 1.0),
+    ("pipe", 2, 4, 2.0),
+    ("simple", 4, 0, 1.0),
+    ("simple", 8, 0, 2.0),
+]
 
 
 def _mx_sdpa_us(qs, b, n_kv, ctx, d) -> float:
@@ -397,65 +420,135 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
 
     from app.engine.cuda_kernels import zipfusion as zk
 
-    res = []
-    for name, shp in ATTN_SHAPES.items():
-        n_q, n_kv, d = shp["n_q"], shp["n_kv"], shp["head_dim"]
-        t0 = time.perf_counter()
-        zst, rst = build_timing_stores(kv_src, max(batches), ctx, n_kv, d)
-        log(
-            f"  built stores in {time.perf_counter() - t0:.1f}s; compressed blocks "
-            f"{zst.stats['blocks_compressed']}/{zst.stats['blocks']}"
-        )
-        rng = np.random.default_rng(0)
+    res, sweep = [], []
+    name, shp = next(iter(ATTN_SHAPES.items()))  # Llama-3.1-8B and Qwen3-8B share it
+    n_q, n_kv, d = shp["n_q"], shp["n_kv"], shp["head_dim"]
+    t0 = time.perf_counter()
+    zst, rst = build_timing_stores(kv_src, max(batches), ctx, n_kv, d)
+    log(
+        f"  built stores in {time.perf_counter() - t0:.1f}s; compressed blocks "
+        f"{zst.stats['blocks_compressed']}/{zst.stats['blocks']}"
+    )
+    rng = np.random.default_rng(0)
 
-        def bf16(shape, rng=rng):
-            return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+    def bf16(shape, rng=rng):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
 
-        for b in batches:
-            if dl.left() < 60:
-                log("  (skipping larger batches: device time)")
-                break
-            sids = list(range(b))
-            qs = [bf16((b, n_q, d)) for _ in range(16)]  # 16 independent calls per timed graph
-            kn, vn = bf16((b, n_kv, d)), bf16((b, n_kv, d))
-            row = {"shape": name, "batch": b, "context": ctx}
-            for st, tag in ((zst, "compressed"), (rst, "raw_pages")):
-                st.begin(sids)
-                for variant in ("pipe", "simple"):
-                    args_ = (zk, st, qs, kn, vn, d, variant)
-                    t = time_mlx(lambda a=args_: _paged_calls(*a))
-                    row[f"{tag}_{variant}_us"] = round(t * 1e6, 1)
-                row[f"{tag}_kv_bytes"] = sum(st.seq_kv_bytes(s) for s in sids)
-            row["mx_sdpa_us"] = _mx_sdpa_us(qs, b, n_kv, ctx, d)
-            mx.clear_cache()
-            try:
-                row["torch_sdpa_us"] = _torch_sdpa_us(b, n_q, n_kv, ctx, d)
-                import torch
+    def inputs(b):
+        qs = [bf16((b, n_q, d)) for _ in range(16)]  # 16 independent calls per timed graph
+        return qs, bf16((b, n_kv, d)), bf16((b, n_kv, d))
 
-                torch.cuda.empty_cache()
-            except Exception as e:  # torch missing or too old: the row says so
-                row["torch_sdpa_error"] = f"{type(e).__name__}: {e}"
-            best_zip = min(row["compressed_pipe_us"], row["compressed_simple_us"])
-            best_raw = min(row["raw_pages_pipe_us"], row["raw_pages_simple_us"])
-            row["speedup_vs_raw"] = round(best_raw / best_zip, 3)
-            row["byte_ratio"] = round(row["raw_pages_kv_bytes"] / row["compressed_kv_bytes"], 3)
-            row["compressed_gbps"] = round(row["compressed_kv_bytes"] / best_zip / 1e3, 1)
-            row["raw_pages_gbps"] = round(row["raw_pages_kv_bytes"] / best_raw / 1e3, 1)
-            if "torch_sdpa_us" in row:
-                row["speedup_vs_torch"] = round(row["torch_sdpa_us"] / best_zip, 3)
-            row["speedup_vs_mx_sdpa"] = round(row["mx_sdpa_us"] / best_zip, 3)
-            res.append(row)
-            log(
-                f"  B={b:3d}  zip {row['compressed_pipe_us']:8.1f}/{row['compressed_simple_us']:8.1f}  "
-                f"raw {row['raw_pages_pipe_us']:8.1f}/{row['raw_pages_simple_us']:8.1f}  "
-                f"mx {row['mx_sdpa_us']:8.1f}  torch {row.get('torch_sdpa_us', float('nan')):8.1f} us  "
-                f"x{row['speedup_vs_raw']:.2f} vs raw (bytes x{row['byte_ratio']:.2f})  "
-                f"{row['compressed_gbps']:.0f} GB/s"
-            )
+    def time_cfg(st, b, cfg, ins):
+        st.begin(list(range(b)))
+        a = (zk, st, ins[0], ins[1], ins[2], d, cfg)
+        t = time_mlx(lambda a=a: _paged_calls(*a))
+        st.staged = [None]
+        return round(t * 1e6, 1)
+
+    def check_cfg(b, cfg, ins):
+        """Compressed == raw pages bit for bit, and close to the reference, for this setting."""
+        outs = []
         for st in (zst, rst):
-            st.staged = [None] * st.cfg.n_layers
-        del zst, rst
+            st.begin(list(range(b)))
+            outs.append(_paged_calls(zk, st, ins[0][:1], ins[1], ins[2], d, cfg)[0])
+        ref = zk.paged_attention_reference(
+            ins[0][0],
+            rst.pool,
+            rst.meta,
+            rst.page_table,
+            rst.seq_len,
+            ins[1],
+            ins[2],
+            0,
+            rst.n_ids,
+            d**-0.5,
+        ).astype(mx.float32)
+        err = float(mx.linalg.norm(outs[0].astype(mx.float32) - ref) / mx.linalg.norm(ref))
+        for st in (zst, rst):
+            st.staged = [None]
+        return bool(mx.all(outs[0] == outs[1])) and err < 1e-2, err
+
+    # 1. sweep launch settings at the smallest and largest batch
+    for b in (min(batches), max(batches)):
+        ins = inputs(b)
+        for cfg in SWEEP:
+            if dl.left() < 150:
+                break
+            try:
+                good, err = check_cfg(b, cfg, ins)
+                row = {
+                    "batch": b,
+                    "config": list(cfg),
+                    "ok": good,
+                    "rel_err": err,
+                    "compressed_us": time_cfg(zst, b, cfg, ins),
+                    "raw_pages_us": time_cfg(rst, b, cfg, ins),
+                }
+            except Exception as e:  # a setting that does not launch (shared memory) is skipped
+                row = {
+                    "batch": b,
+                    "config": list(cfg),
+                    "error": f"{type(e).__name__}: {e}"[:300],
+                }
+            sweep.append(row)
+            log(f"  sweep B={b:3d} {cfg}: {row}")
+    ok = [r for r in sweep if "error" not in r and r["ok"]]
+
+    def best(key):
+        by = {}
+        for r in ok:
+            by.setdefault(tuple(r["config"]), []).append(r[key])
+        full = {c: sum(v) for c, v in by.items() if len(v) == 2}
+        return min(full, key=full.get) if full else SWEEP[0]
+
+    best_zip, best_raw = best("compressed_us"), best("raw_pages_us")
+    out["kernel_config"] = {"compressed": list(best_zip), "raw_pages": list(best_raw)}
+    log(f"  best settings: compressed {best_zip}, raw pages {best_raw}")
+
+    # 2. the table: compressed and raw with the compressed pages' best settings, raw with
+    #    its own best settings, mx.fast SDPA and torch SDPA on dense BF16
+    for b in batches:
+        if dl.left() < 100:
+            log("  (skipping larger batches: device time)")
+            break
+        ins = inputs(b)
+        row = {"shape": name, "batch": b, "context": ctx, "config": list(best_zip)}
+        row["compressed_us"] = time_cfg(zst, b, best_zip, ins)
+        row["raw_pages_same_config_us"] = time_cfg(rst, b, best_zip, ins)
+        row["raw_pages_us"] = (
+            row["raw_pages_same_config_us"]
+            if best_raw == best_zip
+            else time_cfg(rst, b, best_raw, ins)
+        )
+        row["raw_pages_us"] = min(row["raw_pages_us"], row["raw_pages_same_config_us"])
+        for st, tag in ((zst, "compressed"), (rst, "raw_pages")):
+            row[f"{tag}_kv_bytes"] = sum(st.seq_kv_bytes(s) for s in range(b))
+        row["mx_sdpa_us"] = _mx_sdpa_us(ins[0], b, n_kv, ctx, d)
         mx.clear_cache()
+        try:
+            row["torch_sdpa_us"] = _torch_sdpa_us(b, n_q, n_kv, ctx, d)
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception as e:  # torch missing or too old: the row says so
+            row["torch_sdpa_error"] = f"{type(e).__name__}: {e}"
+        zt, rt = row["compressed_us"], row["raw_pages_us"]
+        row["speedup_vs_raw"] = round(rt / zt, 3)
+        row["speedup_vs_raw_same_config"] = round(row["raw_pages_same_config_us"] / zt, 3)
+        row["byte_ratio"] = round(row["raw_pages_kv_bytes"] / row["compressed_kv_bytes"], 3)
+        row["compressed_gbps"] = round(row["compressed_kv_bytes"] / zt / 1e3, 1)
+        row["raw_pages_gbps"] = round(row["raw_pages_kv_bytes"] / rt / 1e3, 1)
+        if "torch_sdpa_us" in row:
+            row["speedup_vs_torch"] = round(row["torch_sdpa_us"] / zt, 3)
+        row["speedup_vs_mx_sdpa"] = round(row["mx_sdpa_us"] / zt, 3)
+        res.append(row)
+        log(
+            f"  B={b:3d}  zip {zt:7.1f}  raw {rt:7.1f} (same cfg {row['raw_pages_same_config_us']:7.1f})  "
+            f"mx {row['mx_sdpa_us']:7.1f}  torch {row.get('torch_sdpa_us', float('nan')):7.1f} us  "
+            f"x{row['speedup_vs_raw']:.2f} vs raw (bytes x{row['byte_ratio']:.2f})  "
+            f"{row['compressed_gbps']:.0f} / {row['raw_pages_gbps']:.0f} GB/s"
+        )
+    out["kernel_sweep"] = sweep
     out["kernel_times"] = res
 
 
@@ -616,8 +709,7 @@ def device_main(args) -> dict:
             "no:cacheprovider",
             "-W",
             "ignore::DeprecationWarning",
-            "tests/test_zipfusion_kernels.py",
-            "tests/gpu/test_zipfusion_gpu.py",
+            *args.tests,
             "-m",
             "not slow",
         ]
@@ -685,6 +777,7 @@ def device_main(args) -> dict:
         out["kernel_kv_data"] = kv_note
         log("kernel times (us): compressed pipe/simple, raw pipe/simple, mx.fast SDPA, torch SDPA")
         device_kernel_times(out, src, dl, batches=tuple(args.batches), ctx=args.ctx)
+        mx.clear_cache()  # the timing stores are gone with the call
     except Exception:
         import traceback
 
@@ -694,10 +787,18 @@ def device_main(args) -> dict:
 
     if model is not None and kv_layers is not None and not args.skip_admission:
         try:
-            zk.DEFAULT_VARIANT = args.variant or best_variant(out)
+            cfg = (out.get("kernel_config") or {}).get("compressed") or ["pipe", 4, 3, 1.0]
+            zk.DEFAULT_VARIANT, zk.NUM_WARPS = args.variant or cfg[0], cfg[1]
+            zk.PIPE_STAGES = cfg[2] or zk.PIPE_STAGES
+            zk.CTA_TARGET = int(zk.CTA_TARGET * cfg[3])
             if not out.get("variant_ok", {}).get(zk.DEFAULT_VARIANT, True):
                 zk.DEFAULT_VARIANT = "simple" if zk.DEFAULT_VARIANT == "pipe" else "pipe"
-            out["admission_variant"] = zk.DEFAULT_VARIANT
+            out["admission_kernel"] = [
+                zk.DEFAULT_VARIANT,
+                zk.NUM_WARPS,
+                zk.PIPE_STAGES,
+                zk.CTA_TARGET,
+            ]
             log(f"admission at equal memory (variant {zk.DEFAULT_VARIANT})")
             adm = admission(
                 model,
@@ -782,15 +883,6 @@ def quick_check(zk) -> dict:
     return ok
 
 
-def best_variant(out) -> str:
-    rows = out.get("kernel_times") or []
-    if not rows:
-        return "pipe"
-    pipe = sum(r["compressed_pipe_us"] for r in rows)
-    simple = sum(r["compressed_simple_us"] for r in rows)
-    return "pipe" if pipe <= simple else "simple"
-
-
 def headline(out) -> None:
     rows = [r for r in out.get("kernel_times") or [] if r.get("context") == 8192]
     if rows:
@@ -853,6 +945,11 @@ def main(argv=None):
     d.add_argument("--steps", type=int, default=36)
     d.add_argument("--variant", choices=["pipe", "simple"], default=None)
     d.add_argument("--skip-tests", action="store_true")
+    d.add_argument(
+        "--tests",
+        nargs="+",
+        default=["tests/test_zipfusion_kernels.py", "tests/gpu/test_zipfusion_gpu.py"],
+    )
     d.add_argument("--skip-admission", action="store_true")
     d.add_argument("--dry-run", action="store_true", help="tiny shapes, reference kernels, no GPU")
     m = sub.add_parser("merge")

@@ -58,6 +58,11 @@ inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
 inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
 inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline float __uint_as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 inline float emu_bf(uint32_t reg, int hi) {
   uint32_t u = (hi ? reg >> 16 : reg & 0xFFFFu) << 16;
   float f;
@@ -205,7 +210,8 @@ def emulated(monkeypatch):
     for name, (ins, outs, body) in zk.SOURCES.items():
         if name == "zipfusion_attn_pipe":
             for d in zk.PIPE_HEAD_DIMS:
-                kernels[(name, d)] = EmuKernel(f"{name}_d{d}", ins, outs, body)
+                key = (name, d, zk.NUM_WARPS, zk.PIPE_STAGES)
+                kernels[key] = EmuKernel(f"{name}_d{d}", ins, outs, body)
         else:
             kernels[name] = EmuKernel(name, ins, outs, body)
     monkeypatch.setattr(zk, "_KERNELS", kernels)

@@ -192,13 +192,21 @@ __device__ __forceinline__ void zf_attend_page(
   l0 = l0 * a0 + ((ps[0][0] + ps[0][1]) + (ps[1][0] + ps[1][1]));
   l1 = l1 * a1 + ((ps[0][2] + ps[0][3]) + (ps[1][2] + ps[1][3]));
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) { o[nt][0] *= a0; o[nt][1] *= a0; o[nt][2] *= a1; o[nt][3] *= a1; }
+  // Rescale O only when some row's max moved (rare after the first pages; x1.0 is exact).
+  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) { o[nt][0] *= a0; o[nt][1] *= a0; o[nt][2] *= a1; o[nt][3] *= a1; }
+  }
   // The C fragments of S are the A fragment of P.V (rows = heads, k = the page's 16 tokens).
-  uint32_t pa[4];
-  pa[0] = zf_pack_bf16(ps[0][0], ps[0][1]);
-  pa[1] = zf_pack_bf16(ps[0][2], ps[0][3]);
-  pa[2] = zf_pack_bf16(ps[1][0], ps[1][1]);
-  pa[3] = zf_pack_bf16(ps[1][2], ps[1][3]);
+  // P goes in as bf16 hi + bf16 lo (P - hi): the P.V product keeps ~16 bits of P, close to an
+  // fp32 softmax, at the cost of one more mma per tile (the tensor cores have room).
+  uint32_t pa[4], pl[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float x0 = ps[i >> 1][2 * (i & 1)], x1 = ps[i >> 1][2 * (i & 1) + 1];
+    pa[i] = zf_pack_bf16(x0, x1);
+    pl[i] = zf_pack_bf16(x0 - __uint_as_float(pa[i] << 16), x1 - __uint_as_float(pa[i] & 0xffff0000u));
+  }
   // Tokens past the end of a partly written page hold stale bytes: zero them so 0 * NaN can't leak.
   const bool partial = valid < 16;
   const uint32_t keep_lo = (2 * tig < valid ? 0x0000ffffu : 0u) | (2 * tig + 1 < valid ? 0xffff0000u : 0u);
@@ -213,7 +221,9 @@ __device__ __forceinline__ void zf_attend_page(
       zf_group(r, zf_meta_flag(vm, j), g, vb);
       if (partial) { vb[0] &= keep_lo; vb[1] &= keep_hi; vb[2] &= keep_lo; vb[3] &= keep_hi; }
       zf_mma(o[4 * j + 2 * g], pa, vb[0], vb[1]);
+      zf_mma(o[4 * j + 2 * g], pl, vb[0], vb[1]);
       zf_mma(o[4 * j + 2 * g + 1], pa, vb[2], vb[3]);
+      zf_mma(o[4 * j + 2 * g + 1], pl, vb[2], vb[3]);
     }
   }
 }
@@ -532,6 +542,26 @@ def _cuda() -> bool:
     return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
 
 
+def _make_pipe(head_dim: int, num_warps: int, stages: int):
+    return mx.fast.cuda_kernel(
+        name=f"zipfusion_attn_pipe_d{head_dim}_s{stages}_w{num_warps}",
+        input_names=ATTN_INPUTS,
+        output_names=ATTN_OUTPUTS,
+        source=PIPE_SOURCE,
+        header=HEADER,
+        shared_memory=pipe_shared_bytes(head_dim, num_warps, stages),
+    )
+
+
+def _pipe_kernel(head_dim: int, num_warps: int, stages: int):
+    """The pipe kernel for one (head dim, warps, stages): built at import for the defaults,
+    on first use for other settings (the benchmark's sweep)."""
+    key = ("zipfusion_attn_pipe", head_dim, num_warps, stages)
+    if key not in _KERNELS:
+        _KERNELS[key] = _make_pipe(head_dim, num_warps, stages)
+    return _KERNELS[key]
+
+
 _KERNELS: dict = {}
 if _cuda():
     for _name, (_ins, _outs, _body) in SOURCES.items():
@@ -542,13 +572,8 @@ if _cuda():
         )
     # The pipe variant's shared memory depends on the head dim: one kernel (and name) per dim.
     for _d in PIPE_HEAD_DIMS:
-        _KERNELS[("zipfusion_attn_pipe", _d)] = mx.fast.cuda_kernel(
-            name=f"zipfusion_attn_pipe_d{_d}_s{PIPE_STAGES}_w{NUM_WARPS}",
-            input_names=ATTN_INPUTS,
-            output_names=ATTN_OUTPUTS,
-            source=PIPE_SOURCE,
-            header=HEADER,
-            shared_memory=pipe_shared_bytes(_d),
+        _KERNELS[("zipfusion_attn_pipe", _d, NUM_WARPS, PIPE_STAGES)] = _make_pipe(
+            _d, NUM_WARPS, PIPE_STAGES
         )
 
 
@@ -655,10 +680,12 @@ def compress_blocks(blocks: mx.array, use_kernel: bool | None = None) -> tuple[m
     return flags, payload
 
 
+CTA_TARGET = 4 * 132  # CTAs per launch: 4 per H100/H200 multiprocessor (the sweep may retune)
+
+
 def default_splits(batch: int, n_kv: int, max_pages: int, num_warps: int = NUM_WARPS) -> int:
     """Split the context so the grid has a few CTAs per multiprocessor (flash-decoding)."""
-    target = 4 * 132  # CTAs: 4 per H100/H200 multiprocessor
-    s = max(1, math.ceil(target / max(1, batch * n_kv)))
+    s = max(1, math.ceil(CTA_TARGET / max(1, batch * n_kv)))
     return int(max(1, min(s, math.ceil(max_pages / (2 * num_warps)))))
 
 
@@ -677,6 +704,8 @@ def paged_decode_attention(
     n_splits: int | None = None,
     use_kernel: bool | None = None,
     variant: str | None = None,
+    num_warps: int | None = None,
+    stages: int | None = None,
 ) -> mx.array:
     """Attention of one new token per sequence over its pages (compressed or raw) and itself.
 
@@ -694,29 +723,31 @@ def paged_decode_attention(
             q, pool, meta, page_table, seq_len, k_new, v_new, layer, n_ids, scale
         )
     maxp = page_table.shape[1]
-    s = n_splits or default_splits(b, n_kv, maxp)
+    nw = num_warps or NUM_WARPS
+    st = stages or PIPE_STAGES
+    s = n_splits or default_splits(b, n_kv, maxp, nw)
     mw = codec.meta_words(d)
     params = mx.array([layer, n_ids, maxp, s], dtype=mx.int32)
     sl2 = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
     variant = variant or DEFAULT_VARIANT
     if variant == "pipe" and d in PIPE_HEAD_DIMS:
-        kernel = _KERNELS[("zipfusion_attn_pipe", d)]
-        template = [("D", d), ("G", g), ("NW", NUM_WARPS), ("MW", mw), ("STAGES", PIPE_STAGES)]
+        kernel = _pipe_kernel(d, nw, st)
+        template = [("D", d), ("G", g), ("NW", nw), ("MW", mw), ("STAGES", st)]
     elif variant in ("pipe", "simple"):
         kernel = _KERNELS["zipfusion_attn"]
-        template = [("D", d), ("G", g), ("NW", NUM_WARPS), ("MW", mw)]
+        template = [("D", d), ("G", g), ("NW", nw), ("MW", mw)]
     else:
         raise ValueError(f"unknown ZipFusion attention variant {variant!r}")
     o_part, ml_part = kernel(
         inputs=[q, pool, meta, page_table, seq_len, params, sl2],
         template=template,
-        grid=(s * 32 * NUM_WARPS, n_kv, b),
-        threadgroup=(32 * NUM_WARPS, 1, 1),
-        output_shapes=[(b, n_kv, s * NUM_WARPS, g, d), (b, n_kv, s * NUM_WARPS, g, 2)],
+        grid=(s * 32 * nw, n_kv, b),
+        threadgroup=(32 * nw, 1, 1),
+        output_shapes=[(b, n_kv, s * nw, g, d), (b, n_kv, s * nw, g, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
     (out,) = _KERNELS["zipfusion_reduce"](
-        inputs=[o_part, ml_part, q, k_new, v_new, mx.array([s * NUM_WARPS], dtype=mx.int32), sl2],
+        inputs=[o_part, ml_part, q, k_new, v_new, mx.array([s * nw], dtype=mx.int32), sl2],
         template=[("D", d), ("G", g)],
         grid=(d, hq, b),
         threadgroup=(d, 1, 1),
