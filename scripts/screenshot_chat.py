@@ -1,5 +1,11 @@
-"""Drive the real chat window like a person (type, Ctrl+Enter, wait for the answer) and save a
-screenshot. Run under Xvfb: `xvfb-run -a python scripts/screenshot_chat.py docs/chat.png`."""
+"""Drive the real window like a person (type, Ctrl+Enter, wait for the answer) and save a
+screenshot. Run under Xvfb:
+
+    xvfb-run -a -s "-screen 0 1280x800x24" .venv/bin/python scripts/screenshot_chat.py docs/chat.png
+
+Uses the app's own data dir (ROTARYQUANT_HOME if set); scripts/screenshots.py takes every
+view from a fresh one.
+"""
 
 import sys
 import time
@@ -8,35 +14,41 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication
 
-from app.ui.main import ChatWindow
+from app.ui.main import MainWindow, app_settings
+from app.ui.theme import Theme
 
 
 def main(out: str, question: str = "What is the capital of France?") -> int:
     app = QApplication(sys.argv)
-    win = ChatWindow()
-    win.resize(900, 600)
+    settings = app_settings()
+    theme = Theme(app, str(settings.value("theme", "system") or "system"))
+    win = MainWindow(settings=settings, theme=theme)
+    win.resize(1280, 800)
     win.show()
-    state = {"done": False}
+    state = {"done": False, "text": None}
 
-    def on_loaded(_msg):
+    def on_loaded(_info):
+        win.show_tab(0)
         win.activateWindow()
-        QTest.keyClicks(win.input, question)
-        QTest.keyClick(win.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
-        if not win.stop_btn.isEnabled():  # no window manager under Xvfb: focus may be elsewhere
-            QTest.mouseClick(win.send_btn, Qt.MouseButton.LeftButton)
+        box = win.chat_view.input
+        box.setFocus()
+        QTest.keyClicks(box, question)
+        QTest.keyClick(box, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+        if not win.chat.busy:  # no window manager under Xvfb: focus may be elsewhere
+            QTest.mouseClick(win.chat_view.send_btn, Qt.MouseButton.LeftButton)
 
-    def on_done(msg):
+    def on_finished(_reason):
         state["done"] = True
-        state["text"] = msg.text
-        QTimer.singleShot(300, lambda: (win.grab().save(out), app.quit()))
+        state["text"] = win.chat.messages[-1].content
+        QTimer.singleShot(1500, lambda: (win.grab().save(out), win.close(), app.quit()))
 
-    win.bridge.loaded.connect(on_loaded)
-    win.bridge.done.connect(on_done)
+    win.session.model_loaded.connect(on_loaded)
+    win.chat.stream_finished.connect(on_finished)
+    win.chat.stream_failed.connect(lambda why: (print("failed:", why), app.quit()))
     QTimer.singleShot(300_000, app.quit)  # give up after 5 minutes
     t0 = time.time()
     app.exec()
-    win.bridge.shutdown()
-    print(f"answer: {state.get('text')!r} ({time.time() - t0:.1f} s) -> {out}")
+    print(f"answer: {state['text']!r} ({time.time() - t0:.1f} s) -> {out}")
     return 0 if state["done"] else 1
 
 

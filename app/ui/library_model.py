@@ -268,7 +268,7 @@ class LibraryController(QObject):
             text = f"Downloading {ev.fraction:.0%} · {gib(ev.done)} of {gib(ev.total)}"
             if ev.rate > 0:
                 text += f" · {rate(ev.rate)} · {duration(ev.eta)}"
-            self.progress[key] = {"fraction": ev.fraction, "text": text}
+            self.progress[key] = {"fraction": ev.fraction, "text": text, "total": ev.total}
             self.progress_changed.emit(key)
         elif isinstance(ev, ConvertProgress):
             self.progress[ev.name] = {
@@ -304,9 +304,11 @@ class LocalModelsModel(QAbstractTableModel):
         self.beginResetModel()
         rows = [embedded_row()]
         for e in self.ctl.entries:
+            p = self.ctl.progress.get(e.repo.lower(), {})
             rows.append(Row(
-                name=e.name, ref=e.folder, architecture=e.architecture or "?",
-                size=e.disk_bytes or e.download_bytes, plan=short_plan(e.plan), state=e.state,
+                name=e.name, ref=e.folder, architecture=e.architecture or "—",
+                size=e.disk_bytes or e.download_bytes or p.get("total", 0),
+                plan=short_plan(e.plan), state=e.state,
                 error=e.error, repo=e.repo, entry=e,
             ))
         self.rows = rows

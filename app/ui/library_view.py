@@ -3,20 +3,17 @@ remove) with progress bars, and the catalog with a download button per model."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QModelIndex, Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtCore import QModelIndex, QRect, Qt, Signal
+from PySide6.QtGui import QColor, QKeySequence, QPainter, QPalette, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
-    QApplication,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QLineEdit,
     QPushButton,
     QSplitter,
-    QStyle,
     QStyledItemDelegate,
-    QStyleOptionProgressBar,
     QTableView,
     QVBoxLayout,
     QWidget,
@@ -32,20 +29,31 @@ from .library_model import (
 
 
 class ProgressDelegate(QStyledItemDelegate):
-    """Draws a progress bar with its text in cells that carry a fraction."""
+    """Draws the cell as a progress bar (its fraction filled) under one line of elided text."""
 
     def paint(self, painter, option, index):
         frac = index.data(ProgressRole)
         if frac is None:
             return super().paint(painter, option, index)
-        bar = QStyleOptionProgressBar()
-        bar.rect = option.rect.adjusted(2, 3, -2, -3)
-        bar.minimum, bar.maximum = 0, 1000
-        bar.progress = int(round(float(frac) * 1000))
-        bar.text = index.data(Qt.ItemDataRole.DisplayRole)
-        bar.textVisible = True
-        bar.state = option.state
-        QApplication.style().drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter)
+        pal = option.palette
+        r = option.rect.adjusted(3, 4, -3, -4)
+        painter.save()
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(pal.color(QPalette.ColorRole.AlternateBase))
+        painter.drawRoundedRect(r, 3, 3)
+        fill = QColor(pal.color(QPalette.ColorRole.Highlight))
+        fill.setAlpha(110)
+        painter.setBrush(fill)
+        done = QRect(r)
+        done.setWidth(int(r.width() * max(0.0, min(1.0, float(frac)))))
+        painter.drawRoundedRect(done, 3, 3)
+        painter.setPen(pal.color(QPalette.ColorRole.Text))
+        text = option.fontMetrics.elidedText(
+            str(index.data(Qt.ItemDataRole.DisplayRole)), Qt.TextElideMode.ElideRight, r.width() - 8
+        )
+        painter.drawText(r.adjusted(4, 0, -4, 0), Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft, text)
+        painter.restore()
 
 
 def _table(model) -> QTableView:

@@ -185,9 +185,9 @@ class MemoryPanel(QWidget):
             "&nbsp;&nbsp;".join(
                 f'<span style="color:{color};">■</span>&nbsp;{label}' for _k, label, color, _s in MEMORY_CURVES
             )
-            + '&nbsp;&nbsp;<span style="color:#8e8e93;">- - plan&#39;s peak</span>'
         )
         self.legend.setWordWrap(True)
+        self.legend.setObjectName("legend")
         self.peak_line = pg.InfiniteLine(
             angle=0, movable=False, pen=pg.mkPen("#8e8e93", width=1, style=Qt.PenStyle.DashLine),
             label="expected peak", labelOpts={"position": 0.15, "color": "#8e8e93"},
@@ -255,6 +255,8 @@ class MemoryPanel(QWidget):
         bg = "#1b1c1f" if dark else "#ffffff"
         fg = "#c8c8cc" if dark else "#3a3a3c"
         self.graphics.setBackground(bg)
+        self.graphics.resetCachedContent()  # the cached background would keep the old color
+        self.graphics.viewport().update()
         for p in self.plots:
             for name in ("left", "bottom"):
                 ax = p.getAxis(name)

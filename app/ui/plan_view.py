@@ -5,6 +5,7 @@ planner's refusal shown in place when one cannot fit."""
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -27,6 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from .plan_model import GiB, Overrides, PlanController, PlanResult, Refusal
+from .session import DEFAULT_MODEL_REF
 from .theme import current_colors
 
 KV_CHOICES = ("fp16", "isoquant3", "zipfusion")  # the planner's modes
@@ -274,6 +276,12 @@ class PlanView(QWidget):
         self.state.setText(f"Plan for {r.label} on this machine")
         self.result.setHtml(plan_html(r))
         self.apply_btn.setEnabled(True)
+        local = r.target == DEFAULT_MODEL_REF or Path(r.target).is_dir()
+        self.apply_btn.setText("&Use this plan" if local else "&Download with this plan")
+        self.apply_btn.setToolTip(
+            "Reload the model with this plan's expert budget and KV mode" if local
+            else "Download and convert this model at the plan's widths"
+        )
         d = r.plan
         if d.expert_bytes and self.budget_auto.isChecked():
             self.budget_spin.setValue(d.expert_budget / GiB)

@@ -134,7 +134,8 @@ def code_block(code: str, lang: str, c: Colors) -> str:
     return (
         f'<table width="100%" cellspacing="0" cellpadding="8" style="background-color:{c.code_bg}; '
         f'margin-top:4px; margin-bottom:4px;">{label}<tr><td>'
-        f'<pre style="font-family:monospace; color:{c.code_text}; margin:0;">{html.escape(code)}</pre>'
+        f'<pre style="font-family:monospace; color:{c.code_text}; margin-top:0px; margin-bottom:0px;">'
+        f"{html.escape(code)}</pre>"
         "</td></tr></table>"
     )
 
