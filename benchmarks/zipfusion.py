@@ -698,6 +698,10 @@ def device_main(args) -> dict:
         return out
     save()
 
+    if args.gen_check:
+        out["generation_check"] = generation_check()
+        log("generation check:", out["generation_check"])
+        save()
     if not args.skip_tests:
         t0 = time.perf_counter()
         cmd = [
@@ -836,6 +840,44 @@ def device_main(args) -> dict:
     return out
 
 
+def generation_check() -> dict:
+    """tests/gpu's generation tests in process: compressed vs raw pages through the kernel
+    (bit-exact logits) and vs mlx-lm's KVCache + mx.fast SDPA (tokens)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from mlx_lm.utils import _get_classes
+
+    import tests.gpu.test_zipfusion_gpu as T
+    from app.engine.kvcache import zipfusion as zf
+    from app.engine.random_models import _randomize
+
+    mc, ac = _get_classes(T.CFG)
+    m = mc(ac.from_dict(T.CFG))
+    m.set_dtype(mx.bfloat16)
+    _randomize(m, 11, 0.08)
+    prompt = T._prompt(150, 0)
+    runs = {}
+    for compress in (True, False):
+        caches = zf.make_zipfusion_cache(m, max_tokens=512, compress=compress, use_kernel=True)
+        runs[compress] = T._generate(m, caches, prompt, 48)
+    ref_t, ref_lp = T._generate(
+        m, [KVCache() for _ in range(T.CFG["num_hidden_layers"])], prompt, 48
+    )
+    same = [a == b for a, b in zip(runs[True][0], ref_t, strict=True)]
+    return {
+        "compressed_equals_raw_bits": runs[True][0] == runs[False][0]
+        and all((a == b).all() for a, b in zip(runs[True][1], runs[False][1], strict=True)),
+        "tokens": len(ref_t),
+        "tokens_equal_to_kvcache": all(same),
+        "first_divergence": same.index(False) if not all(same) else None,
+        "max_logprob_diff_before_divergence": float(
+            max(
+                abs(a - b).max() for a, b, ok in zip(runs[True][1], ref_lp, same, strict=True) if ok
+            )
+        ),
+    }
+
+
 def quick_check(zk) -> dict:
     """Each attention variant vs the reference on a small mixed-length batch (in process, so a
     broken variant is not used for the admission run even if the pytest run was skipped)."""
@@ -945,6 +987,8 @@ def main(argv=None):
     d.add_argument("--steps", type=int, default=36)
     d.add_argument("--variant", choices=["pipe", "simple"], default=None)
     d.add_argument("--skip-tests", action="store_true")
+    d.add_argument("--gen-check", action="store_true", help="in-process generation check")
+    d.add_argument("--sweep", nargs="+", default=None, help="variant,warps,stages,split_scale ...")
     d.add_argument(
         "--tests",
         nargs="+",
@@ -955,6 +999,10 @@ def main(argv=None):
     m = sub.add_parser("merge")
     m.add_argument("device_json")
     args = p.parse_args(argv)
+    if getattr(args, "sweep", None):
+        SWEEP[:] = [
+            (v, int(w), int(st), float(sc)) for v, w, st, sc in (x.split(",") for x in args.sweep)
+        ]
     {"cpu": cpu_main, "device": device_main, "merge": merge_main}[args.cmd](args)
 
 
