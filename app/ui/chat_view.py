@@ -309,6 +309,7 @@ class ChatView(QWidget):
         self.regen_btn.setEnabled(m.can_send() and has_user)
         self.copy_btn.setEnabled(any(x.role == "assistant" and x.content for x in m.messages))
         self.delete_btn.setEnabled(m.current is not None and not busy)
+        self.conv_list.setEnabled(not busy)  # the answer streams into the open conversation
         self.settings_box.setEnabled(not busy)
         if busy:
             self.hint.setText("Generating… Esc to stop")

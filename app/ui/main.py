@@ -38,6 +38,14 @@ from .session import DEFAULT_MODEL_REF, EngineSession
 from .theme import MODES, RESOURCES, Theme
 
 SETTINGS_FILE = "settings.ini"
+SHORTCUTS = (
+    ("Ctrl+Enter", "send the message"), ("Esc", "stop the answer"),
+    ("Ctrl+R", "regenerate the last answer"), ("Ctrl+Shift+C", "copy the last answer"),
+    ("Ctrl+N", "new chat"), ("Delete", "delete the selected chat or model"),
+    ("Ctrl+1 / 2 / 3", "chat, library, plan"), ("Ctrl+L", "focus the message box"),
+    ("Ctrl+M", "show or hide the memory panel"), ("Enter", "load the selected model (library)"),
+    ("F5", "re-check the library"), ("Ctrl+Shift+R", "restart the engine"),
+)
 SETTINGS_VERSION = 2  # bump when saved window state can no longer be restored
 
 
@@ -182,6 +190,8 @@ class MainWindow(QMainWindow):
         self._action(engine, "&Stop generating", None, self.chat.stop)
         self._action(engine, "&Reload the model", None, lambda: self.load_model(self.session.model_ref))
         self._action(engine, "Res&tart the engine", "Ctrl+Shift+R", self.restart_engine)
+        helpm = mb.addMenu("&Help")
+        self._action(helpm, "&Keyboard shortcuts", QKeySequence.StandardKey.HelpContents, self.show_shortcuts)
 
     def _action(self, menu, text, shortcut, slot) -> QAction:
         a = QAction(text, self)
@@ -206,6 +216,10 @@ class MainWindow(QMainWindow):
         self.library.entries_changed.connect(self.refresh_models)
         self.planner.plan_ready.connect(self._on_plan)
         self.plan_view.apply_requested.connect(self.apply_plan)
+
+    def show_shortcuts(self) -> None:
+        rows = "".join(f"<tr><td><b>{k}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>" for k, what in SHORTCUTS)
+        QMessageBox.information(self, "Keyboard shortcuts", f"<table>{rows}</table>")
 
     # -- engine ------------------------------------------------------------------------------
     def load_model(self, ref: str, options: dict | None = None) -> None:
