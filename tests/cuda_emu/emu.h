@@ -19,6 +19,7 @@
 #define __global__
 #define __grid_constant__
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct emu_uint3 {
   unsigned x, y, z;
@@ -184,3 +185,12 @@ namespace mlx::core::cu {
 using Shape = std::array<int32_t, 10>;
 using Strides = std::array<int64_t, 10>;
 }  // namespace mlx::core::cu
+
+// cp.async: copied at once (the emulator has no asynchrony); bytes < 16 zero-fill the rest.
+inline void iq_cp_async16(void* dst, const void* src, int bytes) {
+  std::memset(dst, 0, 16);
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+inline void iq_cp_commit() {}
+template <int N>
+inline void iq_cp_wait_all_but() {}

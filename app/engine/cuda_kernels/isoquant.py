@@ -33,6 +33,16 @@ __device__ __forceinline__ void iq_mma(float c[4], uint32_t a0, uint32_t a1, uin
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// 16-byte global -> shared copy that completes asynchronously; bytes < 16 zero-fill the rest
+__device__ __forceinline__ void iq_cp_async16(void* dst, const void* src, int bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void iq_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void iq_cp_wait_all_but() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 """
 
 BODY = r"""

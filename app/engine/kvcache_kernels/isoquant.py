@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cuda_kernels import isoquant as cuda_prologue
+from ..kvcache.codebook import lloyd_max
 from ..kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
 from ..kvcache.packing import unpack_codes
 from ..kvcache.rotation import Rotation
@@ -205,32 +206,55 @@ def _pad8(a: mx.array) -> mx.array:
     return a if a.size >= 8 else mx.concatenate([a.reshape(-1), mx.zeros((8 - a.size,), a.dtype)])
 
 
+# Small parameter arrays are cached: building one is a host-to-device copy per call, which
+# costs more than the kernels at short contexts.
+@functools.lru_cache(maxsize=256)
+def _full_lens(b: int, tc: int) -> mx.array:
+    return _pad8(mx.full((b,), tc, mx.int32))
+
+
 def _lens(p: Problem, lens) -> mx.array:
     if lens is None:
-        return _pad8(mx.full((p.b,), p.tc, mx.int32))
+        return _full_lens(p.b, p.tc)
     lens = mx.array(lens, mx.int32).reshape(-1)
     if lens.shape[0] != p.b:
         raise ValueError(f"lens has {lens.shape[0]} entries for a batch of {p.b}")
     return _pad8(mx.minimum(lens, p.tc))
 
 
+@functools.lru_cache(maxsize=8)
+def _no_sinks() -> mx.array:
+    return mx.zeros((8,), mx.float32)
+
+
 def _sinks(p: Problem, sinks) -> mx.array:
     if sinks is None:
-        return mx.zeros((8,), mx.float32)
+        return _no_sinks()
     return _pad8(sinks.astype(mx.float32).reshape(-1))
 
 
+@functools.lru_cache(maxsize=16)
+def _dummy_fp(dim: int, dtype) -> mx.array:
+    return mx.zeros((1, 1, 1, dim), dtype)
+
+
 def _iparams(p: Problem, **kw) -> mx.array:
+    return _iparams_cached(p, tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _iparams_cached(p: Problem, kw: tuple) -> mx.array:
     v = [0] * 16
     v[0], v[1], v[2], v[3], v[4], v[7], v[11], v[13] = (
         p.tc, p.tf, p.length, p.rows, p.g, p.hkv, p.hq, p.b,
     )  # fmt: skip
     names = {"sl": 5, "ncb": 6, "nsp": 8, "nspc": 9, "slf": 10, "sinks": 12}
-    for k, val in kw.items():
+    for k, val in kw:
         v[names[k]] = int(val)
     return mx.array(v, mx.int32)
 
 
+@functools.lru_cache(maxsize=1024)
 def _fparams(scale: float, kinv: float = 1.0, vinv: float = 1.0) -> mx.array:
     return mx.array([scale, scale * LOG2E, LOG2E, kinv, vinv, 0, 0, 0], mx.float32)
 
@@ -246,9 +270,15 @@ def _fp16_level_scale(levels: tuple[float, ...]) -> float:
     return float(s[int(err.argmin())])
 
 
+@functools.lru_cache(maxsize=32)
+def _tc_levels_cached(dim: int, bits: int) -> tuple[mx.array, float]:
+    levels = lloyd_max(dim, bits).levels  # host copy of quantizer.levels: no device sync
+    s = _fp16_level_scale(levels)
+    return mx.array([v * s for v in levels], mx.float32), 1.0 / s
+
+
 def _tc_levels(q) -> tuple[mx.array, float]:
-    s = _fp16_level_scale(tuple(float(v) for v in q.levels.tolist()))
-    return q.levels * s, 1.0 / s
+    return _tc_levels_cached(q.dim, q.bits)
 
 
 def _use_kernel(use_kernel: bool | None) -> bool:
@@ -358,16 +388,20 @@ def split_plan(p: Problem, rows_per_block: int, split_len: int | None = None) ->
     return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=(ncb + nfb) * NW, nspc=ncb * NW)
 
 
-def _fused_partials(q, keys, values, scale, p: Problem, lens, variant: str, split_len=None):
+def _fused_partials(
+    q, keys, values, scale, p: Problem, lens, variant: str, split_len=None, sinks=None
+):
     dt = q.dtype
     rb = 16 if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len)
-    fpk = keys.fp if p.tf else mx.zeros((1, 1, 1, p.dim), dt)
-    fpv = values.fp if p.tf else mx.zeros((1, 1, 1, p.dim), dt)
-    fpk, fpv = fpk.astype(dt), fpv.astype(dt)
+    fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
+    fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
+    fpk = fpk if fpk.dtype == dt else fpk.astype(dt)
+    fpv = fpv if fpv.dtype == dt else fpv.astype(dt)
     ip = _iparams(
-        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"]
-    )
+        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
+        sinks=sinks is not None,
+    )  # fmt: skip
     nbh = p.b * p.hkv
     lvk, lvv, kinv, vinv = keys.quantizer.levels, values.quantizer.levels, 1.0, 1.0
     if variant == "tc":
@@ -426,9 +460,7 @@ def fused_attention(
     variant = variant or _variant(p)
     if variant == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
         raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-    (po, pm, pl), ip = _fused_partials(q, keys, values, scale, p, lens, variant, split_len)
-    if sinks is not None:
-        ip = ip.at[12].add(1)  # IQ_P_SINKS
+    (po, pm, pl), ip = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
     return _kernel("iq_combine", q.dtype)(
         inputs=[po, pm, pl, _rot_array(keys.rotation), _sinks(p, sinks), ip, _fparams(scale)],
         template=[("D", p.dim), ("KIND", p.kind), ("TO", q.dtype)],

@@ -79,16 +79,34 @@ __device__ __forceinline__ uint64_t iq_tc_vbits(const uint8_t* row, int gid) {
   return v;
 }
 
+// Bytes of one pipeline stage: the K and V codes of 16 tokens, then their K and V norms.
+template <int D>
+struct IqStage {
+  static constexpr int KROW = 3 * D / 8;     // bytes of a packed row
+  static constexpr int TK = 16 * KROW;       // codes of a 16-token tile
+  static constexpr int BYTES = 2 * TK + 64;  // + 16 fp16 norms of K and of V
+};
+#define IQ_STAGES 4  // tiles in flight per warp: hides HBM latency behind the decode and mma
+
+IQ_FN bool iq_aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
 // One warp over compressed tokens [t0, t1); writes its partial (split sp) itself.
+// stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory. Contiguous, aligned rows
+// stream through it with cp.async; other layouts (views with odd strides) are read directly.
 template <int D, bool R16, bool QLO, bool PLO>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
-    int t1, int lane, float kinv, float vinv, float* po, float* pm, float* pl, int bh, int sp,
-    int nsp, int r0, int R) {
+    int t1, int lane, float kinv, float vinv, uint8_t* stage, float* po, float* pm, float* pl,
+    int bh, int sp, int nsp, int r0, int R) {
   constexpr int KT = D / 16;  // k-tiles of QK
   constexpr int NTV = D / 8;  // n-tiles of PV
   constexpr int NKW = (3 * D / 4 + 31) / 32;
+  constexpr int KROW = IqStage<D>::KROW;
+  constexpr int TK = IqStage<D>::TK;
+  constexpr int SB = IqStage<D>::BYTES;
   const int gid = lane >> 2;
   const int tig = lane & 3;
   const float NEG_INF = __int_as_float(0xff800000);
@@ -121,15 +139,19 @@ __device__ __forceinline__ void iq_tc_warp(
   for (int nt = 0; nt < NTV; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
   const float vsc = rsqrtf(float(D)) * vinv;
-  for (int tile = t0; tile < t1; tile += 16) {
-    const int last = t1 - 1;
-    float s[2][4];
+
+  // One 16-token tile: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
+  auto step = [&](const uint8_t* kc_, long ks_, const __half* kn_, long kns_, const uint8_t* vc_,
+                  long vs_, const __half* vn_, long vns_, int nv) {
+    const int last = nv - 1;
+    float s[2][4], s2[2][4];  // hi and lo query parts accumulate apart: two shorter mma chains
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      const int j = min(tile + 8 * nt + gid, last);
+      s2[nt][0] = s2[nt][1] = s2[nt][2] = s2[nt][3] = 0.0f;
+      const int j = min(8 * nt + gid, last);
       uint32_t kw[NKW];
-      iq_tc_kbits<D>(kc + j * ks, tig, kw);
+      iq_tc_kbits<D>(kc_ + j * ks_, tig, kw);
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         const int bit = 12 * kt;
@@ -140,21 +162,23 @@ __device__ __forceinline__ void iq_tc_warp(
         uint32_t b0, b1;
         iq_lut4(iq_spread4(x & 0xFFFu), ktab, b0, b1);
         iq_mma(s[nt], qh[kt][0], qh[kt][1], qh[kt][2], qh[kt][3], b0, b1);
-        if (QLO) iq_mma(s[nt], ql[kt][0], ql[kt][1], ql[kt][2], ql[kt][3], b0, b1);
+        if (QLO) iq_mma(s2[nt], ql[kt][0], ql[kt][1], ql[kt][2], ql[kt][3], b0, b1);
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
     }
-    // columns of this lane: tokens tile + 8nt + 2tig + e
+    // columns of this lane: tokens 8nt + 2tig + e
     float nvs[2][2];
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int tok = tile + 8 * nt + 2 * tig + e;
-        const bool ok = tok < t1;
+        const int tok = 8 * nt + 2 * tig + e;
+        const bool ok = tok < nv;
         const int tc = min(tok, last);
-        const float nk = __half2float(kn[tc * kns]) * kinv;
-        nvs[nt][e] = ok ? __half2float(vn[tc * vns]) * vsc : 0.0f;
+        const float nk = __half2float(kn_[tc * kns_]) * kinv;
+        nvs[nt][e] = ok ? __half2float(vn_[tc * vns_]) * vsc : 0.0f;
         s[nt][e] = ok ? s[nt][e] * nk : NEG_INF;
         s[nt][2 + e] = ok ? s[nt][2 + e] * nk : NEG_INF;
         mx0 = fmaxf(mx0, s[nt][e]);
@@ -197,10 +221,10 @@ __device__ __forceinline__ void iq_tc_warp(
     iq_split_h2(p[1][0] * nvs[1][0], p[1][1] * nvs[1][1], pa2, pl2);
     iq_split_h2(p[1][2] * nvs[1][0], p[1][3] * nvs[1][1], pa3, pl3);
     // V codes of the same 4 tokens at the lane's D/8 coordinates
-    const uint64_t sa = iq_tc_vbits<D>(vc + min(tile + 2 * tig, last) * vs, gid);
-    const uint64_t sb = iq_tc_vbits<D>(vc + min(tile + 2 * tig + 1, last) * vs, gid) << 4;
-    const uint64_t sc = iq_tc_vbits<D>(vc + min(tile + 8 + 2 * tig, last) * vs, gid) << 8;
-    const uint64_t sd = iq_tc_vbits<D>(vc + min(tile + 9 + 2 * tig, last) * vs, gid) << 12;
+    const uint64_t sa = iq_tc_vbits<D>(vc_ + min(2 * tig, last) * vs_, gid);
+    const uint64_t sb = iq_tc_vbits<D>(vc_ + min(2 * tig + 1, last) * vs_, gid) << 4;
+    const uint64_t sc = iq_tc_vbits<D>(vc_ + min(8 + 2 * tig, last) * vs_, gid) << 8;
+    const uint64_t sd = iq_tc_vbits<D>(vc_ + min(9 + 2 * tig, last) * vs_, gid) << 12;
 #pragma unroll
     for (int nt = 0; nt < NTV; ++nt) {
       const uint32_t sel = uint32_t(((sa >> (3 * nt)) & 0x7u) | ((sb >> (3 * nt)) & 0x70u) |
@@ -209,6 +233,60 @@ __device__ __forceinline__ void iq_tc_warp(
       iq_lut4(sel, vtab, b0, b1);
       iq_mma(o[nt], pa0, pa1, pa2, pa3, b0, b1);
       if (PLO) iq_mma(o[nt], pl0, pl1, pl2, pl3, b0, b1);
+    }
+  };
+
+  const bool stream = stage != nullptr && ks == KROW && vs == KROW && kns == 1 && vns == 1 &&
+                      iq_aligned16(kc + long(t0) * KROW) && iq_aligned16(vc + long(t0) * KROW) &&
+                      iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
+  if (!stream) {
+    for (int tile = t0; tile < t1; tile += 16) {
+      step(kc + tile * ks, ks, kn + tile * kns, kns, vc + tile * vs, vs, vn + tile * vns, vns,
+           min(16, t1 - tile));
+    }
+  } else {
+    const int ntiles = (t1 - t0 + 15) / 16;
+    const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
+    // tile i -> stage i % IQ_STAGES: each lane copies a few 16-byte chunks; bytes past the
+    // segment's end are not read (zero-filled), so the last row of a buffer is safe
+    auto issue = [&](int i) {
+      uint8_t* st = stage + (i % IQ_STAGES) * SB;
+      const int tok0 = t0 + 16 * i;
+      for (int c = lane; c < 2 * KROW + 4; c += 32) {
+        const void* src;
+        uint8_t* dst;
+        long left;
+        if (c < 2 * KROW) {
+          const bool isv = c >= KROW;
+          const long off = long(tok0) * KROW + 16 * (c - (isv ? KROW : 0));
+          src = (isv ? vc : kc) + off;
+          dst = st + (isv ? TK : 0) + 16 * (c - (isv ? KROW : 0));
+          left = kend - off;
+        } else {
+          const int k = c - 2 * KROW;  // 0, 1: K norms; 2, 3: V norms (8 tokens a chunk)
+          const long tok = tok0 + 8 * (k & 1);
+          src = ((k < 2) ? kn : vn) + tok;
+          dst = st + 2 * TK + 16 * k;
+          left = 2 * (long(t1) - tok);
+        }
+        const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
+        iq_cp_async16(dst, bytes > 0 ? src : static_cast<const void*>(kc), bytes);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < IQ_STAGES - 1; ++i) {
+      if (i < ntiles) issue(i);
+      iq_cp_commit();
+    }
+    for (int i = 0; i < ntiles; ++i) {
+      if (i + IQ_STAGES - 1 < ntiles) issue(i + IQ_STAGES - 1);
+      iq_cp_commit();
+      iq_cp_wait_all_but<IQ_STAGES - 1>();
+      __syncwarp();
+      const uint8_t* st = stage + (i % IQ_STAGES) * SB;
+      step(st, KROW, reinterpret_cast<const __half*>(st + 2 * TK), 1, st + TK, KROW,
+           reinterpret_cast<const __half*>(st + 2 * TK + 32), 1, min(16, t1 - (t0 + 16 * i)));
+      __syncwarp();  // every lane is done with this stage before it is refilled
     }
   }
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -242,11 +320,18 @@ __device__ __forceinline__ void iq_tc_warp(
   constexpr int RB = 16;
   constexpr int KB = 3;
   constexpr int VB = 3;
+  // one buffer, three uses in turn: rotation scratch, then either the warps' cp.async stages
+  // (packed splits) or their probability tiles (float splits)
+  constexpr int SCRATCH = RB * D * 4;
+  constexpr int STAGES = IQ_NW * IQ_STAGES * IqStage<D>::BYTES;
+  constexpr int PW = IQ_NW * RB * 32 * 4;
+  constexpr int BUF = STAGES > SCRATCH ? (STAGES > PW ? STAGES : PW) : (SCRATCH > PW ? SCRATCH : PW);
   __shared__ float iq_qs[RB * D];
-  __shared__ float iq_tmp[RB * D];
+  __shared__ __align__(16) uint8_t iq_buf[BUF];
   __shared__ float iq_lk[16];
   __shared__ float iq_lv[16];
-  __shared__ float iq_pw[IQ_NW * RB * 32];
+  float* iq_tmp = reinterpret_cast<float*>(iq_buf);
+  float* iq_pw = reinterpret_cast<float*>(iq_buf);
   const int Tf = iparams[IQ_P_TF];
   const int L = iparams[IQ_P_L];
   const int R = iparams[IQ_P_R];
@@ -287,8 +372,8 @@ __device__ __forceinline__ void iq_tc_warp(
         long(k_codes_strides[2]), k_norms + b * k_norms_strides[0] + h * k_norms_strides[1],
         long(k_norms_strides[2]), v_codes + b * v_codes_strides[0] + h * v_codes_strides[1],
         long(v_codes_strides[2]), v_norms + b * v_norms_strides[0] + h * v_norms_strides[1],
-        long(v_norms_strides[2]), t0, t1, lane, fparams[3], fparams[4], part_o, part_m, part_l, bh,
-        sp, nsp, r0, R);
+        long(v_norms_strides[2]), t0, t1, lane, fparams[3], fparams[4],
+        iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES, part_o, part_m, part_l, bh, sp, nsp, r0, R);
   } else {
     float m[RB];
     float l[RB];
