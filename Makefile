@@ -43,11 +43,13 @@ bench: setup
 	$(RUNENV) $(PY) benchmarks/generate.py
 
 screenshots: setup
-	$(RUNENV) bash scripts/screenshots.sh
+	$(RUNENV) xvfb-run -a -s "-screen 0 1280x800x24" $(PY) scripts/screenshots.py docs
 
 package: setup
 	$(PY) -m pip install -q -e '.[packaging]'
+	# The spec drops LD_PRELOAD itself so that the system OpenBLAS is not bundled.
 	$(RUNENV) $(PY) -m PyInstaller --noconfirm --clean packaging/rotaryquant.spec
+	$(PY) packaging/size_report.py dist
 
 clean:
 	rm -rf $(VENV) build dist

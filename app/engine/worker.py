@@ -208,7 +208,11 @@ class WorkerClient:
         if not isinstance(msg, M.Ready):
             raise WorkerError(f"unexpected first message from the worker: {msg!r}")
         self.ready = msg
-        self._reader_thread = threading.Thread(target=self._reader, daemon=True, name="worker-client-reader")
+        # The reader owns this process and pipe: after a restart, the old reader must not
+        # report (or join) the new process.
+        self._reader_thread = threading.Thread(
+            target=self._reader, args=(self.proc, parent), daemon=True, name="worker-client-reader"
+        )
         self._reader_thread.start()
         return msg
 
@@ -225,18 +229,15 @@ class WorkerClient:
         else:
             self.replies.put(msg)
 
-    def _reader(self) -> None:
-        conn = self.conn
+    def _reader(self, proc, conn) -> None:
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
             self._deliver(msg)
-        proc = self.proc
-        if proc is not None:
-            proc.join(timeout=5)
-        if not self._stopping:
+        proc.join(timeout=5)
+        if not self._stopping and proc is self.proc:
             code = proc.exitcode if proc else None
             self._deliver(M.WorkerDied(code, f"the engine process stopped unexpectedly (exit code {code})"))
 
