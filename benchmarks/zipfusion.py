@@ -956,6 +956,11 @@ def merge_main(args) -> None:
         "device": dev,
         "cpu": cpu,
     }
+    for extra in args.also or []:
+        label, path = extra.split("=", 1)
+        merged[label] = json.loads(Path(path).read_text())
+    if args.note:
+        merged["notes"] = args.note
     for k in ("speedup_vs_raw", "speedup_vs_torch", "admission_gain_pct", "decode_tok_s_gain_pct"):
         if k in dev:
             merged[k] = dev[k]
@@ -998,6 +1003,8 @@ def main(argv=None):
     d.add_argument("--dry-run", action="store_true", help="tiny shapes, reference kernels, no GPU")
     m = sub.add_parser("merge")
     m.add_argument("device_json")
+    m.add_argument("--also", nargs="*", help="label=path of other device runs to keep")
+    m.add_argument("--note", nargs="*", help="notes for the reader")
     args = p.parse_args(argv)
     if getattr(args, "sweep", None):
         SWEEP[:] = [
