@@ -19,6 +19,15 @@ from dataclasses import asdict, dataclass, field
 PROMPT = "What is the capital of France?"
 EXPECTED = "Paris"  # SmolLM2-135M-Instruct's greedy answer (checked in tests/test_generate.py)
 MODEL_REF = "embedded:default"  # app.engine.generate.DEFAULT_MODEL_REF, without importing MLX
+# Tokenizer classes named by the catalog's models (tokenizer_config.json): AutoTokenizer imports
+# them by name, so a packaged build must carry their modules.
+TOKENIZER_CLASSES = (
+    "PreTrainedTokenizerFast",  # gpt-oss, Nemotron-H, Llama 3.1
+    "Qwen2Tokenizer",  # Qwen3, Qwen3-Next, Qwen3.5
+    "GemmaTokenizer",  # Gemma 4
+    "LlamaTokenizer",
+    "GPT2Tokenizer",
+)
 
 
 @dataclass
@@ -29,6 +38,8 @@ class SelfTestReport:
     frozen: bool = False
     executable: str = ""
     platform: str = ""
+    blas_preload: str = ""  # LD_PRELOAD the worker inherits (a system OpenBLAS on Linux)
+    tokenizer_classes: int = 0  # of TOKENIZER_CLASSES that resolved
     worker_pid: int | None = None
     backend: str = ""
     device: str = ""
@@ -52,7 +63,8 @@ class SelfTestReport:
         mb = 1024 * 1024
         rows = [
             ("build", f"{'frozen' if self.frozen else 'source'} · {self.executable}"),
-            ("platform", self.platform),
+            ("platform", self.platform + (f" · preload {self.blas_preload}" if self.blas_preload else "")),
+            ("bundle", f"download stack ok · {self.tokenizer_classes}/{len(TOKENIZER_CLASSES)} tokenizer classes"),
             ("worker", f"pid {self.worker_pid} · {self.backend} · {self.device}"),
             ("worker start", f"{self.worker_start_s:.2f} s"),
             ("model", f"{self.model} · {self.weight_bytes / mb:.1f} MiB weights"),
@@ -70,6 +82,20 @@ class SelfTestReport:
         return ["RotaryQuant self-test", *out, f"self-test: {verdict}"]
 
 
+def check_bundle() -> int:
+    """Import what the worker does not exercise here: the download stack and the tokenizer
+    classes of the catalog's models. Returns how many classes resolved (raises if any did not)."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    import app.downloads.hub  # noqa: F401  (huggingface_hub, httpx)
+    import app.downloads.library  # noqa: F401
+
+    missing = [n for n in TOKENIZER_CLASSES if tokenizer_class_from_name(n) is None]
+    if missing:
+        raise RuntimeError(f"tokenizer classes missing from this build: {', '.join(missing)}")
+    return len(TOKENIZER_CLASSES)
+
+
 def run(max_tokens: int = 16, timeout: float = 300.0, kv_mode: str = "fp16") -> SelfTestReport:
     """Run the self-test and return its report (never raises for a failed step)."""
     from .engine import messages as M
@@ -77,14 +103,19 @@ def run(max_tokens: int = 16, timeout: float = 300.0, kv_mode: str = "fp16") -> 
     from .engine.worker import WorkerClient
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" notice
     t0 = time.perf_counter()
     r = SelfTestReport(
         frozen=bool(getattr(sys, "frozen", False)),
         executable=sys.executable,
         platform=f"{platform.system()} {platform.machine()} · Python {platform.python_version()}",
+        blas_preload=os.environ.get("LD_PRELOAD", ""),
     )
     client = WorkerClient()
     try:
+        r.step = "bundle"
+        r.tokenizer_classes = check_bundle()
+
         r.step = "worker start"
         t = time.perf_counter()
         ready = client.start(timeout=timeout)

@@ -20,7 +20,8 @@ EXCLUDED_MODULES = [
     "torch", "torchvision", "torchaudio", "tensorflow", "tf_keras", "keras", "flax", "jax",
     "jaxlib", "onnxruntime", "accelerate", "datasets", "pandas", "scipy", "sklearn", "cv2",
     "matplotlib", "IPython", "jedi", "tkinter", "_tkinter", "pytest", "_pytest", "pytestqt",
-    "PyQt5", "PyQt6", "PySide2",
+    "PyQt5", "PyQt6", "PySide2", "setuptools", "pkg_resources", "_distutils_hack",
+    "pytest_timeout",
     # huggingface_hub's CLI, inference client, webhooks and Xet uploader (the app does its own
     # resumable downloads over plain HTTP, app/downloads/transfer.py)
     "hf_xet", "pydantic", "pydantic_core", "typer", "click", "rich", "pygments", "markdown_it",
@@ -72,6 +73,9 @@ DROPPED_FILES = [
     "*/tests/*", "*/test/*",
 ]
 
+# Runtime hooks that run in every process of the app (see packaging/launcher.py: qt_env).
+DROPPED_RUNTIME_HOOKS = ("pyi_rth_pyside6",)
+
 KEPT_MODEL_PREFIXES = ("tokenization_", "configuration_")
 
 
@@ -113,9 +117,16 @@ def transformers_drop(models: Path | None = None) -> list[str]:
     return [m for m in _model_modules(models) if not keep_model_module(m)]
 
 
+def _dist_info_patterns() -> list[str]:
+    """Metadata of excluded packages: huggingface_hub and transformers test for a package by
+    its metadata, then import it; metadata without the module would make them try and fail."""
+    tops = [m for m in EXCLUDED_MODULES if "." not in m]
+    return [f"{t}-*.dist-info/*" for t in tops] + [f"{t.lower()}-*.dist-info/*" for t in tops]
+
+
 def dropped(dest: str) -> bool:
     dest = dest.replace("\\", "/")
-    return any(fnmatch.fnmatch(dest, pat) for pat in DROPPED_FILES)
+    return any(fnmatch.fnmatch(dest, pat) for pat in DROPPED_FILES + _dist_info_patterns())
 
 
 def filter_toc(toc):
@@ -128,17 +139,24 @@ ALWAYS_KEPT_LIBS = ("libpython*",)
 _LDD_LINE = re.compile(r"^\s*(\S+)(?:\s+=>\s+(\S+))?")
 
 
+def parse_ldd(text: str) -> set[str]:
+    """Library basenames in `ldd` output (one or several files; headers and notes skipped)."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        if not line.strip() or line.endswith(":") or "statically linked" in line or "not a dynamic" in line:
+            continue
+        m = _LDD_LINE.match(line)
+        if m:
+            names.add(os.path.basename(m.group(1)))
+    return names
+
+
 def ldd_needed(paths: list[str], chunk: int = 64) -> set[str]:
     """Basenames of every shared library that `paths` load (ldd lists them transitively)."""
     names: set[str] = set()
     for i in range(0, len(paths), chunk):
         out = subprocess.run(["ldd", *paths[i:i + chunk]], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.endswith(":") or "statically linked" in line or "not a dynamic" in line:
-                continue  # a file header, or a file without dependencies
-            m = _LDD_LINE.match(line)
-            if m:
-                names.add(os.path.basename(m.group(1)))
+        names |= parse_ldd(out)
     return names
 
 

@@ -41,6 +41,15 @@ def prefer_system_blas(environ=os.environ) -> str | None:
     return None
 
 
+def qt_env(environ=os.environ) -> None:
+    """Point Qt at the bundle's plugins (platforms, image formats) before the GUI imports Qt.
+    The spec drops PyInstaller's PySide6 runtime hook, which did this by importing QtCore in
+    every process; PySide6's own start-up finds the rest of Qt beside itself."""
+    base = getattr(sys, "_MEIPASS", None)
+    if base and getattr(sys, "frozen", False):
+        environ["QT_PLUGIN_PATH"] = os.path.join(base, "PySide6", "Qt", "plugins")
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -101,6 +110,7 @@ def main() -> int:
         from app.cli import main as cli_main
 
         return cli_main(args[1:])
+    qt_env()
     # Finder passes -psn_* on old macOS; the GUI takes an optional model folder only.
     gui_argv = [sys.argv[0], *[a for a in args if not a.startswith("-psn")]]
     if "--gui-smoke" in args:

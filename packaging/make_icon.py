@@ -1,8 +1,9 @@
-"""Draw the app icon with QPainter and write resources/icon.png and resources/icon.icns.
+"""Render the app icon (resources/icon.svg, the one design source) into resources/icon.icns.
 
 The .icns is written directly (PNG-compressed entries, the format macOS reads since 10.7), so it
-can be made without a Mac; `iconutil -c icns` on a Mac can rebuild it from
-`packaging/make_icon.py --iconset DIR` (see packaging/MACOS.md).
+can be made without a Mac; on a Mac, `iconutil -c icns` can rebuild it from the folder that
+`--iconset DIR` writes (see packaging/MACOS.md). The window icon (resources/icon.png) and the
+SVG belong to the UI; this script only reads the SVG.
 
 Run: QT_QPA_PLATFORM=offscreen .venv/bin/python packaging/make_icon.py
 """
@@ -10,19 +11,19 @@ Run: QT_QPA_PLATFORM=offscreen .venv/bin/python packaging/make_icon.py
 from __future__ import annotations
 
 import argparse
-import math
 import struct
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QPointF, QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QImage, QLinearGradient, QPainter, QPainterPath, QPen
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QRectF, Qt
+from PySide6.QtGui import QImage, QPainter
+from PySide6.QtSvg import QSvgRenderer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESOURCES = ROOT / "resources"
-PNG_SIZE = 512  # the window / Linux desktop icon
+SVG = RESOURCES / "icon.svg"
 
-# ICNS entry types holding PNG data, by pixel size (Apple's "ic07".."ic14", "icp4".."icp6").
+# ICNS entry types holding PNG data, by pixel size (Apple's "icp4".."icp6", "ic07".."ic14").
 ICNS_TYPES = [
     (b"icp4", 16), (b"icp5", 32), (b"icp6", 64), (b"ic07", 128), (b"ic08", 256),
     (b"ic09", 512), (b"ic10", 1024), (b"ic11", 32), (b"ic12", 64), (b"ic13", 256), (b"ic14", 512),
@@ -34,53 +35,16 @@ ICONSET = [
 ]
 
 
-def draw(size: int) -> QImage:
-    """The icon at `size` px: a rotation arrow around three stepped bars (few-bit levels)."""
+def render(svg: Path, size: int) -> QImage:
+    """The SVG drawn into a transparent size x size image."""
+    renderer = QSvgRenderer(str(svg))
+    if not renderer.isValid():
+        raise ValueError(f"{svg}: not a valid SVG icon")
     img = QImage(size, size, QImage.Format.Format_ARGB32)
     img.fill(Qt.GlobalColor.transparent)
     p = QPainter(img)
     p.setRenderHint(QPainter.RenderHint.Antialiasing)
-    s = size / 1024.0  # drawn on a 1024 grid
-    # macOS icon grid: an 824 px rounded square centred in 1024 leaves room for the shadow.
-    body = QRectF(100 * s, 100 * s, 824 * s, 824 * s)
-    g = QLinearGradient(body.topLeft(), body.bottomRight())
-    g.setColorAt(0.0, QColor("#2f6fcf"))
-    g.setColorAt(1.0, QColor("#16295a"))
-    path = QPainterPath()
-    path.addRoundedRect(body, 185 * s, 185 * s)
-    p.fillPath(path, QBrush(g))
-
-    # The rotation: a 300-degree ring with an arrowhead at its open end.
-    c = QPointF(512 * s, 512 * s)
-    r = 290 * s
-    pen = QPen(QColor("#ffffff"), 58 * s, Qt.PenStyle.SolidLine, Qt.PenCapStyle.FlatCap)
-    p.setPen(pen)
-    p.setBrush(Qt.BrushStyle.NoBrush)
-    p.drawArc(QRectF(c.x() - r, c.y() - r, 2 * r, 2 * r), 110 * 16, 300 * 16)
-    # arrowhead at 50 degrees (the arc runs counter-clockwise from 110 to 410 = 50 degrees)
-    head = QPainterPath()
-    tip_in, tip_out = r - 75 * s, r + 75 * s
-    a = math.radians(50)
-    ux, uy = math.cos(a), -math.sin(a)  # radial unit vector (screen y points down)
-    tx, ty = -math.sin(a), -math.cos(a)  # tangent, pointing along the arc's direction
-    base = QPointF(c.x() + ux * r, c.y() + uy * r)
-    head.moveTo(c.x() + ux * tip_in, c.y() + uy * tip_in)
-    head.lineTo(c.x() + ux * tip_out, c.y() + uy * tip_out)
-    head.lineTo(base.x() + tx * 120 * s, base.y() + ty * 120 * s)
-    head.closeSubpath()
-    p.setPen(Qt.PenStyle.NoPen)
-    p.setBrush(QColor("#ffffff"))
-    p.drawPath(head)
-
-    # Three stepped bars: quantization levels.
-    bar_w, gap = 70 * s, 34 * s
-    heights = (120 * s, 200 * s, 280 * s)
-    x0 = c.x() - (3 * bar_w + 2 * gap) / 2
-    bottom = c.y() + 140 * s
-    colors = ("#9cc3ff", "#d2e3ff", "#ffffff")
-    for i, h in enumerate(heights):
-        p.setBrush(QColor(colors[i]))
-        p.drawRoundedRect(QRectF(x0 + i * (bar_w + gap), bottom - h, bar_w, h), 12 * s, 12 * s)
+    renderer.render(p, QRectF(0, 0, size, size))
     p.end()
     return img
 
@@ -102,19 +66,18 @@ def icns_bytes(pngs: dict[int, bytes]) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=RESOURCES)
+    ap.add_argument("--svg", type=Path, default=SVG)
+    ap.add_argument("--out", type=Path, default=RESOURCES / "icon.icns")
     ap.add_argument("--iconset", type=Path, help="also write an iconutil .iconset folder here")
     args = ap.parse_args(argv)
-    sizes = sorted({n for _, n in ICNS_TYPES} | {PNG_SIZE})
-    pngs = {n: png_bytes(draw(n)) for n in sizes}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "icon.png").write_bytes(pngs[PNG_SIZE])
-    (args.out / "icon.icns").write_bytes(icns_bytes(pngs))
+    pngs = {n: png_bytes(render(args.svg, n)) for n in sorted({n for _, n in ICNS_TYPES})}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(icns_bytes(pngs))
     if args.iconset:
         args.iconset.mkdir(parents=True, exist_ok=True)
         for name, n in ICONSET:
             (args.iconset / name).write_bytes(pngs[n])
-    print(f"wrote {args.out / 'icon.png'} and {args.out / 'icon.icns'}")
+    print(f"wrote {args.out} from {args.svg}")
     return 0
 
 
