@@ -39,7 +39,8 @@ def _check(
     q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kb, vb, kind, mx.float32, seed)
     sk = mx.random.normal((hkv * g,)) if sinks else None
     mask = "causal" if length > 1 else None
-    ref = iq.attention_reference(q, k, v, 1.0 / math.sqrt(d), mask, sk, lens)
+    with mx.stream(mx.cpu):  # MLX's CUDA matmuls run float32 as TF32 (~1e-3): not a reference
+        ref = iq.attention_reference(q, k, v, 1.0 / math.sqrt(d), mask, sk, lens)
     out = _run(path, q, k, v, mask, sk, lens)
     err = iq.rel_error(out, ref)
     assert err < TOL, f"{path} rel error {err:.2e}"
@@ -92,7 +93,8 @@ def test_bf16_queries_and_views_of_a_grown_cache():
             pad(t.codes), pad(t.norms), pad(t.fp), t.quantizer, t.rotation
         )
 
-    ref = iq.attention_reference(q, k, v, 1 / math.sqrt(128))
+    with mx.stream(mx.cpu):
+        ref = iq.attention_reference(q, k, v, 1 / math.sqrt(128))
     for path in FUSED:
         out = iq.fused_attention(q, grown(k), grown(v), 1 / math.sqrt(128), variant=path)
         assert out.dtype == mx.bfloat16
@@ -102,14 +104,15 @@ def test_bf16_queries_and_views_of_a_grown_cache():
 def test_each_kernel_against_its_reference():
     q, k, v = iq.random_problem(2, 2, 4, 1, 128, 1500, 0, dtype=mx.float32, seed=6)
     p = iq.Problem.of(q, k, v, None)
-    s_ref = iq.qk_dot_reference(q, k, 0.1)
+    with mx.stream(mx.cpu):  # float32 references (the GPU's float32 matmuls are TF32)
+        s_ref = iq.qk_dot_reference(q, k, 0.1)
+        pr_ref = iq.softmax_reference(s_ref, p, [1500, 333])
+        acc_ref = iq.value_accum_reference(pr_ref, v)
+        o_ref = iq.rotate_inverse_reference(acc_ref, v.rotation, p)
     assert iq.rel_error(iq.qk_dot(q, k, 0.1, p), s_ref) < 1e-5
-    pr_ref = iq.softmax_reference(s_ref, p, [1500, 333])
     assert iq.rel_error(iq.softmax(s_ref, p, [1500, 333]), pr_ref) < 1e-5
-    acc_ref = iq.value_accum_reference(pr_ref, v)
     for schedule in ("word", "dim"):
         assert iq.rel_error(iq.value_accum(pr_ref, v, p, [1500, 333], schedule), acc_ref) < 1e-5
-    o_ref = iq.rotate_inverse_reference(acc_ref, v.rotation, p)
     assert iq.rel_error(iq.rotate_inverse(acc_ref, v.rotation, p), o_ref) < 1e-5
 
 
@@ -128,7 +131,8 @@ def test_the_cache_attention_uses_the_kernel_and_the_setting_forces_the_referenc
     real = iq._fused_partials
     monkeypatch.setattr(iq, "_fused_partials", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = kvcache.isoquant_attention(q, keys, values, 0.125)
-    ref = kvcache.isoquant_attention(q, keys, values, 0.125, use_kernel=False)
+    with mx.stream(mx.cpu):
+        ref = kvcache.isoquant_attention(q, keys, values, 0.125, use_kernel=False)
     assert calls and iq.rel_error(out, ref) < TOL
     monkeypatch.setenv(kk.SETTING_ENV, "reference")
     assert not kk.install()
