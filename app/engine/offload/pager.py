@@ -15,6 +15,21 @@ Two paths:
   least recently used unpinned slots and remaps indices to slots. Its pins hold until the
   next call's sync has evaluated this call's output; only then may its slots be overwritten.
 
+Prompts: a call whose (token, expert) pairs route to more distinct experts than the pool
+has slots (a long prompt on a small budget) runs in groups of at most `num_slots` experts,
+resident ones first; each group's rows are evaluated before the next group reuses the slots,
+then the rows are put back in order. The prompt itself is not chunked (attention and the KV
+cache see exactly what the resident model sees), so the working set never exceeds the budget.
+A call that fits (decode always, prompts on a budget of at least one layer's experts) runs as
+one pass with mlx-lm's own pair sorting.
+
+Synchronization, honestly: the all-resident path adds none. The paged path reads each MoE
+layer's indices back (one sync per MoE layer and forward pass), also when every expert hits:
+the host must know the experts before it can read them, and speculating on an all-hit step
+does not pay (at 95% hits, a Qwen3-30B step of 48 layers x 8 experts has 384 lookups and
+all hit with probability 0.95^384 ~ 3e-9). Its cost is measured in benchmarks/pager.py
+(`always_resolve`: the read-back forced with every expert resident).
+
 Writes into slots: with unified memory (CPU, Apple GPU) a record is read with one `preadv`
 straight into the slot tensors' memory (zero copies; safe because only unpinned slots are
 written, after the sync that finished every computation reading them). Elsewhere (CUDA) the
@@ -187,7 +202,7 @@ class ExpertPager:
         self._pool_exec = ThreadPoolExecutor(options.read_threads) \
             if options.read_threads > 1 else None
         self._stage: np.ndarray | None = None
-        self._pending: list = []  # outputs of the last call: evaluated before its slots move
+        self._pending: list = []  # outputs since the last sync: evaluated before slots move
         self.load_bytes_read = 0
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
@@ -259,7 +274,7 @@ class ExpertPager:
     def track(self, out) -> None:
         """Keep a call's output: the next call evaluates it before moving its slots."""
         if not (self.full and not self.options.always_resolve):
-            self._pending = [out]
+            self._pending.append(out)
 
     def release(self) -> None:
         """Unpin everything: every computation reading the slots has been evaluated."""
