@@ -72,3 +72,20 @@ def test_bad_settings_and_requests(smol_engine):
     assert Engine().loaded is None
     with pytest.raises(EngineError, match="no model loaded"):
         list(Engine().generate("hi"))
+
+
+def test_kv_stats_count_fp16_equivalent(smol_engine):
+    smol_engine.generate_text("The weather today is", GenerationSettings(max_tokens=4, kv_mode="fp16"))
+    kv = smol_engine.kv_stats()
+    # SmolLM2: 30 layers x 3 KV heads x head dim 64, K and V, 2 bytes each
+    assert kv["mode"] == "fp16" and kv["tokens"] > 4
+    assert kv["fp16_bytes"] == 30 * 3 * 64 * 2 * 2 * kv["tokens"]
+    assert kv["bytes"] >= kv["used_bytes"] >= kv["fp16_bytes"]  # steps of 256 tokens; fp32 or fp16
+
+
+def test_isoquant_mode_saves_kv_bytes(smol_engine):
+    ids = smol_engine.encode_text("To be, or not to be, that is the question. " * 20)
+    smol_engine.generate_text(ids, GenerationSettings(max_tokens=3, kv_mode="isoquant3", kv_window=0))
+    kv = smol_engine.kv_stats()
+    assert kv["mode"] == "isoquant3" and kv["tokens"] >= len(ids)
+    assert kv["used_bytes"] * 4 < kv["fp16_bytes"]  # 3-bit codes + norms vs 16-bit values

@@ -133,6 +133,7 @@ class Engine:
         self.info: ModelInfo | None = None
         self.last_cache: list | None = None
         self.default_kv_mode = "fp16"
+        self.last_kv_mode = "fp16"
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, options: dict | None = None) -> ModelInfo:
@@ -160,7 +161,7 @@ class Engine:
         self.loaded = lm
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
         backend = detect()
-        modes = tuple(m for m in self._kv_modes(kv) if m in backend.kv_modes or m not in ("zipfusion",))
+        modes = self._kv_modes(kv) + (("zipfusion",) if "zipfusion" in backend.kv_modes else ())
         self.info = ModelInfo(
             path=str(lm.path),
             name=(lm.manifest.name if lm.manifest and lm.manifest.name else Path(lm.path).name),
@@ -218,19 +219,26 @@ class Engine:
         return list(self._require().tokenizer.encode(text))
 
     # -- caches ----------------------------------------------------------------------------
-    def make_cache(self, settings: GenerationSettings) -> list:
+    def make_cache(self, settings: GenerationSettings, tokens: int = 8192) -> list:
+        """A prompt cache for one request of up to `tokens` tokens in the settings' KV mode."""
         from mlx_lm.models.cache import make_prompt_cache
 
         model = self._require().model
         mode = self.default_kv_mode if settings.kv_mode == "auto" else settings.kv_mode
+        self.last_kv_mode = mode
         if mode == "fp16":
             return make_prompt_cache(model)
         from .backend import detect
 
         reason = detect().unavailable_reason(mode)
         kv = _kvcache_module()
-        if kv is None or mode not in self._kv_modes(kv):
+        if mode != "zipfusion" and (kv is None or mode not in self._kv_modes(kv)):
             reason = reason or f"KV mode {mode!r} is not available in this build"
+        if mode == "zipfusion" and not reason:
+            from .kvcache.zipfusion import make_zipfusion_cache
+
+            # after IsoQuant's install: ZipFusion's dispatch wraps the one already there
+            return make_zipfusion_cache(model, max_tokens=tokens)
         if reason:
             raise EngineError(reason)
         opts = {} if settings.kv_window is None else {"window": settings.kv_window}
@@ -250,6 +258,27 @@ class Engine:
             except (AttributeError, TypeError, ValueError):
                 pass
         return total
+
+    def kv_stats(self) -> dict:
+        """The last request's KV cache: mode, tokens held, bytes held, and what the same tokens
+        would take in fp16 (for "KV saved" in the memory panel)."""
+        cache = self.last_cache or []
+        tokens = fp16 = used = 0
+        for c in cache:
+            n = int(getattr(c, "offset", 0) or 0)
+            used_c = getattr(c, "used_nbytes", None)  # compressed caches: bytes the tokens need
+            arr = getattr(c, "fp_keys", None)  # IsoQuant keeps its float segment's shape
+            if arr is None:
+                arr = getattr(c, "keys", None)
+            if n <= 0 or arr is None or not hasattr(arr, "shape") or len(arr.shape) != 4:
+                continue  # SSM state or an empty cache: no per-token KV
+            b, h, _, d = arr.shape
+            n = min(n, getattr(c, "max_size", n) or n)  # rotating caches hold a window
+            tokens = max(tokens, n)
+            fp16 += 2 * b * h * n * d * 2  # K and V, two bytes per value
+            used += int(used_c) if used_c is not None else 2 * b * h * n * d * arr.itemsize
+        return {"mode": self.last_kv_mode, "tokens": tokens, "bytes": self.cache_nbytes(cache),
+                "used_bytes": used, "fp16_bytes": fp16}
 
     # -- generation ------------------------------------------------------------------------
     def generate(
@@ -282,7 +311,8 @@ class Engine:
             make_logits_processors(repetition_penalty=settings.repetition_penalty)
             if settings.repetition_penalty != 1.0 else None
         )
-        cache = self.make_cache(settings)
+        limit = settings.max_tokens if settings.max_tokens > 0 else 32768
+        cache = self.make_cache(settings, len(ids) + limit)
         self.last_cache = cache
         tokenizer = lm.tokenizer
         detok = tokenizer.detokenizer

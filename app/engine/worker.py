@@ -149,6 +149,8 @@ class _Worker:
         pager = getattr(model, "rq_pager", None) if model is not None else None
         if pager is not None and hasattr(pager, "stats"):
             extra["pager"] = pager.stats()
+        if self.engine.last_cache is not None:
+            extra["kv"] = self.engine.kv_stats()
         return M.Stats(
             req_id=req_id,
             time=time.time(),
