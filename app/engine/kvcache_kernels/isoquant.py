@@ -388,55 +388,74 @@ def split_plan(p: Problem, rows_per_block: int, split_len: int | None = None) ->
     return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=(ncb + nfb) * NW, nspc=ncb * NW)
 
 
+@dataclass(frozen=True, eq=False)
+class _Launch:
+    """Everything about a fused call that depends only on shapes and options (cached)."""
+
+    kern: str  # kernel name (objects are looked up per call: tests swap them)
+    template: list
+    grid: tuple
+    out_shapes: list
+    ip: mx.array
+    fp: mx.array
+    fp_combine: mx.array
+    levels: tuple  # (K levels, V levels) or None: the quantizers' own
+
+
+@functools.lru_cache(maxsize=512)
+def _launch(p: Problem, variant: str, split_len, has_sinks: bool, scale: float, prec: tuple):
+    rb = 16 if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
+    plan = split_plan(p, rb, split_len)
+    ip = _iparams(
+        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
+        sinks=has_sinks,
+    )  # fmt: skip
+    nbh = p.b * p.hkv
+    levels, kinv, vinv = None, 1.0, 1.0
+    if variant == "tc":
+        (lvk, kinv), (lvv, vinv) = _tc_levels_cached(p.dim, p.kb), _tc_levels_cached(p.dim, p.vb)
+        levels = (lvk, lvv)
+        tmpl = [("D", p.dim), ("R16", p.rows > 8), ("KIND", p.kind), ("CAUSAL", p.causal)]
+        tmpl += [("QLO", prec[0]), ("PLO", prec[1])]
+    else:
+        tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
+        tmpl += [("CAUSAL", p.causal)]
+    nsp = plan["nsp"]
+    return _Launch(
+        kern="iq_fused_tc" if variant == "tc" else "iq_fused_scalar",
+        template=tmpl,
+        grid=(32 * NW * (plan["ncb"] + plan["nfb"]), plan["nrb"], nbh),
+        out_shapes=[(nbh, nsp, p.rows, p.dim), (nbh, nsp, p.rows), (nbh, nsp, p.rows)],
+        ip=ip,
+        fp=_fparams(scale, kinv, vinv),
+        fp_combine=_fparams(scale),
+        levels=levels,
+    )
+
+
 def _fused_partials(
     q, keys, values, scale, p: Problem, lens, variant: str, split_len=None, sinks=None
 ):
     dt = q.dtype
-    rb = 16 if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
-    plan = split_plan(p, rb, split_len)
+    run = _launch(p, variant, split_len, sinks is not None, float(scale), TC_PRECISION)
     fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
     fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
     fpk = fpk if fpk.dtype == dt else fpk.astype(dt)
     fpv = fpv if fpv.dtype == dt else fpv.astype(dt)
-    ip = _iparams(
-        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
-        sinks=sinks is not None,
-    )  # fmt: skip
-    nbh = p.b * p.hkv
-    lvk, lvv, kinv, vinv = keys.quantizer.levels, values.quantizer.levels, 1.0, 1.0
-    if variant == "tc":
-        (lvk, kinv), (lvv, vinv) = _tc_levels(keys.quantizer), _tc_levels(values.quantizer)
+    lvk, lvv = run.levels or (keys.quantizer.levels, values.quantizer.levels)
     inputs = [
         q, keys.codes, keys.norms, values.codes, values.norms, fpk, fpv,
-        _rot_array(keys.rotation), lvk, lvv, _lens(p, lens), ip, _fparams(scale, kinv, vinv),
+        _rot_array(keys.rotation), lvk, lvv, _lens(p, lens), run.ip, run.fp,
     ]  # fmt: skip
-    if variant == "tc":
-        tmpl = [("D", p.dim), ("R16", p.rows > 8), ("KIND", p.kind), ("CAUSAL", p.causal)]
-        tmpl += [("QLO", TC_PRECISION[0]), ("PLO", TC_PRECISION[1])]
-    else:
-        tmpl = [
-            ("D", p.dim),
-            ("RB", rb),
-            ("KB", p.kb),
-            ("VB", p.vb),
-            ("KIND", p.kind),
-            ("CAUSAL", p.causal),
-        ]
-    kern = _kernel("iq_fused_tc" if variant == "tc" else "iq_fused_scalar", dt)
-    grid_x = 32 * NW * (plan["ncb"] + plan["nfb"])
-    part = kern(
+    part = _kernel(run.kern, dt)(
         inputs=inputs,
-        template=tmpl,
-        grid=(grid_x, plan["nrb"], nbh),
+        template=run.template,
+        grid=run.grid,
         threadgroup=(32 * NW, 1, 1),
-        output_shapes=[
-            (nbh, plan["nsp"], p.rows, p.dim),
-            (nbh, plan["nsp"], p.rows),
-            (nbh, plan["nsp"], p.rows),
-        ],
+        output_shapes=run.out_shapes,
         output_dtypes=[mx.float32] * 3,
     )
-    return part, ip
+    return part, run
 
 
 def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, split_len=None):
@@ -460,9 +479,9 @@ def fused_attention(
     variant = variant or _variant(p)
     if variant == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
         raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-    (po, pm, pl), ip = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
+    (po, pm, pl), run = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
     return _kernel("iq_combine", q.dtype)(
-        inputs=[po, pm, pl, _rot_array(keys.rotation), _sinks(p, sinks), ip, _fparams(scale)],
+        inputs=[po, pm, pl, _rot_array(keys.rotation), _sinks(p, sinks), run.ip, run.fp_combine],
         template=[("D", p.dim), ("KIND", p.kind), ("TO", q.dtype)],
         grid=(p.dim, p.rows, p.b * p.hkv),
         threadgroup=(p.dim, 1, 1),
