@@ -114,6 +114,15 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
     return load_paged(path, int(expert_budget))
 
 
+def _register_isoquant_kernels() -> None:
+    """Importing the kernel package registers IsoQuant's fused kernels with the cache where the
+    backend has them (ROTARYQUANT_ISOQUANT_ATTENTION=auto|kernel|reference forces a path)."""
+    try:
+        from . import kvcache_kernels  # noqa: F401
+    except ImportError:
+        pass  # a build without kernels: the reference attention runs
+
+
 def _kvcache_module():
     """The KV-cache package, when present (IsoQuant, ZipFusion); None for fp16-only builds."""
     try:
@@ -157,6 +166,7 @@ class Engine:
         kv = _kvcache_module()
         if kv is not None and hasattr(kv, "install"):
             kv.install(lm.model)
+            _register_isoquant_kernels()
         self.unload()
         self.loaded = lm
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
