@@ -39,6 +39,7 @@ class SelfTestReport:
     executable: str = ""
     platform: str = ""
     blas_preload: str = ""  # LD_PRELOAD the worker inherits (a system OpenBLAS on Linux)
+    catalog_configs: int = 0  # catalog models whose config.json the build carries
     tokenizer_classes: int = 0  # of TOKENIZER_CLASSES that resolved
     worker_pid: int | None = None
     backend: str = ""
@@ -64,7 +65,8 @@ class SelfTestReport:
         rows = [
             ("build", f"{'frozen' if self.frozen else 'source'} · {self.executable}"),
             ("platform", self.platform + (f" · preload {self.blas_preload}" if self.blas_preload else "")),
-            ("bundle", f"download stack ok · {self.tokenizer_classes}/{len(TOKENIZER_CLASSES)} tokenizer classes"),
+            ("bundle", f"download stack ok · {self.catalog_configs} catalog configs · "
+                       f"{self.tokenizer_classes}/{len(TOKENIZER_CLASSES)} tokenizer classes"),
             ("worker", f"pid {self.worker_pid} · {self.backend} · {self.device}"),
             ("worker start", f"{self.worker_start_s:.2f} s"),
             ("model", f"{self.model} · {self.weight_bytes / mb:.1f} MiB weights"),
@@ -82,18 +84,24 @@ class SelfTestReport:
         return ["RotaryQuant self-test", *out, f"self-test: {verdict}"]
 
 
-def check_bundle() -> int:
-    """Import what the worker does not exercise here: the download stack and the tokenizer
-    classes of the catalog's models. Returns how many classes resolved (raises if any did not)."""
-    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
-
+def check_bundle() -> tuple[int, int]:
+    """Check what the worker does not exercise here: the download stack, the catalog models'
+    configs (the library sizes and plans them before a download) and their tokenizer classes.
+    Returns (configs found, tokenizer classes resolved); raises naming what is missing."""
     import app.downloads.hub  # noqa: F401  (huggingface_hub, httpx)
     import app.downloads.library  # noqa: F401
+    from app.downloads.catalog import load_catalog
+    from app.engine.sizes import load_config
+
+    names = [e.config for e in load_catalog() if e.config]
+    for name in names:
+        load_config(name)  # raises SizeError naming the config when it is not in the build
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
     missing = [n for n in TOKENIZER_CLASSES if tokenizer_class_from_name(n) is None]
     if missing:
         raise RuntimeError(f"tokenizer classes missing from this build: {', '.join(missing)}")
-    return len(TOKENIZER_CLASSES)
+    return len(names), len(TOKENIZER_CLASSES)
 
 
 def run(max_tokens: int = 16, timeout: float = 300.0, kv_mode: str = "fp16") -> SelfTestReport:
@@ -114,7 +122,7 @@ def run(max_tokens: int = 16, timeout: float = 300.0, kv_mode: str = "fp16") -> 
     client = WorkerClient()
     try:
         r.step = "bundle"
-        r.tokenizer_classes = check_bundle()
+        r.catalog_configs, r.tokenizer_classes = check_bundle()
 
         r.step = "worker start"
         t = time.perf_counter()

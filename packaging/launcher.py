@@ -4,6 +4,7 @@
     RotaryQuant --self-test     headless check: worker, embedded model, a few tokens (no Qt)
     RotaryQuant --cli ARGS...   the `rotaryquant` command line inside the bundle
     RotaryQuant --version
+    RotaryQuant --gui-smoke     open the window, wait for the model, close it (for tests)
 
 The engine's worker is a multiprocessing "spawn" child that re-runs this executable, so
 `freeze_support()` must come first, before Qt or MLX are imported: in the child it runs the

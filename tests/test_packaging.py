@@ -298,8 +298,15 @@ def test_self_test_from_source_is_headless_and_leaves_no_process(tmp_path):
     assert (tmp_path / "home/data/models/SmolLM2-135M-Instruct/model.safetensors").exists()
     assert "Paris" in r["text"] and 0 < r["generated_tokens"] <= 12
     assert r["tokenizer_classes"] == len(selftest.TOKENIZER_CLASSES)
+    assert r["catalog_configs"] > 0
     assert r["worker_stopped"] and r["worker_pid"] and not running(r["worker_pid"])
     assert _session_alive(p.pid) == []
+
+
+def test_self_test_names_a_config_missing_from_the_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROTARYQUANT_CONFIGS", str(tmp_path))  # an empty configs folder
+    r = selftest.run(timeout=30)
+    assert not r.ok and r.step == "bundle" and "qwen3-30b-a3b" in r.error
 
 
 @pytest.mark.slow  # imports transformers (~3 s)

@@ -97,7 +97,7 @@ def test_frozen_self_test(build, tmp_path):
     # App data goes to the data dir, never into the bundle.
     assert (tmp_path / "home/data/models/SmolLM2-135M-Instruct/model.safetensors").is_file()
     assert "Paris" in r["text"] and r["generated_tokens"] > 0 and r["decode_tps"] > 0
-    assert r["tokenizer_classes"] > 0 and "isoquant3" in r["kv_modes"]
+    assert r["tokenizer_classes"] > 0 and r["catalog_configs"] > 0 and "isoquant3" in r["kv_modes"]
     # With no LD_PRELOAD given, the launcher hands the system OpenBLAS (if any) to the worker.
     blas = launcher.prefer_system_blas({}) if not MACOS else None
     assert r["blas_preload"] == (blas or "")
