@@ -10,7 +10,8 @@ run: greedy decode of the same prompt
     1. paged, page cache warm (the expert files were just written and fit in RAM),
     2. paged, cold: every record's pages dropped before the run and after each read
        (posix_fadvise DONTNEED), so every miss reads the disk,
-    3. fully resident (`load_converted`),
+    3. paged, warm, with `async_eval` (each layer's experts start computing at once),
+    4. fully resident (`load_converted`),
     reporting tok/s, hit rate, bytes read per token, read bandwidth (bytes / time stalled
     on reads), host time on index read-backs, peak GPU memory (mx.get_peak_memory) and RSS,
     and whether the paged tokens equal the resident ones.
@@ -192,12 +193,13 @@ def run(folder: Path, budget: float, n: int, small: bool) -> dict:
     budget_bytes = int(budget * 1e9) if not small else eb // 2
     res = {}
 
-    def paged(cold: bool):
+    def paged(cold: bool, async_eval: bool = False):
         def go():
             if cold:
                 _drop_cache(folder)
             t = time.perf_counter()
-            lm = load_paged(folder, budget_bytes, drop_page_cache=cold, read_threads=8)
+            lm = load_paged(folder, budget_bytes, drop_page_cache=cold, read_threads=8,
+                            async_eval=async_eval)
             load_s = time.perf_counter() - t
             d = _decode(lm.model, n)
             d["load_s"] = load_s
@@ -205,7 +207,8 @@ def run(folder: Path, budget: float, n: int, small: bool) -> dict:
             return d
         return go
 
-    for name, fn in (("paged_warm_cache", paged(False)), ("paged_cold", paged(True))):
+    for name, fn in (("paged_warm_cache", paged(False)), ("paged_cold", paged(True)),
+                     ("paged_warm_cache_async_eval", paged(False, async_eval=True))):
         res[name] = _measure(fn)
         r = res[name]
         print(f"{name}: {r['decode_tps']:.2f} tok/s, hit {r['hit_rate']:.1%}, "
@@ -226,7 +229,7 @@ def run(folder: Path, budget: float, n: int, small: bool) -> dict:
     r = res["resident"]
     print(f"resident: {r['decode_tps']:.2f} tok/s, peak {r['peak_memory'] / 1e9:.1f} GB, "
           f"load {r['load_s']:.0f} s", flush=True)
-    for k in ("paged_warm_cache", "paged_cold"):
+    for k in ("paged_warm_cache", "paged_cold", "paged_warm_cache_async_eval"):
         res[k]["identical_to_resident"] = res[k]["tokens"] == res["resident"]["tokens"]
         res[k]["speed_vs_resident"] = res[k]["decode_tps"] / r["decode_tps"]
     for v in res.values():

@@ -224,3 +224,11 @@ def test_paged_model_holds_no_expert_parameters(converted):
     per_layer = lm.model.rq_pager.stats()["layers"]
     with ExpertStore(folder) as st:
         assert sorted(per_layer) == sorted(str(x) for x in st.layers)
+
+
+def test_async_eval_option_is_identical(converted):
+    """Starting each layer's experts at once must not let a later read overwrite their slots."""
+    folder, toks, lps = converted("qwen2_moe")
+    lm = load_paged(folder, expert_bytes(folder) // 3, async_eval=True)
+    _assert_same(lm.model, toks, lps, n=40)
+    assert lm.model.rq_pager.stats()["evictions"] > 0

@@ -69,6 +69,8 @@ class PagerOptions:
     always_resolve: bool = False  # read indices back even when all experts are resident
     zero_copy: bool | None = None  # preadv into slot memory; None: on unless CUDA
     drop_page_cache: bool = False  # posix_fadvise DONTNEED after each read (cold-disk runs)
+    async_eval: bool = False  # start each paged call's experts at once (device busy while
+    # Python builds the graph to the next sync); measured in benchmarks, off until it pays
 
     def __post_init__(self):
         if self.read_threads < 1:
@@ -275,6 +277,10 @@ class ExpertPager:
         """Keep a call's output: the next call evaluates it before moving its slots."""
         if not (self.full and not self.options.always_resolve):
             self._pending.append(out)
+            if self.options.async_eval:
+                import mlx.core as mx
+
+                mx.async_eval(out)  # compute it while Python builds the graph to the next sync
 
     def release(self) -> None:
         """Unpin everything: every computation reading the slots has been evaluated."""
