@@ -37,7 +37,7 @@ test: setup
 	$(RUNENV) QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check app tests benchmarks
+	$(PY) -m ruff check app tests benchmarks scripts packaging
 
 bench: setup
 	$(RUNENV) $(PY) benchmarks/generate.py
