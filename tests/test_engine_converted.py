@@ -33,6 +33,7 @@ def test_plan_is_applied_and_reported(converted):
     info = e.load(converted, {"plan": True})
     plan = info.extra["plan"]
     assert plan is not None and plan["reasons"]
+    assert plan["attention_share"]["measured"]  # profiled on this machine, not estimated
     assert info.extra["default_kv_mode"] == plan["kv_modes"].get("full", "fp16")
     # the tiny model fits any machine: nothing is paged
     assert plan["paging"] is False and info.extra["expert_budget"] is None

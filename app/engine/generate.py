@@ -169,6 +169,10 @@ class Engine:
             _register_isoquant_kernels()
         self.unload()
         self.loaded = lm
+        if plan is not None and not plan.attention_share.measured and options.get("profile", True):
+            # The KV rule needs the attention share measured on this machine: profile once
+            # (cached per model, backend and device), then plan again with it.
+            plan = self._profile_and_replan(lm, path, options, plan)
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
         backend = detect()
         modes = self._kv_modes(kv) + (("zipfusion",) if "zipfusion" in backend.kv_modes else ())
@@ -186,6 +190,21 @@ class Engine:
                    "default_kv_mode": self.default_kv_mode},
         )
         return self.info
+
+    def _profile_and_replan(self, lm, path, options: dict, plan):
+        from . import profile
+        from .backend import detect
+
+        b = detect()
+        try:
+            profile.measure_share(lm.model, profile.profile_key(lm.path, b.name, b.device))
+        except Exception as e:  # a failed profile leaves the estimate in place, said so
+            from dataclasses import replace
+
+            return replace(plan, reasons=(*plan.reasons, f"attention profile failed ({e}); share estimated"))
+        opts = dict(options)
+        opts.setdefault("expert_budget", plan.expert_budget if plan.paging else None)
+        return self._plan(path, opts)
 
     @staticmethod
     def _plan(path, options: dict):
