@@ -89,3 +89,24 @@ def test_isoquant_mode_saves_kv_bytes(smol_engine):
     kv = smol_engine.kv_stats()
     assert kv["mode"] == "isoquant3" and kv["tokens"] >= len(ids)
     assert kv["used_bytes"] * 4 < kv["fp16_bytes"]  # 3-bit codes + norms vs 16-bit values
+
+
+def test_cpu_float_dense_weights_match_quantized(smollm2_path):
+    """On the CPU backend the dense layers are dequantized once (fast sgemm); the logits equal
+    the quantized model's up to float rounding."""
+    import mlx.core as mx
+
+    from app.engine.backend import detect
+
+    quant, flt = Engine(), Engine()
+    quant.load(smollm2_path, {"cpu_float_weights": False})
+    info = flt.load(smollm2_path)
+    ids = mx.array([quant.encode_text("To be, or not to be, that is the question.")])
+    a = quant.loaded.model(ids).astype(mx.float32)
+    b = flt.loaded.model(ids).astype(mx.float32)
+    if detect().name != "cpu":
+        assert info.extra["cpu_float_dense_bytes"] == 0
+        return
+    assert info.extra["cpu_float_dense_bytes"] > 4 * quant.info.weight_bytes
+    assert mx.argmax(a, -1).tolist() == mx.argmax(b, -1).tolist()
+    assert (mx.linalg.norm(a - b) / mx.linalg.norm(a)).item() < 1e-2

@@ -167,6 +167,11 @@ class Engine:
         if kv is not None and hasattr(kv, "install"):
             kv.install(lm.model)
             _register_isoquant_kernels()
+        float_dense = 0
+        if detect().name == "cpu" and options.get("cpu_float_weights", True):
+            from .cpu_weights import dequantize_dense
+
+            float_dense = dequantize_dense(lm.model)
         self.unload()
         self.loaded = lm
         if plan is not None and not plan.attention_share.measured and options.get("profile", True):
@@ -186,6 +191,7 @@ class Engine:
             backend=backend.name,
             load_seconds=time.perf_counter() - t0,
             extra={"plan": plan.to_dict() if plan else None,
+                   "cpu_float_dense_bytes": float_dense,
                    "expert_budget": options.get("expert_budget"),
                    "default_kv_mode": self.default_kv_mode},
         )
