@@ -1,22 +1,30 @@
 """Expert pager: decode speed against the fraction of experts resident.
 
-Model: Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of width 768, top-8, 151,936-token
-vocabulary) with fewer layers, random weights written directly in the converted format at the
-default role widths (dense 4-bit, routed 2-bit: 1.47 MB per expert record). Random routers
-route nearly uniformly: no temporal locality, so this is the pager's hard case.
+Model: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of width 768, top-8; attention
+32 q / 4 kv heads of 128) with 4 layers and a 32K vocabulary (the lm_head is not what is
+measured), random weights written directly in the converted format (`offload.synth`) at the
+default role widths (dense 4-bit, routed 2-bit: 1.47 MB per expert record). The decode feeds
+a random token stream (teacher forcing, pipelined like mlx-lm's generate_step), so routing is
+random: the pager's hard case.
 
 1. Side by side in one process, interleaved trials: the plain resident model
    (`load_converted`), the pager with every expert resident (no index read-back), and the same
-   with the read-back forced on every MoE layer (`always_resolve`): the overhead at 100%
+   pager with the read-back forced on every MoE layer (`always_resolve`): the overhead at 100%
    residency and the cost of reading indices back to the host.
 2. One fresh subprocess per resident fraction (100% ... 10%): decode tok/s, hit rate, bytes
    read per token, host time stalled on reads and on read-backs, peak RSS (psutil, sampled),
-   and whether the tokens equal the plain model's. Reads come from the OS page cache (the
-   file fits in RAM) unless `cold`: then each record's pages are dropped after it is read
-   (posix_fadvise DONTNEED), so every miss goes to the disk.
+   and whether every step's argmax equals the plain model's. Reads come from the OS page
+   cache (the file fits in RAM) unless `cold`: then each record's pages are dropped after it
+   is read (posix_fadvise DONTNEED), so every miss goes to the disk.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        .venv/bin/python benchmarks/pager.py            # --layers 8 --tokens 48 --trials 3
+MLX's CPU quantized matmuls are slow (a 2048x4096 4-bit matvec ~60 ms on this 2-core VM), so
+with the default widths compute hides the reads; the float32 variant (BLAS matmuls, 18.9 MB
+expert records) is where reads show on a CPU:
+
+    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+    .venv/bin/python benchmarks/pager.py                       # -> results/pager.json
+    .venv/bin/python benchmarks/pager.py --layers 2 --dtype float32 \
+        --widths dense=float,routed=float,shared=float --out benchmarks/results/pager_float32.json
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +54,7 @@ QWEN3_30B_SHAPE = {
 FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.1)
 COLD = (0.5, 0.1)
 PROMPT_LEN = 4  # short: CPU quantized matmuls over many (token, expert) pairs are slow
-WARMUP = 6  # decode tokens before timing: the LRU reaches its steady state
+WARMUP = 6  # decode steps before timing (--warmup): longer reaches the LRU's steady state
 
 
 def machine() -> dict:
@@ -62,16 +71,17 @@ def config(layers: int, vocab: int) -> dict:
     return dict(QWEN3_30B_SHAPE, num_hidden_layers=layers, vocab_size=vocab)
 
 
-def build(folder: Path, cfg: dict, widths: str):
+def build(folder: Path, cfg: dict, widths: str, dtype: str):
     from app.engine.manifest import Manifest
     from app.engine.offload.synth import write_random_converted
     from app.engine.quant.widths import RoleWidths
 
     man = Manifest.load(folder) if folder.exists() else None
-    want = {"config": cfg, "widths": widths}
+    want = {"config": cfg, "widths": widths, "dtype": dtype}
     if man is None or man.extra.get("bench_config") != want:
         t = time.perf_counter()
-        man = write_random_converted(cfg, folder, RoleWidths.parse(widths), seed=0)
+        man = write_random_converted(cfg, folder, RoleWidths.parse(widths), seed=0,
+                                     dtype=dtype)
         man.extra["bench_config"] = want
         man.extra["build_seconds"] = round(time.perf_counter() - t, 1)
         man.save(folder)
@@ -86,25 +96,39 @@ def expert_bytes(folder: Path) -> int:
                    for x in st.layers)
 
 
-def prompt():
-    import mlx.core as mx
+def stream(n: int) -> list[int]:
     import numpy as np
 
-    return mx.array(np.random.default_rng(1).integers(0, 1000, PROMPT_LEN).tolist())
+    return np.random.default_rng(1).integers(0, 1000, PROMPT_LEN + WARMUP + n).tolist()
 
 
 def decode(model, n: int) -> tuple[list[int], float]:
-    """Greedy tokens and the seconds of decode after WARMUP tokens (prefill excluded)."""
-    from mlx_lm.generate import generate_step
+    """Teacher-forced decode of a random token stream (random routing: a random model's own
+    greedy output soon repeats a few tokens, and so its experts), pipelined like mlx-lm's
+    generate_step (step i+1's graph is built while step i computes). Returns each step's
+    argmax and the seconds of the n steps after the prompt and WARMUP steps."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
-    toks, t0 = [], None
-    for tok, _ in generate_step(prompt(), model, max_tokens=WARMUP + n):
-        toks.append(int(tok))
-        if len(toks) == WARMUP:
+    toks = stream(n)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([toks[:PROMPT_LEN]]), cache=cache)[:, -1])
+    out, prev, t0 = [], None, None
+    for i, t in enumerate(toks[PROMPT_LEN:]):
+        if i == WARMUP:
+            if prev is not None:
+                out.append(prev.item())
+                prev = None
             if hasattr(model, "rq_pager"):
                 model.rq_pager.reset_stats()
             t0 = time.perf_counter()
-    return toks, time.perf_counter() - t0
+        y = mx.argmax(model(mx.array([[t]]), cache=cache)[:, -1], axis=-1)
+        mx.async_eval(y)
+        if prev is not None:
+            out.append(prev.item())
+        prev = y
+    out.append(prev.item())
+    return out, time.perf_counter() - t0
 
 
 class PeakRSS:
@@ -171,16 +195,25 @@ def side_by_side(folder: Path, n: int, trials: int) -> dict:
     from app.engine.quant.converted import load_converted
 
     eb = expert_bytes(folder)
-    models = {"plain": load_converted(folder).model,
-              "paged_full": load_paged(folder, eb).model,
-              "paged_full_readback": load_paged(folder, eb, always_resolve=True).model}
+    plain, paged = load_converted(folder).model, load_paged(folder, eb).model
+    opts = paged.rq_pager.options
+    # one paged model, its read-back switched per run (the pool is full either way)
+    models = {"plain": (plain, None), "paged_full": (paged, False),
+              "paged_full_readback": (paged, True)}
+
+    def run(k, count):
+        m, readback = models[k]
+        if readback is not None:
+            m.rq_pager.options = replace(opts, always_resolve=readback)
+        return decode(m, count)
+
     times = {k: [] for k in models}
     tokens = {}
-    for k, m in models.items():  # warm-up
-        tokens[k] = decode(m, 4)[0]
+    for k in models:  # warm-up
+        tokens[k] = run(k, 4)[0]
     for _ in range(trials):
-        for k, m in models.items():
-            toks, secs = decode(m, n)
+        for k in models:
+            toks, secs = run(k, n)
             times[k].append(secs / n)
             tokens[k] = toks
     best = {k: min(v) for k, v in times.items()}
@@ -195,43 +228,55 @@ def side_by_side(folder: Path, n: int, trials: int) -> dict:
 
 
 def main():
+    global WARMUP
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768,
                     help="smaller than Qwen3's 151,936: the lm_head is not what is measured")
     ap.add_argument("--widths", default="", help="role widths, e.g. routed=float (default: "
                     "the app's: dense 4, routed 2, shared 8)")
+    ap.add_argument("--dtype", default="bfloat16", help="float dtype (float32: CPU BLAS)")
+    ap.add_argument("--part", choices=("all", "side", "sweep"), default="all",
+                    help="side by side only / sweep only (merged into an existing --out)")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=WARMUP)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-bench"))
     ap.add_argument("--child", type=float, default=None)
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pager.json"))
     a = ap.parse_args()
+    WARMUP = a.warmup
     cfg = config(a.layers, a.vocab)
     tag = a.widths.replace("=", "").replace(",", "-").replace("/", "g") or "default"
-    folder = Path(a.workdir) / f"qwen3-30b-shape-{a.layers}L-{a.vocab}v-{tag}"
+    folder = Path(a.workdir) / f"qwen3-30b-shape-{a.layers}L-{a.vocab}v-{tag}-{a.dtype}"
     if a.child is not None:
         print(json.dumps(child(folder, a.child, a.tokens, a.cold)))
         return
     t = time.perf_counter()
-    man = build(folder, cfg, a.widths)
+    man = build(folder, cfg, a.widths, a.dtype)
     print(f"model: {folder} ({man.total_bytes / 1e9:.2f} GB, experts "
           f"{expert_bytes(folder) / 1e9:.2f} GB; built in {time.perf_counter() - t:.0f} s)")
-    sbs = side_by_side(folder, a.tokens, a.trials)
+    prev = json.loads(Path(a.out).read_text()) if a.part != "all" and Path(
+        a.out).exists() else {}
+    if a.part == "sweep":
+        sbs = prev["side_by_side"]
+    else:
+        sbs = side_by_side(folder, a.tokens, a.trials)
     print(f"side by side ({a.trials} trials, {a.tokens} tokens, best): " + ", ".join(
         f"{k} {v:.1f} ms/tok" for k, v in sbs["best_ms_per_token"].items()))
     print(f"overhead at 100% residency: {sbs['overhead_full_residency_pct']:+.2f}%  "
           f"(with index read-back: {sbs['overhead_readback_pct']:+.2f}%)  "
           f"identical tokens: {sbs['identical_tokens']}")
-    runs = []
-    for frac, cold in [(f, False) for f in FRACTIONS] + [(f, True) for f in COLD]:
+    runs = prev.get("fractions", []) if a.part == "side" else []
+    for frac, cold in [] if a.part == "side" else (
+            [(f, False) for f in FRACTIONS] + [(f, True) for f in COLD]):
         cmd = [sys.executable, __file__, "--layers", str(a.layers), "--tokens", str(a.tokens),
                "--vocab", str(a.vocab), "--widths", a.widths, "--workdir", a.workdir,
-               "--child", str(frac)] + (["--cold"] if cold else [])
+               "--dtype", a.dtype, "--warmup", str(a.warmup), "--child", str(frac)] + (["--cold"] if cold else [])
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                       text=True).stdout.strip().splitlines()[-1])
-        r["identical_to_plain"] = r.pop("tokens") == sbs["plain_tokens"][:WARMUP + a.tokens]
+        r["identical_to_plain"] = r.pop("tokens") == sbs["plain_tokens"]
         runs.append(r)
     hdr = (f"{'resident':>8} {'cold':>5} {'tok/s':>7} {'hit':>6} {'MB read/tok':>11} "
            f"{'read ms/tok':>11} {'sync ms/tok':>11} {'GB/s':>6} {'peak RSS':>9} "
@@ -244,15 +289,15 @@ def main():
               f"{r['read_ms_per_token']:>11.1f} {r['readback_ms_per_token']:>11.1f} "
               f"{gbps:>6} {r['peak_rss'] / 2**30:>8.2f}G "
               f"{r['overhead_rss'] / 2**20:>7.0f}M {str(r['identical_to_plain']):>5}")
-    sbs.pop("plain_tokens")
     result = {
         "machine": machine(),
         "model": {"shape": "Qwen3-30B-A3B dims", "layers": a.layers, "vocab": a.vocab,
                   "total_bytes": man.total_bytes, "expert_bytes": expert_bytes(folder),
-                  "widths": man.extra.get("widths"), "weights": "random (synth)"},
+                  "widths": man.extra.get("widths"), "dtype": a.dtype,
+                  "weights": "random (synth)"},
         "settings": {"prompt_tokens": PROMPT_LEN, "warmup_tokens": WARMUP,
                      "timed_tokens": a.tokens, "trials": a.trials, "batch": 1,
-                     "sampler": "greedy"},
+                     "driver": "teacher-forced random tokens, pipelined like generate_step"},
         "overhead_full_residency_pct": sbs["overhead_full_residency_pct"],
         "side_by_side": sbs,
         "fractions": runs,
@@ -262,8 +307,11 @@ def main():
             " miss reads the disk.",
             "overhead_rss = peak RSS - RSS before load - dense weights - slot pool: the "
             "pager's fixed overhead plus MLX activations, KV cache and allocator slack.",
-            "Random routers route uniformly: hit rate ~ resident fraction; real routers have "
-            "locality.",
+            "Routing: a random token stream is fed (teacher forcing), so routing is random; "
+            "real routers have locality and hit more. tokens compared = per-step argmax.",
+            "read ms/tok: host time stalled on reads; sync ms/tok: host time blocked reading "
+            "indices back, which includes waiting for the computation up to each router (not "
+            "overhead by itself: see side_by_side.overhead_readback_pct).",
         ],
     }
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -18,6 +18,12 @@ run: greedy decode of the same prompt
 
     python benchmarks/pager_nemotron_super.py build --workdir /tmp/rq-super
     python benchmarks/pager_nemotron_super.py run --workdir /tmp/rq-super --out $OUT/x.json
+
+On the H200 machine (no network, 64 GiB disk, nothing of MLX installed): the MLX CUDA wheel
+(mlx-cuda-13 0.32.4, 90 MB) is over one call's 64 MiB, so it travels in two halves (`split
+-b 46M`) in two back-to-back calls while the machine stays warm, then mlx, mlx-cuda-13 and
+mlx-lm install with `pip --target /tmp/site`; the image has their other dependencies. Disk:
+40.7 GB for the model. Time: build ~3-6 min, run ~4-5 min (estimates).
 """
 
 from __future__ import annotations
