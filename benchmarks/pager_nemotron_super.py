@@ -16,8 +16,8 @@ run: greedy decode of the same prompt
     on reads), host time on index read-backs, peak GPU memory (mx.get_peak_memory) and RSS,
     and whether the paged tokens equal the resident ones.
 
-    python benchmarks/pager_nemotron_super.py build --workdir /tmp/rq-super
-    python benchmarks/pager_nemotron_super.py run --workdir /tmp/rq-super --out $OUT/x.json
+    python benchmarks/pager_nemotron_super.py build --workdir /var/tmp/rq-super
+    python benchmarks/pager_nemotron_super.py run --workdir /var/tmp/rq-super --out $OUT/x.json
 
 On the H200 machine (no network, 64 GiB disk, nothing of MLX installed): the MLX CUDA wheel
 (mlx-cuda-13 0.32.4, 90 MB) is over one call's 64 MiB, so it travels in two halves (`split
@@ -93,6 +93,19 @@ def probe() -> None:
         raise SystemExit("2-bit gather_qmm disagrees with the CPU on this backend")
 
 
+def fstype(path: Path) -> str:
+    """Filesystem type under `path` (tmpfs would make the cold-cache run meaningless)."""
+    best, kind = "", "?"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            mnt, fs = line.split()[1], line.split()[2]
+            if str(path).startswith(mnt) and len(mnt) > len(best):
+                best, kind = mnt, fs
+    except OSError:
+        pass
+    return kind
+
+
 def build(folder: Path, small: bool) -> dict:
     from app.engine.offload.synth import write_random_converted
     from app.engine.sizes import sizes_for
@@ -106,6 +119,9 @@ def build(folder: Path, small: bool) -> dict:
             raise SystemExit(f"not enough disk at {folder.parent}: {free / 1e9:.1f} GB free, "
                              f"{need / 1e9:.1f} GB needed")
     folder.parent.mkdir(parents=True, exist_ok=True)
+    fs = fstype(folder.parent.resolve())
+    print(f"workdir {folder.parent} on {fs}" + ("  (RAM-backed: the cold run reads no disk)"
+                                                 if fs == "tmpfs" else ""))
     t0, last = time.perf_counter(), [0.0]
 
     def progress(item, done, total):
@@ -118,7 +134,7 @@ def build(folder: Path, small: bool) -> dict:
     man = write_random_converted(cfg, folder, seed=0, progress=progress)
     secs = time.perf_counter() - t0
     print(f"built {folder} ({man.total_bytes / 1e9:.1f} GB) in {secs:.0f} s")
-    return {"seconds": secs, "bytes": man.total_bytes}
+    return {"seconds": secs, "bytes": man.total_bytes, "filesystem": fs}
 
 
 def _prompt():
@@ -246,7 +262,7 @@ def run(folder: Path, budget: float, n: int, small: bool) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phase", choices=("build", "run", "all"))
-    ap.add_argument("--workdir", default="/tmp/rq-super")
+    ap.add_argument("--workdir", default="/var/tmp/rq-super")
     ap.add_argument("--budget-gb", type=float, default=BUDGET_GB)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="scaled-down shapes (CPU check)")
@@ -264,6 +280,7 @@ def main():
             probe()
         result["build"] = build(folder, a.small)
     if a.phase in ("run", "all"):
+        result["filesystem"] = fstype(folder.resolve())
         result["run"] = run(folder, a.budget_gb, a.tokens, a.small)
         out = Path(a.out) if a.out else (
             ROOT / "benchmarks" / "results" / ("pager_nemotron_super_small.json" if a.small
