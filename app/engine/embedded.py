@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .fsutil import atomic_folder
 from .manifest import Manifest
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -140,9 +138,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
         "quantization": {"group_size": int(group), "bits": int(bits)},
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), out_w, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _build_tokenizer(meta, tmp)
@@ -155,12 +151,6 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             total_bytes=nbytes,
             extra={"converter": "gguf", "converter_version": CONVERTER_VERSION},
         ).save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from .fsutil import atomic_folder
 from .manifest import Manifest
 
 TINY_VOCAB = 1000
@@ -239,9 +238,7 @@ def make_random_model(
     _randomize(model, seed, scale)
     weights = dict(tree_flatten(model.parameters()))
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_folder(folder) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         config.setdefault("eos_token_id", 2)
         config["torch_dtype"] = dtype
@@ -255,10 +252,4 @@ def make_random_model(
             source=f"random:seed={seed}",
             total_bytes=nbytes,
         ).save(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder

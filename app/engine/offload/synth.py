@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from ..fsutil import atomic_folder
 from ..manifest import Manifest
 from ..quant.roles import expert_modules, plan_params, width_for
 from ..quant.safetensors_io import OutTensor, ShardedWriter
@@ -98,11 +98,7 @@ def write_random_converted(
     rng = np.random.default_rng(seed)
 
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".{folder.name}.rq-synth-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_folder(folder) as tmp:
         # dense tensors
         per_plan = [_quant_outputs(p.name, p.shape, p.width, dtype) if p.width is not None
                     else [OutTensor(p.name, dtype, p.shape)] for p in plans]
@@ -192,12 +188,6 @@ def write_random_converted(
             extra={"widths": widths.to_dict(), "synthesized": {
                 "seconds": round(time.perf_counter() - t0, 1), "dense_bytes": dense_bytes}})
         man.save(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return man
 
 
