@@ -80,8 +80,8 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
     return header
 
 
-def check_folder(path: str | os.PathLike) -> tuple[dict, Manifest | None]:
-    """Check that `path` is a loadable model folder; return its config and manifest."""
+def read_config(path: str | os.PathLike) -> dict:
+    """`path`/config.json, checked to be a JSON object with a model_type. Raises ModelLoadError."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError("no such folder", str(path))
@@ -96,6 +96,14 @@ def check_folder(path: str | os.PathLike) -> tuple[dict, Manifest | None]:
         raise ModelLoadError(f"config.json is not valid JSON: {e}", str(cfg_path)) from e
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError("config.json has no model_type", str(cfg_path))
+    return config
+
+
+def check_folder(path: str | os.PathLike) -> tuple[dict, Manifest | None]:
+    """Check that `path` is a loadable model folder; return its config and manifest."""
+    path = Path(path)
+    config = read_config(path)
+    cfg_path = path / "config.json"
     model_type = config["model_type"]
     if not _architecture_supported(config):
         raise UnsupportedArchitectureError(

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import EngineError, ModelLoadError
+from ..loader import read_config
 from ..manifest import MANIFEST_NAME, Manifest
 from ..offload.records import LayerLayout, LayerWriter, experts_section
 from .experts_src import QuantSrc, find_expert_sources, infer_quant
@@ -129,21 +130,6 @@ def _clean_stale_partials(dst: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _read_config(src: Path) -> dict:
-    if not src.is_dir():
-        raise ModelLoadError("no such folder" if not src.exists() else "not a folder", str(src))
-    path = src / "config.json"
-    if not path.exists():
-        raise ModelLoadError("not a model folder: config.json is missing", str(src))
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"config.json is not valid JSON: {e}", str(path)) from e
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ModelLoadError("config.json has no model_type", str(path))
-    return config
-
-
 def _build_model(config: dict, src: Path):
     from mlx_lm.utils import _get_classes
 
@@ -181,7 +167,7 @@ def convert(
     if isinstance(widths, str):
         widths = RoleWidths.parse(widths)
     widths = widths or RoleWidths()
-    config = _read_config(src)
+    config = read_config(src)
     rules = rules_for(config["model_type"])
     src_man = Manifest.load(src)
     if src_man is not None and src_man.experts:
