@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,52 @@ def architecture_module(model_type: str):
     return importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
 
 
+@contextmanager
+def weight_errors(path: Path, keep: tuple[type[BaseException], ...] = ()):
+    """Turn mlx-lm's weight-loading errors into ModelLoadError naming `path`; `keep` passes."""
+    try:
+        yield
+    except keep:
+        raise
+    except ValueError as e:
+        # mlx-lm raises ValueError for weights that don't match the config (missing/extra keys,
+        # wrong shapes).
+        raise ModelLoadError(f"weights do not match config.json: {e}", str(path)) from e
+    except (OSError, RuntimeError) as e:
+        raise ModelLoadError(f"could not read weights: {e}", str(path)) from e
+
+
+def sanitized_weights(path: Path):
+    """The lazily built model of `path` with its sanitized safetensors, not yet loaded ->
+    (model, config, weights). strict=False: a converted folder's routed experts are not in
+    the safetensors. Call inside `weight_errors`."""
+    import glob
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(path, lazy=True, strict=False)
+    weights = {}
+    for wf in sorted(glob.glob(str(path / "model*.safetensors"))):
+        weights.update(mx.load(wf))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    return model, config, weights
+
+
+def folder_tokenizer(path: Path, config: dict):
+    """mlx-lm's tokenizer of `path`. Raises ModelLoadError."""
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizers raise many types; all mean the same to the user
+        raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
+
+
 def load(path: str | os.PathLike, lazy: bool = False) -> LoadedModel:
     """Load a model folder. Raises ModelLoadError naming the file and the reason."""
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model
 
     path = Path(path).resolve()
     config, manifest = check_folder(path)
@@ -156,16 +200,6 @@ def load(path: str | os.PathLike, lazy: bool = False) -> LoadedModel:
         from .quant.converted import load_converted
 
         return load_converted(path, lazy=lazy)
-    try:
+    with weight_errors(path):
         model, config = load_model(path, lazy=lazy)
-    except ValueError as e:
-        # mlx-lm raises ValueError for weights that don't match the config (missing/extra keys,
-        # wrong shapes).
-        raise ModelLoadError(f"weights do not match config.json: {e}", str(path)) from e
-    except (OSError, RuntimeError) as e:
-        raise ModelLoadError(f"could not read weights: {e}", str(path)) from e
-    try:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except Exception as e:  # tokenizers raise many types; all mean the same to the user
-        raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
-    return LoadedModel(model, tokenizer, config, path, manifest)
+    return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 
 from ..errors import ModelLoadError
 from .layers import install
 from .pager import BudgetError, ExpertPager, PagerOptions
-from .records import ExpertRecordError, ExpertStore
+from .records import ExpertStore
 
 
 def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
@@ -19,9 +18,14 @@ def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
     drop_page_cache)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model, load_tokenizer
 
-    from ..loader import LoadedModel, check_folder
+    from ..loader import (
+        LoadedModel,
+        check_folder,
+        folder_tokenizer,
+        sanitized_weights,
+        weight_errors,
+    )
 
     opts = PagerOptions(**options)
     path = Path(folder).resolve()
@@ -30,15 +34,11 @@ def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
         raise ModelLoadError("not a converted model with expert records (experts/*.bin): "
                              "convert it first, or load it fully resident", str(path))
     store = ExpertStore(path, manifest.experts)
-    try:
-        # lazy + strict=False: the routed experts are not in the safetensors, and their
-        # randomly initialised stand-ins are dropped unevaluated when the modules are swapped
-        model, config = load_model(path, lazy=True, strict=False)
-        weights = {}
-        for wf in sorted(glob.glob(str(path / "model*.safetensors"))):
-            weights.update(mx.load(wf))
-        if hasattr(model, "sanitize"):
-            weights = model.sanitize(weights)
+    # BudgetError is a ValueError but the user's to mend, not a weights mismatch
+    with weight_errors(path, keep=(BudgetError,)):
+        # the routed experts' randomly initialised stand-ins (lazy) are dropped unevaluated
+        # when the modules are swapped
+        model, config, weights = sanitized_weights(path)
         pager = ExpertPager(store, budget_bytes, opts)
         install(model, pager)
         expected = {k for k, _ in tree_flatten(model.parameters())}
@@ -48,17 +48,7 @@ def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
             what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
             raise ValueError(f"{what} ({len(missing)} missing, {len(extra)} unexpected)")
         model.load_weights(list(weights.items()), strict=True)
-    except (ExpertRecordError, BudgetError):
-        raise
-    except ValueError as e:
-        raise ModelLoadError(f"weights do not match config.json: {e}", str(path)) from e
-    except (OSError, RuntimeError) as e:
-        raise ModelLoadError(f"could not read weights: {e}", str(path)) from e
     model.eval()
     mx.eval(model.parameters())
     model.rq_pager = pager
-    try:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except Exception as e:  # tokenizers raise many types; all mean the same to the user
-        raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
-    return LoadedModel(model, tokenizer, config, path, manifest)
+    return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)

@@ -8,12 +8,10 @@ replaces the expert modules instead.
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 
-from ..errors import ModelLoadError
-from ..offload.records import ExpertRecordError, ExpertStore
+from ..offload.records import ExpertStore
 
 
 def is_converted(folder: str | os.PathLike) -> bool:
@@ -43,36 +41,26 @@ def load_converted(folder: str | os.PathLike, lazy: bool = False, verify: bool =
     """Load a converted folder fully resident -> `LoadedModel`; folders without expert records
     go through `app.engine.loader.load` unchanged."""
     import mlx.core as mx
-    from mlx_lm.utils import load_model, load_tokenizer
 
-    from ..loader import LoadedModel, check_folder, load
+    from ..loader import (
+        LoadedModel,
+        check_folder,
+        folder_tokenizer,
+        load,
+        sanitized_weights,
+        weight_errors,
+    )
 
     path = Path(folder).resolve()
     config, manifest = check_folder(path)
     if manifest is None or not manifest.experts:
         return load(path, lazy=lazy)
-    try:
-        # strict=False: the routed experts are not in the safetensors; the strict check below
-        # covers dense and experts together.
-        model, config = load_model(path, lazy=True, strict=False)
-        weights = {}
-        for wf in sorted(glob.glob(str(path / "model*.safetensors"))):
-            weights.update(mx.load(wf))
-        if hasattr(model, "sanitize"):
-            weights = model.sanitize(weights)
+    # the strict load covers dense and experts together
+    with weight_errors(path):
+        model, config, weights = sanitized_weights(path)
         weights.update(expert_weights(path, manifest.experts, verify=verify))
         model.load_weights(list(weights.items()), strict=True)
-    except ExpertRecordError:
-        raise
-    except ValueError as e:
-        raise ModelLoadError(f"weights do not match config.json: {e}", str(path)) from e
-    except (OSError, RuntimeError) as e:
-        raise ModelLoadError(f"could not read weights: {e}", str(path)) from e
     model.eval()
     if not lazy:
         mx.eval(model.parameters())
-    try:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except Exception as e:  # tokenizers raise many types; all mean the same to the user
-        raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
-    return LoadedModel(model, tokenizer, config, path, manifest)
+    return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)
