@@ -146,11 +146,13 @@ class _Worker:
         info = self.engine.info
         extra = {}
         model = self.engine.loaded.model if self.engine.loaded else None
-        pager = getattr(model, "rq_pager", None) if model is not None else None
+        pager = getattr(model, "rq_pager", None)
         if pager is not None and hasattr(pager, "stats"):
             extra["pager"] = pager.stats()
+        kv_bytes = 0  # the cache's bytes, summed once (kv_stats has them)
         if self.engine.last_cache is not None:
             extra["kv"] = self.engine.kv_stats()
+            kv_bytes = extra["kv"]["bytes"]
         return M.Stats(
             req_id=req_id,
             time=time.time(),
@@ -159,7 +161,7 @@ class _Worker:
             mlx_peak=int(mx.get_peak_memory()),
             mlx_cache=int(mx.get_cache_memory()),
             weight_bytes=info.weight_bytes if info else 0,
-            kv_bytes=self.engine.cache_nbytes(self.engine.last_cache),
+            kv_bytes=kv_bytes,
             decode_tps=self.decode_tps,
             generating=self.generating,
             extra=extra,
