@@ -369,10 +369,9 @@ class Engine:
         try:
             for token, _logprobs in steps:
                 token = int(token)
-                now = time.perf_counter()
                 if n == 0:
-                    prompt_tps = len(ids) / max(now - t0, 1e-9)
-                    t_decode = now
+                    t_decode = time.perf_counter()
+                    prompt_tps = len(ids) / max(t_decode - t0, 1e-9)
                     yield PromptProcessed(len(ids), prompt_tps)
                 if token in eos:
                     reason = "stop"
