@@ -214,6 +214,12 @@ class ExpertPager:
 
     # -- public ----------------------------------------------------------------------------
     @property
+    def no_readback(self) -> bool:
+        """Every expert resident and no forced read-back: slots are base + expert index.
+        A property: benchmarks swap `options` on a live pager."""
+        return self.full and not self.options.always_resolve
+
+    @property
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
 
@@ -227,7 +233,7 @@ class ExpertPager:
         """Plain numbers for the UI: totals, the configuration and one dict per layer."""
         sb = {layer: self.pool_of[layer].slot_bytes for layer in self.layer_stats}
         out = total(self.layer_stats, sb)
-        out.update(mode="resident" if self.full and not self.options.always_resolve else "paged",
+        out.update(mode="resident" if self.no_readback else "paged",
                    budget_bytes=self.budget_bytes, pool_bytes=self.pool_bytes,
                    expert_bytes=self.expert_bytes,
                    slots=sum(p.num_slots for p in self.pools),
@@ -245,7 +251,7 @@ class ExpertPager:
         import mlx.core as mx
 
         st = self.layer_stats[layer]
-        if self.full and not self.options.always_resolve:
+        if self.no_readback:
             st.hits += indices.size  # every pair hits; counted without reading indices back
             base = self.base[layer]
             return Route(slot_idx=indices + base if base else indices)
@@ -275,7 +281,7 @@ class ExpertPager:
 
     def track(self, out) -> None:
         """Keep a call's output: the next call evaluates it before moving its slots."""
-        if not (self.full and not self.options.always_resolve):
+        if not self.no_readback:
             self._pending.append(out)
             if self.options.async_eval:
                 import mlx.core as mx
