@@ -40,6 +40,12 @@ class LoadedModel:
 
 def read_safetensors_header(path: str | os.PathLike) -> dict:
     """Parse and check a safetensors header against the file's size. Raises ModelLoadError."""
+    return read_safetensors_layout(path)[0]
+
+
+def read_safetensors_layout(path: str | os.PathLike) -> tuple[dict, int]:
+    """The checked header and the file offset where tensor data starts (8 + header length):
+    a tensor's bytes are at that offset + its `data_offsets`."""
     path = Path(path)
     size = path.stat().st_size
     if size < 8:
@@ -78,7 +84,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
         raise ModelLoadError(
             f"safetensors file {what}: expected {8 + n + end} bytes, found {size}", str(path)
         )
-    return header
+    return header, 8 + n
 
 
 def read_config(path: str | os.PathLike) -> dict:

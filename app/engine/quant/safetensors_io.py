@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..loader import read_safetensors_header
+from ..loader import read_safetensors_layout
 
 # safetensors dtype -> (numpy dtype holding the raw bytes, MLX dtype name it becomes)
 _ST = {
@@ -90,9 +90,7 @@ class SafetensorsReader:
             raise ModelLoadError("no weights: no *.safetensors file", str(self.folder))
         for f in files:
             path = self.folder / f
-            header = read_safetensors_header(path)
-            with path.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
+            header, data_start = read_safetensors_layout(path)
             for name, t in header.items():
                 if name == "__metadata__":
                     continue
@@ -104,7 +102,7 @@ class SafetensorsReader:
                                          f"({self.tensors[name].file.name} and {f})", str(path))
                 lo, hi = t["data_offsets"]
                 self.tensors[name] = TensorInfo(name, path, t["dtype"], tuple(t["shape"]),
-                                                8 + n + lo, hi - lo)
+                                                data_start + lo, hi - lo)
         if weight_map is not None:
             for name, f in weight_map.items():
                 info = self.tensors.get(name)
