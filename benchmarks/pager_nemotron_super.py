@@ -204,7 +204,8 @@ def _measure(fn) -> dict:
     return out
 
 
-def run(folder: Path, budget: float, n: int, small: bool) -> dict:
+def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None) -> dict:
+    """The four runs; `save(partial)` after each, so a run cut short keeps what it measured."""
     from app.engine.offload import load_paged
     from app.engine.offload.records import ExpertStore
     from app.engine.quant.converted import load_converted
@@ -238,6 +239,7 @@ def run(folder: Path, budget: float, n: int, small: bool) -> dict:
               f"{(r['read_GBps'] or 0):.2f} GB/s, read-back {r['readback_ms_per_token']:.1f} "
               f"ms/tok, peak {r['peak_memory'] / 1e9:.1f} GB, load {r['load_s']:.0f} s",
               flush=True)
+        save(res)
 
     def resident():
         t = time.perf_counter()
@@ -281,11 +283,15 @@ def main():
         result["build"] = build(folder, a.small)
     if a.phase in ("run", "all"):
         result["filesystem"] = fstype(folder.resolve())
-        result["run"] = run(folder, a.budget_gb, a.tokens, a.small)
         out = Path(a.out) if a.out else (
             ROOT / "benchmarks" / "results" / ("pager_nemotron_super_small.json" if a.small
                                                else "pager_nemotron_super_h200.json"))
-        out.write_text(json.dumps(result, indent=2) + "\n")
+
+        def save(part, done=False):
+            result["run"] = part if done else {"partial": True, **part}
+            out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+        save(run(folder, a.budget_gb, a.tokens, a.small, save=save), done=True)
         print(f"wrote {out}")
 
 
