@@ -232,3 +232,52 @@ def test_async_eval_option_is_identical(converted):
     lm = load_paged(folder, expert_bytes(folder) // 3, async_eval=True)
     _assert_same(lm.model, toks, lps, n=40)
     assert lm.model.rq_pager.stats()["evictions"] > 0
+
+
+def _window_limit(folder, slots: int) -> int:
+    """An index limit that lets one call span `slots` slots of the first layer's pool."""
+    with ExpertStore(folder) as st:
+        lay = st.layout(st.layers[0])
+    per = 1
+    for t in lay.tensors:
+        n = int(np.prod(t.shape))
+        q = lay.quantization.get(t.name.split(".")[0])
+        if t.name.endswith(".weight") and q is not None:
+            n = n * 32 // q["bits"]
+        per = max(per, n)
+    return slots * per + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [1.0, 0.5])
+def test_slot_windows_are_bit_identical(converted, monkeypatch, frac):
+    """CUDA's slot windows (32-bit weight offsets) and 8-row padding, forced on any backend:
+    windows of 3 slots, parts padded up to 64 rows."""
+    from app.engine.offload import layers
+
+    folder, toks, lps = converted("qwen3_moe")
+    monkeypatch.setattr(layers, "_index_limit", lambda: _window_limit(folder, 3))
+    monkeypatch.setattr(layers, "QMV_ROWS", 64)
+    calls = []
+    real = layers._PagedSwitch._call_windows
+    monkeypatch.setattr(layers._PagedSwitch, "_call_windows",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    lm = load_paged(folder, int(expert_bytes(folder) * frac))
+    mods = [m for _, m in lm.model.named_modules() if isinstance(m, PagedSwitchGLU)]
+    assert mods and all(m._window == 3 for m in mods)
+    _assert_same(lm.model, toks, lps, n=40)
+    assert (len(calls) > 0) == (frac < 1.0)  # all resident: each layer's own 8 slots, no split
+
+
+@pytest.mark.slow
+def test_groups_with_slot_windows_are_bit_identical(converted, monkeypatch):
+    from app.engine.offload import layers
+
+    folder, toks, lps = converted("nemotron_h")
+    monkeypatch.setattr(layers, "_index_limit", lambda: _window_limit(folder, 3))
+    monkeypatch.setattr(layers, "QMV_ROWS", 64)
+    with ExpertStore(folder) as st:
+        slot = sum(t.nbytes for t in st.layout(st.layers[0]).tensors)
+    lm = load_paged(folder, 5 * slot + slot // 2)
+    _assert_same(lm.model, toks, lps, n=12)
+    assert lm.model.rq_pager.stats()["split_calls"] > 0

@@ -5,6 +5,14 @@ arithmetic of mlx-lm's `SwitchGLU` / `SwitchMLP` (same projection order, the sam
 (token, expert) pairs from 64 pairs up, `gather_qmm` / `gather_mm` with the same options), but
 gather from the pager's slot tensors with indices remapped to slots. Every output row is the
 same computation on the same weights as in the resident model, so outputs are bit-identical.
+
+MLX's CUDA gather_qmm / gather_mm (0.32: mlx/backend/cuda/device/qmm_naive.cuh, qmm_sm80.cuh,
+gemm_sm70.cuh) offset the gathered weight matrix by `rhs_index * N * K` in 32-bit arithmetic,
+so a slot tensor holding more than 2^31 weight elements is read wrongly past that point (the
+resident model's per-layer tensors stay below it). On CUDA a call therefore gathers from a
+window of the slot tensors (a view starting at its lowest slot) and, where the pairs span more
+than a window, runs one call per window; a split call with 8 or more pairs pads each part to 8
+rows, since below 8 rows MLX CUDA switches to its matrix-vector kernel (other rounding).
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ from mlx_lm.models.switch_layers import (
 from .pager import ExpertPager, Route
 
 SORT_FROM = 64  # mlx-lm sorts (token, expert) pairs by expert from this many pairs on
+INDEX_LIMIT = 1 << 31  # MLX CUDA quantized/gathered matmuls: weight offsets in 32-bit ints
+QMV_ROWS = 8  # MLX CUDA gather_qmm: a matrix-vector kernel below this many rows (M * B)
+
+
+def _index_limit() -> int | None:
+    """Weight elements one gathered call may span; None: no limit (CPU, Metal)."""
+    return INDEX_LIMIT if mx.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,22 @@ class _PagedSwitch(nn.Module):
             if quant.get(p) is not None and quant[p].get("mode", "affine") == "affine" and \
                     f"{p}.scales" not in names:
                 raise ValueError(f"layer {layer}: quantized {p} without scales in the records")
+        self._window = self._window_slots(pager, layer)
+
+    def _window_slots(self, pager: ExpertPager, layer: int) -> int | None:
+        """Slots one call may span on this backend (None: the whole pool)."""
+        limit = _index_limit()
+        if limit is None:
+            return None
+        per_slot = 1
+        for t in pager.store.layout(layer).tensors:
+            n = int(np.prod(t.shape))
+            p = self._projs.get(t.name.split(".")[0])
+            if t.name.endswith(".weight") and p is not None and p.quant is not None:
+                n = n * 32 // p.quant["bits"]  # packed uint32 -> weight elements
+            per_slot = max(per_slot, n)
+        window = max(1, (limit - 1) // per_slot)
+        return None if window >= pager.pool_of[layer].num_slots else window
 
     def _proj(self, name: str, x, idx, sorted_: bool, arrays: dict):
         p = self._projs[name]
@@ -75,9 +106,20 @@ class _PagedSwitch(nn.Module):
         if route.slot_idx is None:
             return self._call_groups(x, indices, route)
         arrays = pager.arrays(self._layer)
+        idx = route.slot_idx
+        if self._window is not None:
+            if pager.no_readback:  # this layer's experts: slots base .. base + n - 1
+                base = pager.base[self._layer]
+                n = pager.pool_of[self._layer].num_experts[self._layer]
+                arrays, idx = _view(arrays, base, base + n), indices
+            else:
+                slots = np.array(idx).reshape(-1)
+                lo, hi = int(slots.min()), int(slots.max())
+                if hi - lo >= self._window:
+                    return self._call_windows(x, indices, slots)
+                arrays, idx = _view(arrays, lo, hi + 1), idx - lo
         # x: [..., H] -> [..., 1, 1, H]; idx: [..., k] slots
         x = mx.expand_dims(x, (-2, -3))
-        idx = route.slot_idx
         do_sort = idx.size >= SORT_FROM
         inv_order = None
         if do_sort:
@@ -89,6 +131,43 @@ class _PagedSwitch(nn.Module):
         pager.track(out)
         return out
 
+    def _rows(self, xf, k: int, rows: np.ndarray, slots: np.ndarray, n_call: int):
+        """Pairs `rows` (positions in the call's flattened pairs) on `slots` (host, slot per
+        row) -> [(rows, out [n, 1, N])]: ascending slots, one call per window of slots."""
+        order = np.argsort(slots, kind="stable")  # sorted_indices needs ascending slots
+        rows, slots = rows[order], slots[order]
+        arrays = self._pager.arrays(self._layer)
+        spans = [(0, len(rows))]
+        if self._window is not None:
+            starts = [0]
+            while True:  # each window starts at the lowest slot the previous ones left
+                nxt = int(np.searchsorted(slots, slots[starts[-1]] + self._window))
+                if nxt >= len(rows):
+                    break
+                starts.append(nxt)
+            spans = list(zip(starts, starts[1:] + [len(rows)], strict=True))
+        out = []
+        for a, b in spans:
+            r, s = rows[a:b], slots[a:b]
+            lo = int(s[0]) if self._window is not None else 0
+            arr = _view(arrays, lo, int(s[-1]) + 1) if self._window is not None else arrays
+            pad = QMV_ROWS - len(r) if n_call >= QMV_ROWS > len(r) else 0
+            rp = np.concatenate([r, np.repeat(r[-1:], pad)]) if pad else r
+            sp = np.concatenate([s, np.repeat(s[-1:], pad)]) if pad else s
+            part = self._experts(xf[mx.array(rp // k)], mx.array((sp - lo).astype(np.uint32)),
+                                 True, arr)
+            out.append((r, part[:len(r)] if pad else part))
+        return out
+
+    def _call_windows(self, x, indices, slots: np.ndarray) -> mx.array:
+        """Resident slots spread wider than a window (CUDA): one call per window."""
+        k = indices.shape[-1]
+        xf = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, H]
+        parts = self._rows(xf, k, np.arange(slots.size), slots.astype(np.int64), slots.size)
+        out = _unpermute(parts, indices.shape)
+        self._pager.track(out)
+        return out
+
     def _call_groups(self, x, indices, route: Route) -> mx.array:
         """More experts than slots: run the pairs of each group of experts, evaluated before
         the next group reuses the slots, then put the rows back in order."""
@@ -96,22 +175,27 @@ class _PagedSwitch(nn.Module):
         k = indices.shape[-1]
         xf = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, H]
         flat = route.flat
-        parts, rows_all = [], []
+        parts = []
         for g in route.groups:
             table = pager.acquire(layer, g.experts, flat[g.rows])
-            slots = table[flat[g.rows]]
-            order = np.argsort(slots, kind="stable")  # sorted_indices needs ascending slots
-            rows = g.rows[order]
-            xi = xf[mx.array(rows // k)]
-            si = mx.array(slots[order].astype(np.uint32))
-            part = self._experts(xi, si, True, pager.arrays(layer))
-            mx.eval(part)
+            got = self._rows(xf, k, g.rows, table[flat[g.rows]], flat.size)
+            mx.eval([p for _, p in got])
             pager.release()
-            parts.append(part)
-            rows_all.append(rows)
-        inv = np.argsort(np.concatenate(rows_all), kind="stable")
-        y = mx.concatenate(parts, axis=0)[mx.array(inv)]
-        return mx.unflatten(y, 0, indices.shape).squeeze(-2)
+            parts.extend(got)
+        return _unpermute(parts, indices.shape)
+
+
+def _view(arrays: dict, lo: int, hi: int) -> dict:
+    """Slots lo .. hi - 1 of every slot tensor (views: no copy)."""
+    return {name: a[lo:hi] for name, a in arrays.items()}
+
+
+def _unpermute(parts, shape) -> mx.array:
+    """[(rows, out [n, 1, N])] covering every pair once -> [..., k, N] in pair order."""
+    rows = np.concatenate([r for r, _ in parts])
+    inv = np.argsort(rows, kind="stable")
+    y = mx.concatenate([p for _, p in parts], axis=0)[mx.array(inv)]
+    return mx.unflatten(y, 0, shape).squeeze(-2)
 
 
 class PagedSwitchGLU(_PagedSwitch):
