@@ -14,7 +14,8 @@ run: greedy decode of the same prompt
     4. fully resident (`load_converted`),
     reporting tok/s, hit rate, bytes read per token, read bandwidth (bytes / time stalled
     on reads), host time on index read-backs, peak GPU memory (mx.get_peak_memory) and RSS,
-    and whether the paged tokens equal the resident ones.
+    and whether the paged tokens equal the resident ones (the token lists are kept, with the
+    index of the first differing token and the length of the equal prefix).
 
     python benchmarks/pager_nemotron_super.py build --workdir /var/tmp/rq-super
     python benchmarks/pager_nemotron_super.py run --workdir /var/tmp/rq-super --out $OUT/x.json
@@ -253,12 +254,23 @@ def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None
     r = res["resident"]
     print(f"resident: {r['decode_tps']:.2f} tok/s, peak {r['peak_memory'] / 1e9:.1f} GB, "
           f"load {r['load_s']:.0f} s", flush=True)
+    ref = res["resident"]["tokens"]
     for k in ("paged_warm_cache", "paged_cold", "paged_warm_cache_async_eval"):
-        res[k]["identical_to_resident"] = res[k]["tokens"] == res["resident"]["tokens"]
+        res[k].update(compare_tokens(res[k]["tokens"], ref))
         res[k]["speed_vs_resident"] = res[k]["decode_tps"] / r["decode_tps"]
-    for v in res.values():
-        v.pop("tokens")
+        print(f"{k}: first mismatch {res[k]['first_mismatch']}, "
+              f"{res[k]['tokens_matching']} / {len(ref)} tokens equal")
     return {"expert_bytes": eb, "budget_bytes": budget_bytes, **res}
+
+
+def compare_tokens(got: list[int], ref: list[int]) -> dict:
+    """Where `got` leaves `ref`: index of the first differing token (None: equal)."""
+    n = 0
+    while n < min(len(got), len(ref)) and got[n] == ref[n]:
+        n += 1
+    same = n == len(got) == len(ref)
+    return {"identical_to_resident": same, "first_mismatch": None if same else n,
+            "tokens_matching": n}
 
 
 def main():

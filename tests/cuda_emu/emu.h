@@ -27,6 +27,10 @@ struct emu_uint3 {
 inline thread_local emu_uint3 threadIdx, blockIdx;
 inline thread_local int emu_tid;
 
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+
 struct __half {
   uint16_t x;
   __half() = default;

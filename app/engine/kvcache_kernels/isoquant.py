@@ -87,7 +87,7 @@ def source(name: str, backend: str) -> tuple[str, str]:
 
 
 def _kernel_name(name: str, dtype: str) -> str:
-    return f"{name}_{dtype}_v1"  # v1: bump when a body changes meaning under the same template
+    return f"{name}_{dtype}_v2"  # v2: bump when a body changes meaning under the same template
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -135,7 +135,12 @@ TC_HEAD_DIMS = (64, 128)
 TC_PRECISION = tuple(
     os.environ.get("ROTARYQUANT_ISOQUANT_TC_PRECISION", "10")[i] == "1" for i in (0, 1)
 )
+# tensor-core kernel: Q fragments in shared memory (fewer registers) instead of registers
+TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "0") == "1"
+# warps the default split plan aims for (enough to fill the GPU a few times over)
+SPLIT_WARPS = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS", "3072"))
 NW = 4  # warps per threadgroup (IQ_NW)
+TC_RB = 8  # query rows per threadgroup of the tensor-core kernel
 # rows per threadgroup of the scalar kernels: keeps RB * D/32 accumulators per lane at <= 32
 SCALAR_RB = {64: 8, 128: 8, 256: 4, 512: 2}
 LOG2E = 1.4426950408889634
@@ -371,7 +376,9 @@ def _kernel(name: str, dtype) -> object:
         raise RuntimeError(f"kernel {name} is not built on this backend ({BACKEND})") from None
 
 
-def split_plan(p: Problem, rows_per_block: int, split_len: int | None = None) -> dict:
+def split_plan(
+    p: Problem, rows_per_block: int, split_len: int | None = None, warps: int | None = None
+) -> dict:
     """Token splits of the fused kernels: one warp per split, NW warps per threadgroup.
     Default: enough warps to fill a large GPU, splits no shorter than 64/256 tokens so the
     partials stay small against the KV they summarize."""
@@ -380,7 +387,7 @@ def split_plan(p: Problem, rows_per_block: int, split_len: int | None = None) ->
     if split_len is None:
         small = p.tc * p.b * p.hkv <= 1 << 18
         min_len = 64 if small else 256
-        split_len = max(min_len, _cdiv(p.tc, _cdiv(3072, heads)))
+        split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or SPLIT_WARPS, heads)))
     sl = max(32, _cdiv(split_len, 32) * 32)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
     slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))
@@ -403,9 +410,11 @@ class _Launch:
 
 
 @functools.lru_cache(maxsize=512)
-def _launch(p: Problem, variant: str, split_len, has_sinks: bool, scale: float, prec: tuple):
-    rb = 16 if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
-    plan = split_plan(p, rb, split_len)
+def _launch(
+    p: Problem, variant: str, split_len, has_sinks: bool, scale: float, prec: tuple, warps: int
+):
+    rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
+    plan = split_plan(p, rb, split_len, warps)
     ip = _iparams(
         p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
         sinks=has_sinks,
@@ -415,8 +424,8 @@ def _launch(p: Problem, variant: str, split_len, has_sinks: bool, scale: float, 
     if variant == "tc":
         (lvk, kinv), (lvv, vinv) = _tc_levels_cached(p.dim, p.kb), _tc_levels_cached(p.dim, p.vb)
         levels = (lvk, lvv)
-        tmpl = [("D", p.dim), ("R16", p.rows > 8), ("KIND", p.kind), ("CAUSAL", p.causal)]
-        tmpl += [("QLO", prec[0]), ("PLO", prec[1])]
+        tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
+        tmpl += [("QLO", prec[0]), ("PLO", prec[1]), ("QS", prec[2])]
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
@@ -437,7 +446,10 @@ def _fused_partials(
     q, keys, values, scale, p: Problem, lens, variant: str, split_len=None, sinks=None
 ):
     dt = q.dtype
-    run = _launch(p, variant, split_len, sinks is not None, float(scale), TC_PRECISION)
+    run = _launch(
+        p, variant, split_len, sinks is not None, float(scale), (*TC_PRECISION, TC_QS),
+        SPLIT_WARPS,
+    )  # fmt: skip
     fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
     fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
     fpk = fpk if fpk.dtype == dt else fpk.astype(dt)

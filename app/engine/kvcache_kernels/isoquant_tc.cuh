@@ -1,17 +1,24 @@
 // IsoQuant split-K attention on NVIDIA tensor cores (CUDA only; its Metal counterpart is the
 // scalar kernel iq_fused_scalar in isoquant_body.h, which computes the same partials).
 //
-// 3-bit codes, D in {64, 128}, up to 16 query rows per KV head. Per warp and 16-token tile:
-//   S = Q K^T with mma.m16n8k16 (rows = query rows, k = coordinates, n = tokens): the query is
-//     split into fp16 hi + lo parts (two mma) so scores keep ~fp32 precision; K codes become the
-//     B fragment directly: 4 codes -> a 4-nibble selector -> 2 byte permutes through the fp16
-//     level table (low bytes, high bytes) -> 2 more permutes into two half2 registers.
-//   online softmax on the C fragment (log2 domain), P' = p * ‖v‖/sqrt(D) as the A fragment,
-//   O += P' V with the V codes of 4 tokens at one coordinate decoded the same way.
+// 3-bit codes, D in {64, 128}, up to 8 query rows per threadgroup (more rows: more
+// threadgroups along y). Per warp and 16-token tile, with m16n8k16 f16 -> f32 mma:
+//   S = Q K^T: A = the query rows stacked as [fp16 hi parts (rows 0-7); fp16 remainders (rows
+//     8-15)], so one mma gives both halves of an ~fp32 product (the lane adds c0 + c2);
+//     B = K codes, n = 8 tokens: 4 codes of one token -> a nibble selector -> 2 byte permutes
+//     through the fp16 level table (low bytes, high bytes) -> 2 permutes into two half2.
+//   online softmax on the C fragment (one query row per lane, log2 domain); P' = p * |v|/sqrt(D)
+//     is already laid out as the B fragment of the next product.
+//   O^T += V^T P'^T: A = V codes (rows = 16 coordinates, k = the 16 tokens), one mma per 16
+//     coordinates: half as many mma and accumulators as O = P' V with 16 padded query rows.
+// Codes reach the selectors by spreading 8 codes of 3 bits into nibbles (3 and + 3 multiply-
+// adds), then, for V, pairing two tokens' nibbles into bytes (2 logic ops per 4 selectors).
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
-//   QK: lane (gid, tig) holds coordinates [tig*D/4, tig*D/4 + D/4) of its token; k-tile kt
-//       uses coordinates tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1).
-//   PV: n-tile nt, column gid is coordinate gid*D/8 + nt.
+//   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid; k-step kt
+//       uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1).
+//   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 2tig, 2tig+1, 2tig+8,
+//       2tig+9; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows gid -> code
+//       8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
 // Partials have the layout of iq_fused_scalar (iq_combine merges either).
 // The level tables arrive scaled by s (fparams[3] = 1/s for K, [4] for V), s chosen so the fp16
 // table rounds the levels ~10x closer than plain fp16 would; the norms carry the 1/s back.
@@ -30,13 +37,16 @@ __device__ __forceinline__ void iq_split_h2(float x, float y, uint32_t& hi, uint
   lo = iq_pack_h2(x - __low2float(h), y - __high2float(h));
 }
 
-// 4 codes of 3 bits (x = c0 | c1<<3 | c2<<6 | c3<<9) -> byte-permute selector c0 | c1<<4 | ...
-__device__ __forceinline__ uint32_t iq_spread4(uint32_t x) {
-  const uint32_t t = (x & 0x3Fu) | ((x & 0xFC0u) << 2);  // c2, c3 up by 2
-  return (t & 0x707u) | ((t & 0x3838u) << 1);            // c1, c3 up by 1
+// 8 codes of 3 bits (x = c0 | c1<<3 | ... | c7<<21, nothing above bit 23) -> c_k in nibble k
+// (bit 3 of every nibble clear, as a byte-permute selector needs). Each step moves the upper
+// fields up with one multiply-add: x + (x & M) * (2^s - 1) = (x & ~M) + ((x & M) << s).
+__device__ __forceinline__ uint32_t iq_spread8(uint32_t x) {
+  x += (x & 0xFFF000u) * 15u;    // 12-bit halves -> 16-bit halves
+  x += (x & 0x0FC00FC0u) * 3u;   // 6-bit quarters -> bytes
+  return x + (x & 0x38383838u);  // 3-bit codes -> nibbles
 }
 
-// Levels of 4 codes as two half2 registers: (c0, c1) and (c2, c3).
+// Levels of 4 codes (selector nibbles c0..c3) as two half2 registers: (c0, c1) and (c2, c3).
 __device__ __forceinline__ void iq_lut4(uint32_t sel, const uint32_t tab[4], uint32_t& b0, uint32_t& b1) {
   const uint32_t lo = __byte_perm(tab[0], tab[1], sel);
   const uint32_t hi = __byte_perm(tab[2], tab[3], sel);
@@ -54,29 +64,68 @@ __device__ __forceinline__ void iq_level_table(const float* lv, uint32_t tab[4])
   }
 }
 
-// The lane's 3*D/4 bits of a K row (coordinates [tig*D/4, +D/4)) as 32-bit words.
-template <int D>
-__device__ __forceinline__ void iq_tc_kbits(const uint8_t* row, int tig, uint32_t w[(3 * D / 4 + 31) / 32]) {
-  constexpr int NH = 3 * D / 64;  // 16-bit pieces; rows and lane offsets are 2-byte aligned
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(row + tig * (3 * D / 32));
-#pragma unroll
-  for (int i = 0; i < (3 * D / 4 + 31) / 32; ++i) w[i] = 0u;
-#pragma unroll
-  for (int i = 0; i < NH; ++i) w[i >> 1] |= uint32_t(p[i]) << (16 * (i & 1));
+__device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);
 }
 
-// The lane's 3*D/8 bits of a V row (coordinates [gid*D/8, +D/8)) as one u64.
+// The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
+// 8i..8i+7 of that range. Rows and lane offsets are 2-byte aligned.
 template <int D>
-__device__ __forceinline__ uint64_t iq_tc_vbits(const uint8_t* row, int gid) {
-  uint64_t v = 0;
-  if (D == 128) {  // 6 bytes at an even offset
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(row + 6 * gid);
-    v = uint64_t(p[0]) | (uint64_t(p[1]) << 16) | (uint64_t(p[2]) << 32);
-  } else {  // D == 64: 3 bytes
-    const uint8_t* p = row + 3 * gid;
-    v = uint64_t(p[0]) | (uint64_t(p[1]) << 8) | (uint64_t(p[2]) << 16);
+__device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32_t S[D / 32]) {
+  const uint8_t* p = row + tig * (3 * D / 32);
+  const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
+  S[0] = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
+  S[1] = iq_spread8((h1 >> 8) | (h2 << 8));
+  if (D == 128) {
+    const uint32_t h3 = iq_ld16(p + 6), h4 = iq_ld16(p + 8), h5 = iq_ld16(p + 10);
+    S[2] = iq_spread8(h3 | ((h4 & 0xFFu) << 16));
+    S[3] = iq_spread8((h4 >> 8) | (h5 << 8));
   }
-  return v;
+}
+
+// The lane's V codes of one row (codes [gid*D/8, +D/8)) as nibble words (D/64 of them).
+template <int D>
+__device__ __forceinline__ void iq_tc_vcodes(const uint8_t* row, int gid, uint32_t S[D / 64]) {
+  if (D == 128) {
+    const uint8_t* p = row + 6 * gid;
+    const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
+    S[0] = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
+    S[D / 64 - 1] = iq_spread8((h1 >> 8) | (h2 << 8));
+  } else {
+    const uint8_t* p = row + 3 * gid;
+    S[0] = iq_spread8(uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16));
+  }
+}
+
+// Row r (0: gid, 1: gid + 8) of PV m-tile mt -> index of the code in the lane's V range.
+__host__ __device__ __forceinline__ int iq_tc_vcode(int mt, int r) {
+  const int j = mt & 3;
+  return 8 * (mt >> 2) + 4 * (j & 1) + (j >> 1) + 2 * r;
+}
+
+// Selectors of the 4 m-tiles of one group of 8 codes, for two tokens a and b: nibbles
+// (a[i], b[i], a[i+2], b[i+2]) for i = 0, 4, 1, 5 (the order of iq_tc_vcode).
+__device__ __forceinline__ void iq_tc_pair(uint32_t a, uint32_t b, uint32_t sel[4]) {
+  const uint32_t e = (a & 0x0F0F0F0Fu) | ((b << 4) & 0xF0F0F0F0u);  // bytes a0b0 a2b2 a4b4 a6b6
+  const uint32_t o = ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u);  // bytes a1b1 a3b3 a5b5 a7b7
+  sel[0] = e;
+  sel[1] = e >> 16;
+  sel[2] = o;
+  sel[3] = o >> 16;
+}
+
+// A fragment of Q for k-step kt of lane (gid, tig): (hi, lo) of query row gid at codes
+// tig*D/4 + 4kt + {0,1} and + {2,3} (lo = the fp16 rounding remainder, 0 without QLO).
+template <int D, bool QLO>
+__device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, int tig) {
+  const float* x = qs + gid * D + tig * (D / 4) + 4 * kt;
+  uint4 f;
+  uint32_t l01, l23;
+  iq_split_h2(x[0], x[1], f.x, l01);
+  iq_split_h2(x[2], x[3], f.z, l23);
+  f.y = QLO ? l01 : 0u;
+  f.w = QLO ? l23 : 0u;
+  return f;
 }
 
 // Bytes of one pipeline stage: the K and V codes of 16 tokens, then their K and V norms.
@@ -92,18 +141,20 @@ IQ_FN bool iq_aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// One warp over compressed tokens [t0, t1); writes its partial (split sp) itself.
+// One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
+// zero); writes its partial (split sp) itself.
 // stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory. Contiguous, aligned rows
 // stream through it with cp.async; other layouts (views with odd strides) are read directly.
-template <int D, bool R16, bool QLO, bool PLO>
+template <int D, bool QLO, bool PLO, bool QS>
 __device__ __forceinline__ void iq_tc_warp(
-    const float* qs, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
+    const float* qs, const uint4* qf, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
     int t1, int lane, float kinv, float vinv, uint8_t* stage, float* po, float* pm, float* pl,
     int bh, int sp, int nsp, int r0, int R) {
-  constexpr int KT = D / 16;  // k-tiles of QK
-  constexpr int NTV = D / 8;  // n-tiles of PV
-  constexpr int NKW = (3 * D / 4 + 31) / 32;
+  constexpr int KT = D / 16;  // k-steps of QK
+  constexpr int MT = D / 16;  // m-tiles of PV (16 coordinates each)
+  constexpr int NKS = D / 32;  // nibble words of the lane's K codes
+  constexpr int NVS = D / 64;  // nibble words of the lane's V codes
   constexpr int KROW = IqStage<D>::KROW;
   constexpr int TK = IqStage<D>::TK;
   constexpr int SB = IqStage<D>::BYTES;
@@ -113,63 +164,61 @@ __device__ __forceinline__ void iq_tc_warp(
   uint32_t ktab[4], vtab[4];
   iq_level_table(lvk, ktab);
   iq_level_table(lvv, vtab);
-  // Q fragments, hi and lo fp16 parts; rows gid and gid + 8
-  uint32_t qh[KT][4], ql[KT][4];
+  // A fragments of Q: row gid = fp16 part of query row gid, row gid + 8 = its remainder.
+  // QS: read per k-step from the threadgroup's copy qf ([KT][32] uint4) instead of registers.
+  uint32_t qa[QS ? 1 : KT][4];
+  if (!QS) {
 #pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    const int c0 = tig * (D / 4) + 4 * kt;
-#pragma unroll
-    for (int half_ = 0; half_ < 2; ++half_) {
-      const int row = gid + 8 * half_;
-      float x[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = (R16 || half_ == 0) ? qs[row * D + c0 + e] : 0.0f;
-      const uint32_t h01 = iq_pack_h2(x[0], x[1]);
-      const uint32_t h23 = iq_pack_h2(x[2], x[3]);
-      const __half2 a = *reinterpret_cast<const __half2*>(&h01);
-      const __half2 c = *reinterpret_cast<const __half2*>(&h23);
-      qh[kt][half_] = h01;
-      qh[kt][2 + half_] = h23;
-      ql[kt][half_] = iq_pack_h2(x[0] - __low2float(a), x[1] - __high2float(a));
-      ql[kt][2 + half_] = iq_pack_h2(x[2] - __low2float(c), x[3] - __high2float(c));
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint4 f = iq_tc_qfrag<D, QLO>(qs, kt, gid, tig);
+      qa[kt][0] = f.x;
+      qa[kt][1] = f.y;
+      qa[kt][2] = f.z;
+      qa[kt][3] = f.w;
     }
   }
-  float o[NTV][4];
+  // O^T accumulators: m-tile mt, (c0, c1) = coordinate row gid, query rows 2tig, 2tig+1;
+  // (c2, c3) = coordinate row gid + 8
+  float o[MT][4];
 #pragma unroll
-  for (int nt = 0; nt < NTV; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+  for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  float m = NEG_INF, l = 0.0f;  // running max and sum of query row gid (l: this lane's tokens)
   const float vsc = rsqrtf(float(D)) * vinv;
 
   // One 16-token tile: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
   auto step = [&](const uint8_t* kc_, long ks_, const __half* kn_, long kns_, const uint8_t* vc_,
                   long vs_, const __half* vn_, long vns_, int nv) {
     const int last = nv - 1;
-    float s[2][4], s2[2][4];  // hi and lo query parts accumulate apart: two shorter mma chains
+    float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    uint32_t S[2][NKS];
+    iq_tc_kcodes<D>(kc_ + min(gid, last) * ks_, tig, S[0]);
+    iq_tc_kcodes<D>(kc_ + min(8 + gid, last) * ks_, tig, S[1]);
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      s2[nt][0] = s2[nt][1] = s2[nt][2] = s2[nt][3] = 0.0f;
-      const int j = min(8 * nt + gid, last);
-      uint32_t kw[NKW];
-      iq_tc_kbits<D>(kc_ + j * ks_, tig, kw);
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        const int bit = 12 * kt;
-        const int wi = bit >> 5;
-        const int sh = bit & 31;
-        uint32_t x = kw[wi] >> sh;
-        if (sh > 20) x |= kw[wi + 1] << (32 - sh);
-        uint32_t b0, b1;
-        iq_lut4(iq_spread4(x & 0xFFFu), ktab, b0, b1);
-        iq_mma(s[nt], qh[kt][0], qh[kt][1], qh[kt][2], qh[kt][3], b0, b1);
-        if (QLO) iq_mma(s2[nt], ql[kt][0], ql[kt][1], ql[kt][2], ql[kt][3], b0, b1);
+    for (int kt = 0; kt < KT; ++kt) {
+      uint32_t a0_, a1_, a2_, a3_;
+      if (QS) {
+        const uint4 f = qf[kt * 32 + lane];
+        a0_ = f.x, a1_ = f.y, a2_ = f.z, a3_ = f.w;
+      } else {
+        a0_ = qa[QS ? 0 : kt][0], a1_ = qa[QS ? 0 : kt][1];
+        a2_ = qa[QS ? 0 : kt][2], a3_ = qa[QS ? 0 : kt][3];
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t b0, b1;
+        iq_lut4(S[nt][kt >> 1] >> (16 * (kt & 1)), ktab, b0, b1);
+        iq_mma(c[nt], a0_, a1_, a2_, a3_, b0, b1);
+      }
+    }
+    float s[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = c[nt][0] + c[nt][2];
+      s[nt][1] = c[nt][1] + c[nt][3];
     }
     // columns of this lane: tokens 8nt + 2tig + e
     float nvs[2][2];
-    float mx0 = NEG_INF, mx1 = NEG_INF;
+    float mx = NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -177,62 +226,59 @@ __device__ __forceinline__ void iq_tc_warp(
         const int tok = 8 * nt + 2 * tig + e;
         const bool ok = tok < nv;
         const int tc = min(tok, last);
-        const float nk = __half2float(kn_[tc * kns_]) * kinv;
         nvs[nt][e] = ok ? __half2float(vn_[tc * vns_]) * vsc : 0.0f;
-        s[nt][e] = ok ? s[nt][e] * nk : NEG_INF;
-        s[nt][2 + e] = ok ? s[nt][2 + e] * nk : NEG_INF;
-        mx0 = fmaxf(mx0, s[nt][e]);
-        mx1 = fmaxf(mx1, s[nt][2 + e]);
+        s[nt][e] = ok ? s[nt][e] * (__half2float(kn_[tc * kns_]) * kinv) : NEG_INF;
+        mx = fmaxf(mx, s[nt][e]);
       }
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float b0s = n0 == NEG_INF ? 0.0f : n0;
-    const float b1s = n1 == NEG_INF ? 0.0f : n1;
-    const float a0 = exp2f(m0 - b0s), a1 = exp2f(m1 - b1s);
-    m0 = n0;
-    m1 = n1;
-    float p[2][4];
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float n = fmaxf(m, mx);
+    const float base = n == NEG_INF ? 0.0f : n;
+    const float a = exp2f(m - base);
+    m = n;
+    float p[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      p[nt][0] = exp2f(s[nt][0] - b0s);
-      p[nt][1] = exp2f(s[nt][1] - b0s);
-      p[nt][2] = exp2f(s[nt][2] - b1s);
-      p[nt][3] = exp2f(s[nt][3] - b1s);
+      p[nt][0] = exp2f(s[nt][0] - base);
+      p[nt][1] = exp2f(s[nt][1] - base);
     }
-    l0 = l0 * a0 + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
-    l1 = l1 * a1 + ((p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
+    l = l * a + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+    // the accumulators hold query rows 2tig and 2tig+1: their factors live in lanes 8tig, 8tig+4
+    const float a0 = __shfl_sync(0xffffffffu, a, 8 * tig);
+    const float a1 = __shfl_sync(0xffffffffu, a, 8 * tig + 4);
     if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
 #pragma unroll
-      for (int nt = 0; nt < NTV; ++nt) {
-        o[nt][0] *= a0;
-        o[nt][1] *= a0;
-        o[nt][2] *= a1;
-        o[nt][3] *= a1;
+      for (int mt = 0; mt < MT; ++mt) {
+        o[mt][0] *= a0;
+        o[mt][1] *= a1;
+        o[mt][2] *= a0;
+        o[mt][3] *= a1;
       }
     }
-    // A fragment of P' (rows gid, gid+8; k = tile tokens 2tig, 2tig+1, 8+2tig, 9+2tig)
-    uint32_t pa0, pa1, pa2, pa3, pl0, pl1, pl2, pl3;
-    iq_split_h2(p[0][0] * nvs[0][0], p[0][1] * nvs[0][1], pa0, pl0);
-    iq_split_h2(p[0][2] * nvs[0][0], p[0][3] * nvs[0][1], pa1, pl1);
-    iq_split_h2(p[1][0] * nvs[1][0], p[1][1] * nvs[1][1], pa2, pl2);
-    iq_split_h2(p[1][2] * nvs[1][0], p[1][3] * nvs[1][1], pa3, pl3);
-    // V codes of the same 4 tokens at the lane's D/8 coordinates
-    const uint64_t sa = iq_tc_vbits<D>(vc_ + min(2 * tig, last) * vs_, gid);
-    const uint64_t sb = iq_tc_vbits<D>(vc_ + min(2 * tig + 1, last) * vs_, gid) << 4;
-    const uint64_t sc = iq_tc_vbits<D>(vc_ + min(8 + 2 * tig, last) * vs_, gid) << 8;
-    const uint64_t sd = iq_tc_vbits<D>(vc_ + min(9 + 2 * tig, last) * vs_, gid) << 12;
+    // B fragment of P'^T (k = tokens 2tig, 2tig+1 | 2tig+8, 2tig+9; n = query row gid)
+    uint32_t pb0, pb1, pl0, pl1;
+    iq_split_h2(p[0][0] * nvs[0][0], p[0][1] * nvs[0][1], pb0, pl0);
+    iq_split_h2(p[1][0] * nvs[1][0], p[1][1] * nvs[1][1], pb1, pl1);
+    // V codes of tokens 2tig, 2tig+1, 2tig+8, 2tig+9 over the lane's D/8 coordinates
+    uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
+    iq_tc_vcodes<D>(vc_ + min(2 * tig, last) * vs_, gid, va);
+    iq_tc_vcodes<D>(vc_ + min(2 * tig + 1, last) * vs_, gid, vb);
+    iq_tc_vcodes<D>(vc_ + min(2 * tig + 8, last) * vs_, gid, vcc);
+    iq_tc_vcodes<D>(vc_ + min(2 * tig + 9, last) * vs_, gid, vd);
 #pragma unroll
-    for (int nt = 0; nt < NTV; ++nt) {
-      const uint32_t sel = uint32_t(((sa >> (3 * nt)) & 0x7u) | ((sb >> (3 * nt)) & 0x70u) |
-                                    ((sc >> (3 * nt)) & 0x700u) | ((sd >> (3 * nt)) & 0x7000u));
-      uint32_t b0, b1;
-      iq_lut4(sel, vtab, b0, b1);
-      iq_mma(o[nt], pa0, pa1, pa2, pa3, b0, b1);
-      if (PLO) iq_mma(o[nt], pl0, pl1, pl2, pl3, b0, b1);
+    for (int q = 0; q < NVS; ++q) {
+      uint32_t sab[4], scd[4];
+      iq_tc_pair(va[q], vb[q], sab);
+      iq_tc_pair(vcc[q], vd[q], scd);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t a0_, a1_, a2_, a3_;
+        iq_lut4(sab[j], vtab, a0_, a1_);
+        iq_lut4(scd[j], vtab, a2_, a3_);
+        iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
+        if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+      }
     }
   };
 
@@ -289,35 +335,35 @@ __device__ __forceinline__ void iq_tc_warp(
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
   }
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  const long rows0 = (long(bh) * nsp + sp) * R;
 #pragma unroll
-  for (int half_ = 0; half_ < 2; ++half_) {
-    const int r = r0 + gid + 8 * half_;
-    if ((R16 || half_ == 0) && r < R) {
-      const long row = (long(bh) * nsp + sp) * R + r;
+  for (int e = 0; e < 2; ++e) {
+    const int r = r0 + 2 * tig + e;
+    if (2 * tig + e < 8 && r < R) {
+      float* out = po + (rows0 + r) * D + gid * (D / 8);
 #pragma unroll
-      for (int nt = 0; nt < NTV; ++nt) {
-        po[row * D + (2 * tig) * (D / 8) + nt] = o[nt][2 * half_];
-        po[row * D + (2 * tig + 1) * (D / 8) + nt] = o[nt][2 * half_ + 1];
-      }
-      if (tig == 0) {
-        pm[row] = half_ ? m1 : m0;
-        pl[row] = half_ ? l1 : l0;
+      for (int mt = 0; mt < MT; ++mt) {
+        out[iq_tc_vcode(mt, 0)] = o[mt][e];
+        out[iq_tc_vcode(mt, 1)] = o[mt][2 + e];
       }
     }
+  }
+  if (tig == 0 && r0 + gid < R) {
+    pm[rows0 + r0 + gid] = m;
+    pl[rows0 + r0 + gid] = l;
   }
 }
 // @end
 
 // @kernel iq_fused_tc
-// Same grid, inputs and partials as iq_fused_scalar with RB = 16 rows per threadgroup;
-// template: D, R16, KIND, CAUSAL, QLO, PLO (codes are 3-bit; QLO/PLO add the fp16 rounding
-// remainder of the query / of P' as a second mma: more precision for more tensor work). Float splits use the scalar warp walk.
+// Same grid, inputs and partials as iq_fused_scalar with RB = 8 rows per threadgroup;
+// template: D, KIND, CAUSAL, QLO, PLO, QS (codes are 3-bit; QLO adds the fp16 rounding remainder of
+// the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a second mma). Float
+// splits use the scalar warp walk.
 {
-  constexpr int RB = 16;
+  constexpr int RB = 8;
   constexpr int KB = 3;
   constexpr int VB = 3;
   // one buffer, three uses in turn: rotation scratch, then either the warps' cp.async stages
@@ -330,6 +376,7 @@ __device__ __forceinline__ void iq_tc_warp(
   __shared__ __align__(16) uint8_t iq_buf[BUF];
   __shared__ float iq_lk[16];
   __shared__ float iq_lv[16];
+  __shared__ uint4 iq_qf[QS ? (D / 16) * 32 : 1];  // QS: the warps' shared Q fragments
   float* iq_tmp = reinterpret_cast<float*>(iq_buf);
   float* iq_pw = reinterpret_cast<float*>(iq_buf);
   const int Tf = iparams[IQ_P_TF];
@@ -361,14 +408,20 @@ __device__ __forceinline__ void iq_tc_warp(
   __syncthreads();
   const int warp = iq_tid / 32;
   const int lane = iq_tid % 32;
+  if (QS && !is_fp) {
+    for (int i = iq_tid; i < (D / 16) * 32; i += IQ_NT) {
+      iq_qf[i] = iq_tc_qfrag<D, QLO>(iq_qs, i / 32, (i % 32) >> 2, i & 3);
+    }
+    __syncthreads();
+  }
   if (!is_fp) {
     const int sp = iq_bx * IQ_NW + warp;
     const int SL = iparams[IQ_P_SL];
     const int len = min(iparams[IQ_P_TC], int(lens[b]));
     const int t0 = sp * SL;
     const int t1 = min(t0 + SL, len);
-    iq_tc_warp<D, R16, QLO, PLO>(
-        iq_qs, iq_lk, iq_lv, k_codes + b * k_codes_strides[0] + h * k_codes_strides[1],
+    iq_tc_warp<D, QLO, PLO, QS>(
+        iq_qs, iq_qf, iq_lk, iq_lv, k_codes + b * k_codes_strides[0] + h * k_codes_strides[1],
         long(k_codes_strides[2]), k_norms + b * k_norms_strides[0] + h * k_norms_strides[1],
         long(k_norms_strides[2]), v_codes + b * v_codes_strides[0] + h * v_codes_strides[1],
         long(v_codes_strides[2]), v_norms + b * v_norms_strides[0] + h * v_norms_strides[1],
