@@ -175,7 +175,20 @@ def main() -> None:
         sys.exit("needs MLX's CUDA or Metal backend")
     rows: list[dict] = []
     acc = check_accuracy()
-    fused = {"isoquant_fused": lambda q, k, v, s: iq.fused_attention(q, k, v, s)}
+
+    def with_opts(qs: bool, warps: int | None = None, variant=None, split_len=None):
+        def fn(q, k, v, s):
+            iq.TC_QS, iq.SPLIT_WARPS = qs, warps or default_warps
+            try:
+                return iq.fused_attention(q, k, v, s, variant=variant, split_len=split_len)
+            finally:
+                iq.TC_QS, iq.SPLIT_WARPS = default_qs, default_warps
+
+        return fn
+
+    default_qs, default_warps = iq.TC_QS, iq.SPLIT_WARPS
+    # both tensor-core register layouts on every shape: the default is chosen from this table
+    fused = {"isoquant_fused": with_opts(False), "isoquant_fused_qsmem": with_opts(True)}
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
 
     def save():
@@ -194,6 +207,9 @@ def main() -> None:
             method="median of 7 trials; each trial queues >= 20 calls over rotating input sets "
             "(KV >= 4x the 60 MB L2 where memory allows) and evaluates them at once (MLX) or "
             "times them with CUDA events (torch)",
+            kernel_options=dict(
+                qsmem=iq.TC_QS, split_warps=iq.SPLIT_WARPS, precision=list(iq.TC_PRECISION)
+            ),  # fmt: skip
             accuracy_rel_error=acc,
             records=rows,
         )
@@ -204,29 +220,20 @@ def main() -> None:
         print(f"B={b} T={t}", flush=True)
         bench_shape(rows, b, t, not args.no_torch, fused)
         save()
-    # variants side by side on a few shapes: which path wins where
-    variants = {
-        "isoquant_fused_scalar": lambda q, k, v, s: iq.fused_attention(
-            q, k, v, s, variant="scalar"
-        ),
-        "isoquant_unfused": lambda q, k, v, s: iq.unfused_attention(q, k, v, s),
-    }
-    for b, t in [(1, 2048), (8, 32768)] if not args.quick else []:
+    # variants side by side on a few shapes: which path and split plan wins where
+    sweep = [] if args.quick else [(1, 2048), (8, 8192), (8, 32768), (32, 32768)]
+    for b, t in sweep:
+        variants = {}
+        if t <= 8192:
+            variants["isoquant_fused_scalar"] = with_opts(False, variant="scalar")
+            variants["isoquant_unfused"] = lambda q, k, v, s: iq.unfused_attention(q, k, v, s)
+        for qs in (False, True):
+            for w in (1536, 3072, 6144, 12288):
+                variants[f"isoquant_fused_qs{int(qs)}_warps{w}"] = with_opts(qs, w)
         sets, per = isoquant_sets(b, t)
         for name, fn in variants.items():
             us = time_mlx(lambda q, k, v, fn=fn: fn(q, k, v, 1 / math.sqrt(D)), sets)
             record(rows, "mlx-cuda", name, b, t, us, per + 4 * b * HQ * D)
-        if b == 8:
-            for prec in ((False, False), (True, True)):
-                iq.TC_PRECISION = prec
-                us = time_mlx(lambda q, k, v: iq.fused_attention(q, k, v, 1 / math.sqrt(D)), sets)
-                name = f"isoquant_fused_qlo{int(prec[0])}_plo{int(prec[1])}"
-                record(rows, "mlx-cuda", name, b, t, us, per)
-            iq.TC_PRECISION = (True, False)
-        for sl in (64, 256, 1024) if b == 1 else (256, 1024, 4096):
-            fn = lambda q, k, v, sl=sl: iq.fused_attention(q, k, v, 1 / math.sqrt(D), split_len=sl)  # noqa: E731
-            us = time_mlx(fn, sets)
-            record(rows, "mlx-cuda", f"isoquant_fused_split{sl}", b, t, us, per, split_len=sl)
         del sets
         mx.clear_cache()
         save()
@@ -235,18 +242,28 @@ def main() -> None:
 
 
 def print_summary(rows) -> None:
-    by = {(r["kernel"], r["B"], r["T"]): r["time_us"] for r in rows}
-    print("\n B    T      isoquant  mx_sdpa  torch   vs mx   vs torch")
+    by = {(r["kernel"], r["B"], r["T"]): r["time_us"] for r in rows if "time_us" in r}
+    print("\n B    T      iq(reg)  iq(smem)  mx_sdpa  torch   best vs mx   vs torch")
     for b in BS:
         for t in TS:
-            iqt, mxt, tt = (
-                by.get((k, b, t)) for k in ("isoquant_fused", "mx_sdpa_bf16", "torch_sdpa_bf16")
+            a, c, mxt, tt = (
+                by.get((k, b, t))
+                for k in (
+                    "isoquant_fused",
+                    "isoquant_fused_qsmem",
+                    "mx_sdpa_bf16",
+                    "torch_sdpa_bf16",
+                )
             )
-            if iqt is None:
+            if a is None:
                 continue
-            vm = f"{mxt / iqt:5.2f}x" if mxt else "   -  "
-            vt = f"{tt / iqt:5.2f}x" if tt else "   -  "
-            print(f" {b:<4d} {t:<7d}{iqt:9.1f}{mxt or 0:9.1f}{tt or 0:8.1f}   {vm}   {vt}")
+            best = min(x for x in (a, c) if x)
+            vm = f"{mxt / best:5.2f}x" if mxt else "   -  "
+            vt = f"{tt / best:5.2f}x" if tt else "   -  "
+            print(
+                f" {b:<4d} {t:<7d}{a:9.1f}{c or 0:9.1f}{mxt or 0:9.1f}{tt or 0:8.1f}"
+                f"      {vm}      {vt}"
+            )
 
 
 if __name__ == "__main__":

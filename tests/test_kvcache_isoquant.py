@@ -312,3 +312,26 @@ def test_sink_generation_equals_dense_attention(arch, tiny_models):
     d_toks, d_logits = _run(model, dense, prompt, 5)
     assert d_toks == toks
     assert float(np.abs(d_logits - logits).max() / np.abs(logits).max()) < 1e-4
+
+
+def test_compiled_encoders_are_bit_identical(monkeypatch):
+    """The compiled per-token encoder (default on GPUs) writes exactly the op-by-op bytes."""
+    from app.engine.kvcache import cache as cache_mod
+
+    caches = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(cache_mod.COMPILE_ENV, flag)
+        assert cache_mod.compile_encoders() is (flag == "1")
+        c = IsoQuantKVCache(window=2, seed=3, layer=1)
+        mx.random.seed(11)
+        c.update_and_fetch(*(mx.random.normal((2, 3, 9, 64)).astype(mx.bfloat16) for _ in "kv"))
+        c.finish_prefill()
+        for _ in range(5):  # decode appends: one token each, compressed as it ages out
+            c.update_and_fetch(*(mx.random.normal((2, 3, 1, 64)).astype(mx.bfloat16) for _ in "kv"))
+        assert (c._enc_k is not None) is (flag == "1")
+        caches[flag] = c
+    a, b = caches["0"], caches["1"]
+    assert a.compressed == b.compressed == 12
+    for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert mx.array_equal(x, y).item(), name
