@@ -51,7 +51,7 @@ EMU_PTX = r"""
 #include "emu.h"
 #include <cmath>
 #include <vector>
-struct alignas(16) uint4 { uint32_t x, y, z, w; };
+// uint4 comes from emu.h.
 struct alignas(8) uint2 { uint32_t x, y; };
 inline emu_uint3 gridDim;
 inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
@@ -63,6 +63,8 @@ inline float __uint_as_float(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline int __popc(uint32_t x) { return __builtin_popcount(x); }
+inline float zf_exp2(float x) { return std::exp2(x); }
 inline float emu_bf(uint32_t reg, int hi) {
   uint32_t u = (hi ? reg >> 16 : reg & 0xFFFFu) << 16;
   float f;
@@ -106,7 +108,11 @@ inline uint32_t zf_smem_addr(const void* p) { return uint32_t((const uint8_t*)p 
 struct ZfCopy { uint32_t dst; const void* src; };
 inline thread_local std::vector<std::vector<ZfCopy>> zf_groups;
 inline thread_local std::vector<ZfCopy> zf_open;
+#ifdef ZF_EMU_EAGER  // copies land at once: catches a page overwritten while still being read
+inline void zf_cp16(uint32_t a, const void* g) { std::memcpy(zf_emu_smem + a, g, 16); }
+#else  // copies land at their wait_group: catches a page read before its copy is waited for
 inline void zf_cp16(uint32_t a, const void* g) { zf_open.push_back({a, g}); }
+#endif
 inline void zf_cp_commit() { zf_groups.push_back(zf_open); zf_open.clear(); }
 template <int N> inline void zf_cp_wait() {
   while ((int)zf_groups.size() > N) {
@@ -117,11 +123,17 @@ template <int N> inline void zf_cp_wait() {
 """
 
 
+EMU_MODE = {"eager": False}  # cp.async copies of kernels made from now on land at once
+
+
 class EmuKernel:
     """Same call signature as an `mx.fast.cuda_kernel` object; compiles once per template."""
 
-    def __init__(self, name: str, inputs: list[str], outputs: list[str], body: str):
+    def __init__(
+        self, name: str, inputs: list[str], outputs: list[str], body: str, eager: bool = False
+    ):
         self.name, self.inputs, self.outputs, self.body = name, inputs, outputs, body
+        self.eager = eager
 
     def _exe(self, in_t: list[str], out_t: list[str], template) -> Path:
         params = [f"    const {t}* {n}" for t, n in zip(in_t, self.inputs, strict=True)]
@@ -153,7 +165,7 @@ class EmuKernel:
         ]
         main.append("  return 0;\n}\n")
         src = (
-            EMU_PTX + zk.HEADER_COMMON + "namespace mlx::core::cu {\n"
+            ("#define ZF_EMU_EAGER 1\n" if self.eager else "") + EMU_PTX + zk.HEADER_COMMON + "namespace mlx::core::cu {\n"
             + f"void k_{self.name}(\n" + ",\n".join(params) + ") {\n" + consts + self.body
             + "\n}\n}  // namespace mlx::core::cu\n" + "\n".join(main)
         )  # fmt: skip
@@ -212,8 +224,17 @@ def emulated(monkeypatch):
             for d in zk.PIPE_HEAD_DIMS:
                 key = (name, d, zk.NUM_WARPS, zk.PIPE_STAGES)
                 kernels[key] = EmuKernel(f"{name}_d{d}", ins, outs, body)
-        else:
+        elif name != "zipfusion_attn_ring":
             kernels[name] = EmuKernel(name, ins, outs, body)
+    # Ring kernels (any head dim / warps / ring size) are made on first use, as on the GPU.
+    ins, outs, body = zk.SOURCES["zipfusion_attn_ring"]
+    monkeypatch.setattr(
+        zk,
+        "_make_ring",
+        lambda d, nw, rk: EmuKernel(
+            f"zipfusion_attn_ring_d{d}_r{rk}_w{nw}", ins, outs, body, EMU_MODE["eager"]
+        ),
+    )
     monkeypatch.setattr(zk, "_KERNELS", kernels)
     return kernels
 
@@ -277,7 +298,7 @@ def test_emulated_attention_is_lossless_and_matches_reference(emulated, d, n_q, 
     res = {}
     for st, tag in ((zst, "zip"), (rst, "raw")):
         st.begin(list(range(b)))
-        for variant in ("simple", "pipe"):
+        for variant in ("simple", "pipe", "ring"):
             for splits in (1, 2):
                 res[tag, variant, splits] = zk.paged_decode_attention(
                     q, st.pool, st.meta, st.page_table, st.seq_len, kn, vn, layer=0,
@@ -293,5 +314,93 @@ def test_emulated_attention_is_lossless_and_matches_reference(emulated, d, n_q, 
         assert bool(mx.all(z == res["raw", "pipe", splits]))
         assert bool(mx.all(z == res["zip", "simple", splits]))
         assert bool(mx.all(res["zip", "simple", splits] == res["raw", "simple", splits]))
+        assert bool(mx.all(res["zip", "ring", splits] == res["raw", "ring", splits]))
+        err = float(
+            mx.linalg.norm(res["zip", "ring", splits].astype(mx.float32) - ref) / mx.linalg.norm(ref)
+        )
+        assert err < 1e-2, err
         err = float(mx.linalg.norm(z.astype(mx.float32) - ref) / mx.linalg.norm(ref))
         assert err < 1e-2, err
+
+
+def _mixed_stores(lengths, n_kv, d, rng):
+    """Stores whose pages mix raw and compressed blocks: K Gaussian (wide exponent range: some
+    blocks stay raw), V of magnitude in [0.5, 2) (always compressible)."""
+    budget = (sum(-(-n // 16) for n in lengths) + 64) * n_kv * 2 * (d // 32) * 1024 * 2
+    kv = []
+    for n in lengths:
+        k = _bf16(rng, (1, n_kv, n, d), 3.0)
+        mag = rng.uniform(0.5, 2.0, (1, n_kv, n, d)) * rng.choice([-1.0, 1.0], (1, n_kv, n, d))
+        kv.append((k, mx.array(mag.astype(np.float32)).astype(mx.bfloat16)))
+    out = []
+    for compress in (True, False):
+        cfg = zf.ZipConfig(
+            1, n_kv, d, budget, max_seqs=len(lengths),
+            max_tokens_per_seq=max(lengths) + 32, compress=compress,
+        )  # fmt: skip
+        st = zf.ZipStore(cfg, use_kernel=True)
+        st.pool = mx.full(st.pool.shape, 0x7FC0, mx.uint16)
+        for k, v in kv:
+            sid = st.add_sequence()
+            n = k.shape[2]
+            cut = n - n % 16
+            for a, b in ((0, cut), (cut, n)):
+                if b > a:
+                    st.begin([sid])
+                    st.stage(0, k[:, :, a:b], v[:, :, a:b])
+                    st.commit()
+        out.append(st)
+    return out
+
+
+@pytest.mark.parametrize(
+    "d,n_q,n_kv,nw,ring_kb,lengths",
+    [
+        (128, 8, 1, 2, 8, [300, 21]),  # ring of one raw page: one page in flight at a time
+        (128, 8, 1, 2, 16, [300, 21]),  # 2-3 pages queued, positions skip the ring's end
+        (64, 3, 1, 1, 12, [200, 16]),  # head dim 64, G = 3, up to 4 pages queued
+    ],
+)
+def test_emulated_ring_variant_byte_packed_ring(emulated, d, n_q, n_kv, nw, ring_kb, lengths):
+    """The ring variant with long sequences (many pages per warp, so the byte-packed ring fills,
+    skips its end and refills), pages with raw blocks, all-compressed pages (fast path) and
+    partial last pages: compressed == raw pages bit for bit, close to the reference."""
+    rng = np.random.default_rng(7 + d)
+    zst, rst = _mixed_stores(lengths, n_kv, d, rng)
+    assert 0 < zst.stats["blocks_compressed"] < zst.stats["blocks"]
+    b = len(lengths)
+    q = _bf16(rng, (b, n_q, d))
+    kn, vn = _bf16(rng, (b, n_kv, d)), _bf16(rng, (b, n_kv, d))
+    for st in (zst, rst):
+        st.begin(list(range(b)))
+    ref = zk.paged_attention_reference(
+        q, rst.pool, rst.meta, rst.page_table, rst.seq_len, kn, vn, 0, rst.n_ids, d**-0.5
+    ).astype(mx.float32)
+    for splits, eager in ((1, False), (3, False), (1, True)):
+        EMU_MODE["eager"] = eager
+        zk._KERNELS.pop(("zipfusion_attn_ring", d, nw, ring_kb), None)
+        outs = []
+        for st in (zst, rst):
+            outs.append(
+                zk.paged_decode_attention(
+                    q, st.pool, st.meta, st.page_table, st.seq_len, kn, vn, layer=0,
+                    n_ids=st.n_ids, scale=d**-0.5, n_splits=splits, use_kernel=True,
+                    variant="ring", num_warps=nw, ring_kb=ring_kb,
+                )
+            )  # fmt: skip
+        assert bool(mx.all(mx.isfinite(outs[0].astype(mx.float32))))
+        assert bool(mx.all(outs[0] == outs[1]))
+        err = float(mx.linalg.norm(outs[0].astype(mx.float32) - ref) / mx.linalg.norm(ref))
+        assert err < 1e-2, err
+    EMU_MODE["eager"] = False
+
+
+def test_ring_launch_settings():
+    """Ring sizes hold at least one raw page; the split count fills whole waves of CTAs."""
+    assert zk.ring_bytes(256, 8) == 2 * 8 * 1024  # a raw page of head dim 256 is 16 KiB
+    assert zk.ring_max_queued(128, 16) == 3  # 16 KiB / 6 KiB compressed pages, + 1
+    cta = zk.ring_ctas_per_sm(128, 4, 16)
+    assert cta >= 2 and cta * zk.ring_shared_bytes(128, 4, 16) <= zk.SM_SHARED_BYTES
+    for batch in (8, 16, 32, 64):
+        s = zk.ring_splits(batch, 8, 512, 128, 4, 16)
+        assert batch * 8 * s <= zk.SM_COUNT * cta < batch * 8 * (s + 1) or s == 1

@@ -41,6 +41,21 @@ ATTN_TYPES = ["__nv_bfloat16", "uint16_t", "uint32_t", "int32_t", "int32_t", "in
             (ATTN_TYPES, ["float", "float"]),
         ),
         (
+            "zipfusion_attn_ring",
+            dict(D=128, G=4, NW=4, MW=2, RING=16384, MAXQ=3),
+            (ATTN_TYPES, ["float", "float"]),
+        ),
+        (
+            "zipfusion_attn_ring",
+            dict(D=64, G=3, NW=4, MW=2, RING=12288, MAXQ=5),
+            (ATTN_TYPES, ["float", "float"]),
+        ),
+        (
+            "zipfusion_attn_ring",
+            dict(D=256, G=8, NW=2, MW=3, RING=16384, MAXQ=2),
+            (ATTN_TYPES, ["float", "float"]),
+        ),
+        (
             "zipfusion_reduce",
             dict(D=128, G=4),
             (["float", "float"] + ["__nv_bfloat16"] * 3 + ["int32_t", "float"], ["__nv_bfloat16"]),
@@ -62,6 +77,10 @@ def test_kernel_sources_compile_for_hopper(tmp_path, name, template, types):
     assert out.returncode == 0, out.stderr[-3000:]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out.stderr)]
     assert spills and max(spills) == 0, out.stderr[-2000:]
+    if name == "zipfusion_attn_ring" and template["D"] == 128:
+        # ring_ctas_per_sm (the split count) assumes this many registers per thread at most
+        regs = [int(x) for x in re.findall(r"Used (\d+) registers", out.stderr)]
+        assert regs and max(regs) <= zk.RING_REGS, out.stderr[-2000:]
 
 
 def _bits(rng, shape, scale=1.0):
@@ -142,7 +161,7 @@ def test_attention_kernel_compressed_equals_raw_and_reference(head_dim, n_q, n_k
     outs = {}
     for st, tag in ((zip_st, "zip"), (raw_st, "raw")):
         st.begin(list(range(b)))
-        for variant in ("simple", "pipe"):
+        for variant in ("simple", "pipe", "ring"):
             for splits in (1, 3, None):
                 outs[tag, variant, splits] = zk.paged_decode_attention(
                     q,
@@ -175,4 +194,36 @@ def test_attention_kernel_compressed_equals_raw_and_reference(head_dim, n_q, n_k
         assert bool(mx.all(z == outs["zip", "simple", splits]))
         err = float(mx.linalg.norm(z.astype(mx.float32) - ref) / mx.linalg.norm(ref))
         assert err < 1e-2, err
+        # the ring variant (transposed mma, byte-packed ring; G > 8 falls back to pipe)
+        r = outs["zip", "ring", splits]
+        assert bool(mx.all(r == outs["raw", "ring", splits])), splits
+        err = float(mx.linalg.norm(r.astype(mx.float32) - ref) / mx.linalg.norm(ref))
+        assert err < 1e-2, err
     assert zip_st.stats["blocks_compressed"] > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_warps,ring_kb", [(4, 8), (4, 12), (2, 24), (8, 8)])
+def test_ring_kernel_launch_settings_compressed_equals_raw(num_warps, ring_kb):
+    """Every ring size / warp count the benchmark sweeps: lossless and close to the reference."""
+    zip_st, raw_st = build_stores([700, 3, 2000], 8, 128, seed=5, poison=True)
+    rng = np.random.default_rng(2)
+    q = _bits(rng, (3, 32, 128))
+    kn, vn = _bits(rng, (3, 8, 128)), _bits(rng, (3, 8, 128))
+    outs = []
+    for st in (zip_st, raw_st):
+        st.begin([0, 1, 2])
+        outs.append(
+            zk.paged_decode_attention(
+                q, st.pool, st.meta, st.page_table, st.seq_len, kn, vn, layer=0,
+                n_ids=st.n_ids, scale=128**-0.5, use_kernel=True, variant="ring",
+                num_warps=num_warps, ring_kb=ring_kb,
+            )
+        )  # fmt: skip
+    ref = zk.paged_attention_reference(
+        q, raw_st.pool, raw_st.meta, raw_st.page_table, raw_st.seq_len, kn, vn, 0,
+        raw_st.n_ids, 128**-0.5,
+    ).astype(mx.float32)  # fmt: skip
+    assert bool(mx.all(outs[0] == outs[1]))
+    err = float(mx.linalg.norm(outs[0].astype(mx.float32) - ref) / mx.linalg.norm(ref))
+    assert err < 1e-2, err

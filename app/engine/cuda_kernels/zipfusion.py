@@ -16,7 +16,10 @@ output), keeps an online softmax for the G query heads of the group (rows of the
 writes a partial (m, l, O) per warp; the reduce kernel merges partials with the new token.
 Two variants share that page step: "simple" loads a page's blocks from global memory into
 registers; "pipe" streams each warp's next pages into shared memory with cp.async (STAGES deep)
-so several pages per warp are in flight and the kernel stays bandwidth-bound.
+so several pages per warp are in flight and the kernel stays bandwidth-bound. The default,
+"ring" (G <= 8), turns the mma around (KV tokens / dims as the 16 rows, query heads as the 8
+columns: half the mma and accumulators) and streams pages into a byte-packed shared-memory ring,
+so a compressed page puts only its real bytes in the ring and more pages are in flight.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ template <int N>
 __device__ __forceinline__ void zf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 #define ZF_DYN_SMEM(name) extern __shared__ __align__(16) uint8_t name[]
+
+// 2^x on the MUFU unit without exp2f's subnormal fix-up (flushes results below 2^-126 to 0).
+__device__ __forceinline__ float zf_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 """
 
 HEADER_COMMON = r"""
@@ -252,6 +262,188 @@ __device__ __forceinline__ void zf_store_partial(
   }
 }
 
+
+// ---- "ring" variant: S^T = K Q^T and O^T = V^T P^T, i.e. the KV tokens / dims are the 16 rows
+// of the mma and the <= 8 query heads its 8 columns: half the mma of Q-as-rows for G <= 8, half
+// the accumulator registers. The B fragments decoded above double as A fragments (see below).
+
+// Q^T as the B operand of S^T = K Q^T: column n = query head n of the group (n >= G: zero).
+template <int D, int G>
+__device__ __forceinline__ void zf_load_qt(
+    const __nv_bfloat16* q, int b, int h, int n_kv, int lane, uint32_t qb[D / 16][2]) {
+  const int gid = lane >> 2, tig = lane & 3;
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + ((size_t)b * n_kv + h) * G * D);
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    qb[kt][0] = gid < G ? qw[gid * (D / 2) + kt * 8 + tig] : 0u;
+    qb[kt][1] = gid < G ? qw[gid * (D / 2) + kt * 8 + tig + 4] : 0u;
+  }
+}
+
+// Bytes of one page's K (or V) span of one head: its blocks back to back, 768 or 1024 each.
+// Raw blocks of a span: flag bytes equal to 0xFF, counted four at a time (x = ~flags has a
+// zero byte there; the high bit of ((x & 0x7f..) + 0x7f..) | x is set exactly for nonzero bytes).
+template <int NB>
+__device__ __forceinline__ int zf_span_raw(const uint32_t* m) {
+  int n = 0;
+#pragma unroll
+  for (int i = 0; i < (NB + 3) / 4; ++i) {
+    const int k = NB - 4 * i < 4 ? NB - 4 * i : 4;
+    const uint32_t x = ~m[1 + i] | (k == 4 ? 0u : 0xffffffffu << (8 * k));
+    n += 4 - __popc((((x & 0x7f7f7f7fu) + 0x7f7f7f7fu) | x) & 0x80808080u);
+  }
+  return n;
+}
+
+template <int NB>
+__device__ __forceinline__ int zf_span_bytes(const uint32_t* m) {
+  return NB * 768 + 256 * zf_span_raw<NB>(m);
+}
+
+// cp.async.wait_group takes an immediate: wait until at most n groups are pending (n >= 7:
+// at most 7, which is more waiting than asked and so still correct).
+__device__ __forceinline__ void zf_cp_wait_n(int n) {
+  switch (n) {
+    case 0: zf_cp_wait<0>(); break;
+    case 1: zf_cp_wait<1>(); break;
+    case 2: zf_cp_wait<2>(); break;
+    case 3: zf_cp_wait<3>(); break;
+    case 4: zf_cp_wait<4>(); break;
+    case 5: zf_cp_wait<5>(); break;
+    case 6: zf_cp_wait<6>(); break;
+    default: zf_cp_wait<7>(); break;
+  }
+}
+
+// One page, transposed: kb / vb point at the page's K / V span (blocks back to back, in shared
+// memory). Lane (gid, tig) scores tokens gid and gid + 8 for heads 2tig and 2tig + 1; o[mt]
+// holds dims 16mt + gid (+ 8) of those heads. m / l are per head; l is a per-lane partial
+// (summed over the 8 lanes of a head in zf_store_partial_t).
+// FAST: every block of the page compressed and all 16 tokens valid (no branches, no masks).
+template <int D, int MW, bool FAST>
+__device__ __forceinline__ void zf_attend_page_t(
+    const uint8_t* kb, const uint8_t* vb, const uint32_t km[MW], const uint32_t vm[MW],
+    int valid, int lane, float sl2, const uint32_t qb[D / 16][2], float o[D / 16][4],
+    float& m0, float& m1, float& l0, float& l1) {
+  constexpr int NB = D / 32;
+  const int gid = lane >> 2, tig = lane & 3;
+  const float NEG_INF = __int_as_float(0xff800000);
+  // Two accumulators (even / odd 16-dim tiles) halve the dependent mma chain.
+  float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+  int off = 0;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const uint32_t flag = zf_meta_flag(km, j);
+    uint32_t r[8], k0[4], k1[4];
+    zf_load_block(kb + off, !FAST && flag == ZF_RAW, lane, r);
+    off += !FAST && flag == ZF_RAW ? 1024 : 768;
+    if (FAST) {
+      zf_decode8(r[0], r[2], r[3], flag, k0);
+      zf_decode8(r[1], r[4], r[5], flag, k1);
+    } else {
+      zf_group(r, flag, 0, k0);  // tokens 0-7: rows gid of A
+      zf_group(r, flag, 1, k1);  // tokens 8-15: rows gid + 8
+    }
+    const uint32_t a0[4] = {k0[0], k1[0], k0[1], k1[1]};
+    const uint32_t a1[4] = {k0[2], k1[2], k0[3], k1[3]};
+    zf_mma(sa, a0, qb[2 * j][0], qb[2 * j][1]);
+    zf_mma(sb, a1, qb[2 * j + 1][0], qb[2 * j + 1][1]);
+  }
+  // s: [token gid, head 2tig], [gid, 2tig+1], [gid+8, 2tig], [gid+8, 2tig+1]
+  float s[4];
+  const bool ok_a = FAST || gid < valid, ok_b = FAST || gid + 8 < valid;
+  s[0] = ok_a ? (sa[0] + sb[0]) * sl2 : NEG_INF;
+  s[1] = ok_a ? (sa[1] + sb[1]) * sl2 : NEG_INF;
+  s[2] = ok_b ? (sa[2] + sb[2]) * sl2 : NEG_INF;
+  s[3] = ok_b ? (sa[3] + sb[3]) * sl2 : NEG_INF;
+  float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+  }
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float c0 = zf_exp2(m0 - n0), c1 = zf_exp2(m1 - n1);
+  m0 = n0;
+  m1 = n1;
+  const float p0 = zf_exp2(s[0] - n0), p1 = zf_exp2(s[1] - n1);
+  const float p2 = zf_exp2(s[2] - n0), p3 = zf_exp2(s[3] - n1);
+  l0 = l0 * c0 + (p0 + p2);
+  l1 = l1 * c1 + (p1 + p3);
+  // Rescale O only when some head's max moved (rare after the first pages; x1.0 is exact).
+  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) { o[mt][0] *= c0; o[mt][1] *= c1; o[mt][2] *= c0; o[mt][3] *= c1; }
+  }
+  // P^T as the B operand (k = tokens, n = head): lane (gid, tig) needs head gid's tokens 2tig,
+  // 2tig+1 (b0) and 2tig+8, 2tig+9 (b1). P is packed to bf16 pairs (tokens t, t+8) per head;
+  // lanes of tokens 2u and 2u+1 swap one pair so that one holds all four tokens of head 2tig,
+  // the other of head 2tig+1; one shuffle per register then delivers them. P goes as hi + lo
+  // (P - hi) so that P.V keeps ~16 bits of P.
+  const uint32_t eh = zf_pack_bf16(p0, p2), oh = zf_pack_bf16(p1, p3);
+  const uint32_t el = zf_pack_bf16(p0 - __uint_as_float(eh << 16), p2 - __uint_as_float(eh & 0xffff0000u));
+  const uint32_t ol = zf_pack_bf16(p1 - __uint_as_float(oh << 16), p3 - __uint_as_float(oh & 0xffff0000u));
+  const bool even = !(gid & 1);
+  const uint32_t rh = __shfl_xor_sync(0xffffffffu, even ? oh : eh, 4);
+  const uint32_t rl = __shfl_xor_sync(0xffffffffu, even ? ol : el, 4);
+  const int src = 4 * (2 * tig + (gid & 1)) + (gid >> 1);
+  const uint32_t h0 = __shfl_sync(0xffffffffu, even ? eh : rh, src);  // tokens 2tig, 2tig+8
+  const uint32_t h1 = __shfl_sync(0xffffffffu, even ? rh : oh, src);  // tokens 2tig+1, 2tig+9
+  const uint32_t g0 = __shfl_sync(0xffffffffu, even ? el : rl, src);
+  const uint32_t g1 = __shfl_sync(0xffffffffu, even ? rl : ol, src);
+  const uint32_t ph0 = __byte_perm(h0, h1, 0x5410), ph1 = __byte_perm(h0, h1, 0x7632);
+  const uint32_t pl0 = __byte_perm(g0, g1, 0x5410), pl1 = __byte_perm(g0, g1, 0x7632);
+  // Tokens past the end of a partly written page hold stale bytes: zero them so 0 * NaN can't leak.
+  const bool partial = !FAST && valid < 16;
+  const uint32_t keep_lo = (2 * tig < valid ? 0x0000ffffu : 0u) | (2 * tig + 1 < valid ? 0xffff0000u : 0u);
+  const uint32_t keep_hi = (2 * tig + 8 < valid ? 0x0000ffffu : 0u) | (2 * tig + 9 < valid ? 0xffff0000u : 0u);
+  off = 0;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const uint32_t flag = zf_meta_flag(vm, j);
+    uint32_t r[8];
+    zf_load_block(vb + off, !FAST && flag == ZF_RAW, lane, r);
+    off += !FAST && flag == ZF_RAW ? 1024 : 768;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      uint32_t v[4];
+      if (FAST) zf_decode8(r[g], r[2 + 2 * g], r[3 + 2 * g], flag, v);
+      else zf_group(r, flag, g, v);
+      if (partial) { v[0] &= keep_lo; v[1] &= keep_hi; v[2] &= keep_lo; v[3] &= keep_hi; }
+      // V^T tile of dims 32j + 16g .. +15: rows gid (v[0], v[1]) and gid + 8 (v[2], v[3]).
+      const uint32_t a[4] = {v[0], v[2], v[1], v[3]};
+      zf_mma(o[2 * j + g], a, ph0, ph1);
+      zf_mma(o[2 * j + g], a, pl0, pl1);
+    }
+  }
+}
+
+// One partial per warp from the transposed layout (same [.., G, D] / [.., G, 2] as above).
+template <int D, int G>
+__device__ __forceinline__ void zf_store_partial_t(
+    float* o_part, float* ml_part, size_t part, int lane, const float o[D / 16][4],
+    float m0, float m1, float l0, float l1) {
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  float* op = o_part + part * G * D;
+  float* mp = ml_part + part * G * 2;
+  const int ha = 2 * tig, hb = 2 * tig + 1;
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) {
+    const int d = 16 * mt + gid;
+    if (ha < G) { op[ha * D + d] = o[mt][0]; op[ha * D + d + 8] = o[mt][2]; }
+    if (hb < G) { op[hb * D + d] = o[mt][1]; op[hb * D + d + 8] = o[mt][3]; }
+  }
+  if (gid == 0) {
+    if (ha < G) { mp[ha * 2] = m0; mp[ha * 2 + 1] = l0; }
+    if (hb < G) { mp[hb * 2] = m1; mp[hb * 2 + 1] = l1; }
+  }
+}
+
 """
 
 HEADER = HEADER_PTX + HEADER_COMMON
@@ -396,6 +588,121 @@ PIPE_SOURCE = (
 """
 )
 
+# Ring variant (G <= 8): the transposed page step above, fed by a byte-packed ring of RING bytes
+# per warp in shared memory. A compressed page takes 75% of a raw page's bytes in the ring, so
+# more pages (bytes) are in flight per warp than with the pipe variant's raw-sized slots, and
+# the copy of a page is two contiguous spans (no per-block loop). MAXQ bounds the queued pages.
+RING_SOURCE = r"""
+  constexpr int NB = D / 32;
+  constexpr int MS = 2 * MW + 1;  // words per queued page in the table: K meta, V meta, ring pos
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int split = blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int n_kv = gridDim.y;
+  const int layer = params[0];
+  const int n_ids = params[1];
+  const int maxp = params[2];
+  const int n_splits = params[3];
+  const float sl2 = scale[0];
+  const float NEG_INF = __int_as_float(0xff800000);
+  const int len = seq_len[b];
+  const int n_pages = (len + 15) >> 4;
+  const int per = (n_pages + n_splits - 1) / n_splits;
+  const int p_begin = split * per;
+  const int p_end = min(n_pages, p_begin + per);
+  uint32_t qb[D / 16][2];
+  zf_load_qt<D, G>(q, b, h, n_kv, lane, qb);
+  float o[D / 16][4];
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) { o[mt][0] = 0.f; o[mt][1] = 0.f; o[mt][2] = 0.f; o[mt][3] = 0.f; }
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const uint8_t* pool_b = reinterpret_cast<const uint8_t*>(pool);
+  const size_t part = ((size_t)b * n_kv + h) * n_splits * NW + (size_t)split * NW + warp;
+
+  ZF_DYN_SMEM(zf_dyn);
+  uint8_t* ring = zf_dyn + (size_t)warp * RING;
+  uint32_t* table = reinterpret_cast<uint32_t*>(zf_dyn + (size_t)NW * RING) + warp * MAXQ * MS;
+  const uint32_t ring_s = zf_smem_addr(ring);
+  const int first = p_begin + warp;
+  const int n_mine = p_end > first ? (p_end - first + NW - 1) / NW : 0;
+  int win = -64;  // lane i holds the metadata of the warp's page win + i
+  uint32_t wm[2 * MW];
+#pragma unroll
+  for (int i = 0; i < 2 * MW; ++i) wm[i] = 0u;
+  // Byte-packed ring: a queued page takes its real size (K span then V span, never wrapping);
+  // positions count bytes from the start of the kernel, `head` is where the oldest queued page
+  // starts and `tail` where the newest ends. Each page is one cp.async group.
+  int issued = 0, head = 0, tail = 0;
+
+  for (int done = 0; done < n_mine; ++done) {
+    while (issued < n_mine && issued - done < MAXQ) {
+      if (issued >= win + 32) {
+        win = issued;
+        const int kk = win + lane;
+#pragma unroll
+        for (int i = 0; i < 2 * MW; ++i) wm[i] = 0u;
+        if (kk < n_mine) {
+          const int pid = page_table[(size_t)b * maxp + first + kk * NW];
+          const uint32_t* mrow = meta + (((size_t)layer * n_ids + pid) * n_kv + h) * (2 * MW);
+#pragma unroll
+          for (int i = 0; i < 2 * MW; ++i) wm[i] = mrow[i];
+        }
+      }
+      uint32_t m[2 * MW];
+#pragma unroll
+      for (int i = 0; i < 2 * MW; ++i) m[i] = __shfl_sync(0xffffffffu, wm[i], issued - win);
+      const int kbytes = zf_span_bytes<NB>(m), vbytes = zf_span_bytes<NB>(m + MW);
+      int pos = tail;
+      if (pos % RING + kbytes + vbytes > RING) pos += RING - pos % RING;
+      if (issued > done && pos + kbytes + vbytes - head > RING) break;  // ring full
+      if (issued == done) head = pos;
+      // 16 bytes per lane per step; the first 3NB/2 steps lie inside an all-compressed span.
+      const uint32_t kdst = ring_s + pos % RING + 16 * lane, vdst = kdst + kbytes;
+      const uint8_t* ksrc = pool_b + (size_t)m[0] * 256 + 16 * lane;
+      const uint8_t* vsrc = pool_b + (size_t)m[MW] * 256 + 16 * lane;
+#pragma unroll
+      for (int i = 0; i < 2 * NB; ++i) {
+        if (2 * i < 3 * NB || 16 * lane + 512 * i < kbytes) zf_cp16(kdst + 512 * i, ksrc + 512 * i);
+      }
+#pragma unroll
+      for (int i = 0; i < 2 * NB; ++i) {
+        if (2 * i < 3 * NB || 16 * lane + 512 * i < vbytes) zf_cp16(vdst + 512 * i, vsrc + 512 * i);
+      }
+      zf_cp_commit();
+      if (lane == 0) {
+        uint32_t* t = table + (issued % MAXQ) * MS;
+#pragma unroll
+        for (int i = 0; i < 2 * MW; ++i) t[i] = m[i];
+        t[2 * MW] = (uint32_t)pos;
+      }
+      tail = pos + kbytes + vbytes;
+      ++issued;
+    }
+    // Page `done` is the oldest of issued - done groups: let the newer ones stay in flight.
+    zf_cp_wait_n(issued - done - 1);
+    __syncwarp();
+    const uint32_t* t = table + (done % MAXQ) * MS;
+    uint32_t km[MW], vm[MW];
+#pragma unroll
+    for (int i = 0; i < MW; ++i) { km[i] = t[i]; vm[i] = t[MW + i]; }
+    const int n_raw = zf_span_raw<NB>(km) + zf_span_raw<NB>(vm);
+    const uint8_t* kb = ring + (int)t[2 * MW] % RING;
+    const uint8_t* vb = kb + NB * 768 + 256 * zf_span_raw<NB>(km);
+    const int p = first + done * NW;
+    const int valid = (p == n_pages - 1) ? len - 16 * p : 16;
+    if (n_raw == 0 && valid == 16)
+      zf_attend_page_t<D, MW, true>(kb, vb, km, vm, valid, lane, sl2, qb, o, m0, m1, l0, l1);
+    else
+      zf_attend_page_t<D, MW, false>(kb, vb, km, vm, valid, lane, sl2, qb, o, m0, m1, l0, l1);
+    __syncwarp();  // every lane is done with this page's bytes before they are refilled
+    if (done + 1 < issued) head = (int)table[((done + 1) % MAXQ) * MS + 2 * MW];
+  }
+  zf_cp_wait<0>();
+  zf_store_partial_t<D, G>(o_part, ml_part, part, lane, o, m0, m1, l0, l1);
+"""
+
 # Merge the partials of one (sequence, query head) with the token of this step. One thread per
 # dim; template D, G. params: n_parts (= n_splits * NW).
 REDUCE_SOURCE = r"""
@@ -497,6 +804,7 @@ COMPRESS_OUTPUTS = ["flags", "payload"]
 SOURCES = {
     "zipfusion_attn": (ATTN_INPUTS, ATTN_OUTPUTS, ATTN_SOURCE),
     "zipfusion_attn_pipe": (ATTN_INPUTS, ATTN_OUTPUTS, PIPE_SOURCE),
+    "zipfusion_attn_ring": (ATTN_INPUTS, ATTN_OUTPUTS, RING_SOURCE),
     "zipfusion_reduce": (REDUCE_INPUTS, REDUCE_OUTPUTS, REDUCE_SOURCE),
     "zipfusion_compress": (COMPRESS_INPUTS, COMPRESS_OUTPUTS, COMPRESS_SOURCE),
 }
@@ -504,14 +812,45 @@ SOURCES = {
 NUM_WARPS = 4  # warps per CTA of the attention kernel; each keeps its own softmax partial
 PIPE_STAGES = 3  # pages in flight per warp in the "pipe" variant (STAGES - 1 copies + 1 in use)
 PIPE_HEAD_DIMS = (64, 128, 256)
-# Which attention variant runs by default ("pipe" or "simple"); the benchmark times both.
-DEFAULT_VARIANT = os.environ.get("ROTARYQUANT_ZIPFUSION_VARIANT", "pipe")
+RING_KB = 16  # ring bytes per warp in the "ring" variant (KiB; at least one raw page)
+RING_NUM_WARPS = 4
+RING_MAX_G = 8  # the ring variant puts the query heads of a group in the 8 columns of the mma
+# Which attention variant runs by default ("ring", "pipe" or "simple"); the benchmark times all.
+DEFAULT_VARIANT = os.environ.get("ROTARYQUANT_ZIPFUSION_VARIANT", "ring")
+SM_COUNT = 132  # H100 / H200 multiprocessors (the split count aims at whole waves of CTAs)
+SM_SHARED_BYTES = 227 * 1024  # shared memory one multiprocessor gives its CTAs (sm_90)
+RING_REGS = 136  # registers per thread of the ring kernel, at most (nvcc -Xptxas -v; tested)
 
 
 def pipe_shared_bytes(head_dim: int, num_warps: int = NUM_WARPS, stages: int = PIPE_STAGES) -> int:
     """Dynamic shared memory of the pipe variant: page slots plus their metadata."""
     slot = 2 * (head_dim // 32) * codec.RAW_BLOCK_BYTES
     return num_warps * stages * (slot + 2 * codec.meta_words(head_dim) * 4)
+
+
+def ring_bytes(head_dim: int, ring_kb: int = RING_KB) -> int:
+    """Ring bytes per warp: `ring_kb` KiB, at least one raw page of one head (K and V)."""
+    raw_page = 2 * (head_dim // 32) * codec.RAW_BLOCK_BYTES
+    return max(ring_kb * 1024, raw_page)
+
+
+def ring_max_queued(head_dim: int, ring_kb: int = RING_KB) -> int:
+    """Most pages one warp can have queued: as many all-compressed pages as fit, plus one."""
+    small_page = 2 * (head_dim // 32) * codec.ZIP_BLOCK_BYTES
+    return min(8, ring_bytes(head_dim, ring_kb) // small_page + 1)
+
+
+def ring_shared_bytes(head_dim: int, num_warps: int = RING_NUM_WARPS, ring_kb: int = RING_KB) -> int:
+    """Dynamic shared memory of the ring variant: each warp's ring plus its page table."""
+    table = ring_max_queued(head_dim, ring_kb) * (2 * codec.meta_words(head_dim) + 1) * 4
+    return num_warps * (ring_bytes(head_dim, ring_kb) + table)
+
+
+def ring_ctas_per_sm(head_dim: int, num_warps: int = RING_NUM_WARPS, ring_kb: int = RING_KB) -> int:
+    """CTAs of the ring kernel one multiprocessor holds (shared memory, registers, warps)."""
+    by_smem = SM_SHARED_BYTES // (ring_shared_bytes(head_dim, num_warps, ring_kb) + 1024)
+    by_regs = 65536 // (RING_REGS * 32 * num_warps)
+    return max(1, min(by_smem, by_regs, 64 // num_warps, 32))
 
 
 def translation_unit(
@@ -553,6 +892,25 @@ def _make_pipe(head_dim: int, num_warps: int, stages: int):
     )
 
 
+def _make_ring(head_dim: int, num_warps: int, ring_kb: int):
+    return mx.fast.cuda_kernel(
+        name=f"zipfusion_attn_ring_d{head_dim}_r{ring_kb}_w{num_warps}",
+        input_names=ATTN_INPUTS,
+        output_names=ATTN_OUTPUTS,
+        source=RING_SOURCE,
+        header=HEADER,
+        shared_memory=ring_shared_bytes(head_dim, num_warps, ring_kb),
+    )
+
+
+def _ring_kernel(head_dim: int, num_warps: int, ring_kb: int):
+    """The ring kernel for one (head dim, warps, ring size), built on first use."""
+    key = ("zipfusion_attn_ring", head_dim, num_warps, ring_kb)
+    if key not in _KERNELS:
+        _KERNELS[key] = _make_ring(head_dim, num_warps, ring_kb)
+    return _KERNELS[key]
+
+
 def _pipe_kernel(head_dim: int, num_warps: int, stages: int):
     """The pipe kernel for one (head dim, warps, stages): built at import for the defaults,
     on first use for other settings (the benchmark's sweep)."""
@@ -565,7 +923,7 @@ def _pipe_kernel(head_dim: int, num_warps: int, stages: int):
 _KERNELS: dict = {}
 if _cuda():
     for _name, (_ins, _outs, _body) in SOURCES.items():
-        if _name == "zipfusion_attn_pipe":
+        if _name in ("zipfusion_attn_pipe", "zipfusion_attn_ring"):
             continue
         _KERNELS[_name] = mx.fast.cuda_kernel(
             name=_name, input_names=_ins, output_names=_outs, source=_body, header=HEADER
@@ -689,6 +1047,39 @@ def default_splits(batch: int, n_kv: int, max_pages: int, num_warps: int = NUM_W
     return int(max(1, min(s, math.ceil(max_pages / (2 * num_warps)))))
 
 
+def ring_splits(
+    batch: int,
+    n_kv: int,
+    max_pages: int,
+    head_dim: int,
+    num_warps: int = RING_NUM_WARPS,
+    ring_kb: int = RING_KB,
+    waves: float = 1.0,
+) -> int:
+    """Splits for the ring kernel: as many as fill `waves` whole waves of resident CTAs (no
+    partly filled last wave), at least two pages per warp."""
+    resident = SM_COUNT * ring_ctas_per_sm(head_dim, num_warps, ring_kb)
+    s = max(1, int(resident * waves) // max(1, batch * n_kv))
+    return int(max(1, min(s, math.ceil(max_pages / (2 * num_warps)))))
+
+
+def launch_splits(
+    variant: str,
+    batch: int,
+    n_kv: int,
+    max_pages: int,
+    head_dim: int,
+    num_warps: int,
+    depth: int,
+    scale: float = 1.0,
+) -> int:
+    """The split count a variant uses by default, times `scale` (the benchmark's sweep); depth is
+    the pipe variant's stages or the ring variant's KiB per warp."""
+    if variant == "ring":
+        return ring_splits(batch, n_kv, max_pages, head_dim, num_warps, depth or RING_KB, scale)
+    return max(1, round(default_splits(batch, n_kv, max_pages, num_warps) * scale))
+
+
 def paged_decode_attention(
     q: mx.array,
     pool: mx.array,
@@ -706,6 +1097,7 @@ def paged_decode_attention(
     variant: str | None = None,
     num_warps: int | None = None,
     stages: int | None = None,
+    ring_kb: int | None = None,
 ) -> mx.array:
     """Attention of one new token per sequence over its pages (compressed or raw) and itself.
 
@@ -723,14 +1115,27 @@ def paged_decode_attention(
             q, pool, meta, page_table, seq_len, k_new, v_new, layer, n_ids, scale
         )
     maxp = page_table.shape[1]
-    nw = num_warps or NUM_WARPS
-    st = stages or PIPE_STAGES
-    s = n_splits or default_splits(b, n_kv, maxp, nw)
     mw = codec.meta_words(d)
+    variant = variant or DEFAULT_VARIANT
+    if variant == "ring" and g > RING_MAX_G:
+        variant = "pipe"  # more than 8 query heads per KV head: Q-as-rows layout
+    if variant == "ring":
+        nw = num_warps or RING_NUM_WARPS
+        rk = ring_kb or RING_KB
+        s = n_splits or ring_splits(b, n_kv, maxp, d, nw, rk)
+    else:
+        nw = num_warps or NUM_WARPS
+        st = stages or PIPE_STAGES
+        s = n_splits or default_splits(b, n_kv, maxp, nw)
     params = mx.array([layer, n_ids, maxp, s], dtype=mx.int32)
     sl2 = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
-    variant = variant or DEFAULT_VARIANT
-    if variant == "pipe" and d in PIPE_HEAD_DIMS:
+    if variant == "ring":
+        kernel = _ring_kernel(d, nw, rk)
+        template = [
+            ("D", d), ("G", g), ("NW", nw), ("MW", mw),
+            ("RING", ring_bytes(d, rk)), ("MAXQ", ring_max_queued(d, rk)),
+        ]  # fmt: skip
+    elif variant == "pipe" and d in PIPE_HEAD_DIMS:
         kernel = _pipe_kernel(d, nw, st)
         template = [("D", d), ("G", g), ("NW", nw), ("MW", mw), ("STAGES", st)]
     elif variant in ("pipe", "simple"):
