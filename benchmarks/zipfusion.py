@@ -9,6 +9,10 @@ device  on an NVIDIA GPU (MLX CUDA): kernel tests, compressible fraction of a ra
         raw pages vs mx.fast SDPA vs torch SDPA, batch 8-64), admission + decode tokens/s at
         one KV budget -> $OUT/zipfusion.json
           PYTHONUNBUFFERED=1 python3 benchmarks/zipfusion.py device --out $OUT
+        Quick kernel run (~4 min: sweep incl. the previous "pipe" kernel as baseline, table at
+        batch 8-64 side by side with raw pages / mx.fast / torch SDPA, then the GPU tests):
+          PYTHONUNBUFFERED=1 python3 benchmarks/zipfusion.py device --out $OUT --skip-admission \
+            --tests-after --tests-reserve-s 0 --budget-s 225 --tests tests/test_zipfusion_kernels.py
 merge   benchmarks/results/zipfusion.json from the two
           .venv/bin/python benchmarks/zipfusion.py merge <device zipfusion.json>
 """
@@ -345,12 +349,9 @@ def build_timing_stores(kv_src, batch: int, ctx: int, n_kv: int, d: int):
 
 
 def _paged_calls(zk, st, qs, kn, vn, d, cfg):
-    variant, nw, stages, split_scale = cfg
-    splits = max(
-        1,
-        round(
-            zk.default_splits(kn.shape[0], kn.shape[1], st.page_table.shape[1], nw) * split_scale
-        ),
+    variant, nw, depth, split_scale = cfg
+    splits = zk.launch_splits(
+        variant, kn.shape[0], kn.shape[1], st.page_table.shape[1], d, nw, depth, split_scale
     )
     return [
         zk.paged_decode_attention(
@@ -367,23 +368,28 @@ def _paged_calls(zk, st, qs, kn, vn, d, cfg):
             use_kernel=True,
             variant=variant,
             num_warps=nw,
-            stages=stages or None,
+            stages=(depth or None) if variant == "pipe" else None,
+            ring_kb=(depth or None) if variant == "ring" else None,
             n_splits=splits,
         )
         for q in qs
     ]
 
 
-# (variant, warps per CTA, pipe stages, split scale) tried at batch 8 and 64 before the table
+# (variant, warps per CTA, depth, split scale) tried at batch 8 and 64 before the table; depth
+# is the pipe variant's stages or the ring variant's KiB of ring per warp. The ring's split
+# scale is in waves of resident CTAs. The first entry is the previous kernel, kept as baseline.
+BASELINE = ("pipe", 4, 3, 1.0)
 SWEEP = [
-    ("pipe", 4, 3, 1.0),
-    ("pipe", 4, 3, 2.0),
-    ("pipe", 4, 5, 1.0),
+    BASELINE,
     ("pipe", 8, 3, 1.0),
-    ("pipe", 2, 6, 1.0),
-    ("pipe", 2, 4, 2.0),
-    ("simple", 4, 0, 1.0),
     ("simple", 8, 0, 2.0),
+    ("ring", 4, 16, 1.0),
+    ("ring", 4, 12, 1.0),
+    ("ring", 4, 24, 1.0),
+    ("ring", 2, 24, 1.0),
+    ("ring", 4, 16, 2.0),
+    ("ring", 8, 8, 1.0),
 ]
 
 
@@ -472,7 +478,8 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
     for b in (min(batches), max(batches)):
         ins = inputs(b)
         for cfg in SWEEP:
-            if dl.left() < 150:
+            if dl.left() < 70:
+                log("  (sweep cut short: device time)")
                 break
             try:
                 good, err = check_cfg(b, cfg, ins)
@@ -508,13 +515,20 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
     # 2. the table: compressed and raw with the compressed pages' best settings, raw with
     #    its own best settings, mx.fast SDPA and torch SDPA on dense BF16
     for b in batches:
-        if dl.left() < 100:
+        if dl.left() < 30:
             log("  (skipping larger batches: device time)")
             break
         ins = inputs(b)
         row = {"shape": name, "batch": b, "context": ctx, "config": list(best_zip)}
         row["compressed_us"] = time_cfg(zst, b, best_zip, ins)
         row["raw_pages_same_config_us"] = time_cfg(rst, b, best_zip, ins)
+        if tuple(best_zip) != BASELINE:  # the previous kernel, side by side
+            try:
+                row["baseline_config"] = list(BASELINE)
+                row["baseline_compressed_us"] = time_cfg(zst, b, BASELINE, ins)
+                row["baseline_raw_pages_us"] = time_cfg(rst, b, BASELINE, ins)
+            except Exception as e:
+                row["baseline_error"] = f"{type(e).__name__}: {e}"[:300]
         row["raw_pages_us"] = (
             row["raw_pages_same_config_us"]
             if best_raw == best_zip
@@ -542,8 +556,12 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
             row["speedup_vs_torch"] = round(row["torch_sdpa_us"] / zt, 3)
         row["speedup_vs_mx_sdpa"] = round(row["mx_sdpa_us"] / zt, 3)
         res.append(row)
+        if "baseline_compressed_us" in row:
+            row["speedup_vs_baseline"] = round(row["baseline_compressed_us"] / zt, 3)
         log(
             f"  B={b:3d}  zip {zt:7.1f}  raw {rt:7.1f} (same cfg {row['raw_pages_same_config_us']:7.1f})  "
+            f"baseline zip {row.get('baseline_compressed_us', float('nan')):7.1f} "
+            f"raw {row.get('baseline_raw_pages_us', float('nan')):7.1f}  "
             f"mx {row['mx_sdpa_us']:7.1f}  torch {row.get('torch_sdpa_us', float('nan')):7.1f} us  "
             f"x{row['speedup_vs_raw']:.2f} vs raw (bytes x{row['byte_ratio']:.2f})  "
             f"{row['compressed_gbps']:.0f} / {row['raw_pages_gbps']:.0f} GB/s"
@@ -702,7 +720,7 @@ def device_main(args) -> dict:
         out["generation_check"] = generation_check()
         log("generation check:", out["generation_check"])
         save()
-    if not args.skip_tests:
+    def run_tests():
         t0 = time.perf_counter()
         cmd = [
             sys.executable,
@@ -717,13 +735,19 @@ def device_main(args) -> dict:
             "-m",
             "not slow",
         ]
-        r = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=max(60, min(240, dl.left() - 200)),
-        )
+        try:
+            r = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=max(20, min(240, dl.left() - args.tests_reserve_s)),
+            )
+        except subprocess.TimeoutExpired as e:
+            out["tests"] = {"error": f"timed out after {e.timeout:.0f}s"}
+            log("tests:", out["tests"])
+            save()
+            return
         (outdir / "tests.log").write_text(r.stdout + r.stderr)
         tail = (r.stdout + r.stderr).strip().splitlines()[-12:]
         out["tests"] = {
@@ -735,6 +759,9 @@ def device_main(args) -> dict:
         if r.returncode != 0:
             log("\n".join((r.stdout + r.stderr).splitlines()[-60:]))
         save()
+
+    if not args.skip_tests and not args.tests_after:
+        run_tests()
 
     from app.engine.cuda_kernels import zipfusion as zk
 
@@ -789,14 +816,21 @@ def device_main(args) -> dict:
         log(out["kernel_times_error"])
     save()
 
+    if not args.skip_tests and args.tests_after:
+        run_tests()
+
     if model is not None and kv_layers is not None and not args.skip_admission:
         try:
             cfg = (out.get("kernel_config") or {}).get("compressed") or ["pipe", 4, 3, 1.0]
-            zk.DEFAULT_VARIANT, zk.NUM_WARPS = args.variant or cfg[0], cfg[1]
-            zk.PIPE_STAGES = cfg[2] or zk.PIPE_STAGES
-            zk.CTA_TARGET = int(zk.CTA_TARGET * cfg[3])
+            zk.DEFAULT_VARIANT = args.variant or cfg[0]
+            if cfg[0] == "ring":
+                zk.RING_NUM_WARPS, zk.RING_KB = cfg[1], cfg[2] or zk.RING_KB
+            else:
+                zk.NUM_WARPS = cfg[1]
+                zk.PIPE_STAGES = cfg[2] or zk.PIPE_STAGES
+                zk.CTA_TARGET = int(zk.CTA_TARGET * cfg[3])
             if not out.get("variant_ok", {}).get(zk.DEFAULT_VARIANT, True):
-                zk.DEFAULT_VARIANT = "simple" if zk.DEFAULT_VARIANT == "pipe" else "pipe"
+                zk.DEFAULT_VARIANT = "pipe" if zk.DEFAULT_VARIANT != "pipe" else "simple"
             out["admission_kernel"] = [
                 zk.DEFAULT_VARIANT,
                 zk.NUM_WARPS,
@@ -897,7 +931,7 @@ def quick_check(zk) -> dict:
     ref = zk.paged_attention_reference(
         q, rst.pool, rst.meta, rst.page_table, rst.seq_len, kn, vn, 0, rst.n_ids, 128**-0.5
     ).astype(mx.float32)
-    for variant in ("pipe", "simple"):
+    for variant in ("ring", "pipe", "simple"):
         try:
             outs = [
                 zk.paged_decode_attention(
@@ -990,7 +1024,7 @@ def main(argv=None):
     )
     d.add_argument("--new-tokens", type=int, default=256)
     d.add_argument("--steps", type=int, default=36)
-    d.add_argument("--variant", choices=["pipe", "simple"], default=None)
+    d.add_argument("--variant", choices=["ring", "pipe", "simple"], default=None)
     d.add_argument("--skip-tests", action="store_true")
     d.add_argument("--gen-check", action="store_true", help="in-process generation check")
     d.add_argument("--sweep", nargs="+", default=None, help="variant,warps,stages,split_scale ...")
@@ -1000,6 +1034,12 @@ def main(argv=None):
         default=["tests/test_zipfusion_kernels.py", "tests/gpu/test_zipfusion_gpu.py"],
     )
     d.add_argument("--skip-admission", action="store_true")
+    d.add_argument(
+        "--tests-after", action="store_true", help="run the tests after the kernel timings"
+    )
+    d.add_argument(
+        "--tests-reserve-s", type=float, default=200.0, help="device time kept for what follows"
+    )
     d.add_argument("--dry-run", action="store_true", help="tiny shapes, reference kernels, no GPU")
     m = sub.add_parser("merge")
     m.add_argument("device_json")
