@@ -159,6 +159,8 @@ EMU_CASES = [
     ("tc", 3, 2, 4, 1, 64, 100, 3, 3, 3, "v3", [100, 37, 1], True, mx.float16),
     ("tc", 1, 1, 16, 1, 128, 513, 64, 3, 3, "v3", None, False, mx.bfloat16),
     ("tc", 1, 1, 4, 3, 128, 15, 9, 3, 3, "dense", None, False, mx.float32),
+    # full and partial streamed tiles, ragged: sequence 1 ends inside a split and a tile
+    ("tc", 2, 2, 4, 1, 128, 1100, 0, 3, 3, "v3", [1100, 333], False, mx.float32),
     ("scalar", 2, 2, 8, 1, 128, 511, 1, 3, 3, "v3", [511, 200], False, mx.bfloat16),
     ("scalar", 1, 1, 2, 4, 256, 33, 7, 4, 3, "v1", None, True, mx.float16),
     ("scalar", 1, 1, 3, 1, 512, 40, 0, 3, 4, "v2", None, False, mx.float32),

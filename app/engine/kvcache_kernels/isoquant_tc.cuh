@@ -128,6 +128,11 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
   return f;
 }
 
+template <bool B>
+struct IqBool {
+  static constexpr bool value = B;
+};
+
 // Bytes of one pipeline stage: the K and V codes of 16 tokens, then their K and V norms.
 template <int D>
 struct IqStage {
@@ -186,13 +191,16 @@ __device__ __forceinline__ void iq_tc_warp(
   const float vsc = rsqrtf(float(D)) * vinv;
 
   // One 16-token tile: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
-  auto step = [&](const uint8_t* kc_, long ks_, const __half* kn_, long kns_, const uint8_t* vc_,
-                  long vs_, const __half* vn_, long vns_, int nv) {
-    const int last = nv - 1;
+  // full: IqBool<true> when nv == 16 (no clamps, no masks).
+  auto step = [&](auto full, const uint8_t* kc_, long ks_, const __half* kn_, long kns_,
+                  const uint8_t* vc_, long vs_, const __half* vn_, long vns_, int nv) {
+    constexpr bool FULL = decltype(full)::value;
+    const int last = FULL ? 15 : nv - 1;
+    auto tok = [&](int t) { return FULL ? t : min(t, last); };
     float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     uint32_t S[2][NKS];
-    iq_tc_kcodes<D>(kc_ + min(gid, last) * ks_, tig, S[0]);
-    iq_tc_kcodes<D>(kc_ + min(8 + gid, last) * ks_, tig, S[1]);
+    iq_tc_kcodes<D>(kc_ + tok(gid) * ks_, tig, S[0]);
+    iq_tc_kcodes<D>(kc_ + tok(8 + gid) * ks_, tig, S[1]);
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       uint32_t a0_, a1_, a2_, a3_;
@@ -223,9 +231,9 @@ __device__ __forceinline__ void iq_tc_warp(
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int tok = 8 * nt + 2 * tig + e;
-        const bool ok = tok < nv;
-        const int tc = min(tok, last);
+        const int t = 8 * nt + 2 * tig + e;
+        const bool ok = FULL || t < nv;
+        const int tc = tok(t);
         nvs[nt][e] = ok ? __half2float(vn_[tc * vns_]) * vsc : 0.0f;
         s[nt][e] = ok ? s[nt][e] * (__half2float(kn_[tc * kns_]) * kinv) : NEG_INF;
         mx = fmaxf(mx, s[nt][e]);
@@ -262,10 +270,10 @@ __device__ __forceinline__ void iq_tc_warp(
     iq_split_h2(p[1][0] * nvs[1][0], p[1][1] * nvs[1][1], pb1, pl1);
     // V codes of tokens 2tig, 2tig+1, 2tig+8, 2tig+9 over the lane's D/8 coordinates
     uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-    iq_tc_vcodes<D>(vc_ + min(2 * tig, last) * vs_, gid, va);
-    iq_tc_vcodes<D>(vc_ + min(2 * tig + 1, last) * vs_, gid, vb);
-    iq_tc_vcodes<D>(vc_ + min(2 * tig + 8, last) * vs_, gid, vcc);
-    iq_tc_vcodes<D>(vc_ + min(2 * tig + 9, last) * vs_, gid, vd);
+    iq_tc_vcodes<D>(vc_ + tok(2 * tig) * vs_, gid, va);
+    iq_tc_vcodes<D>(vc_ + tok(2 * tig + 1) * vs_, gid, vb);
+    iq_tc_vcodes<D>(vc_ + tok(2 * tig + 8) * vs_, gid, vcc);
+    iq_tc_vcodes<D>(vc_ + tok(2 * tig + 9) * vs_, gid, vd);
 #pragma unroll
     for (int q = 0; q < NVS; ++q) {
       uint32_t sab[4], scd[4];
@@ -287,36 +295,38 @@ __device__ __forceinline__ void iq_tc_warp(
                       iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
   if (!stream) {
     for (int tile = t0; tile < t1; tile += 16) {
-      step(kc + tile * ks, ks, kn + tile * kns, kns, vc + tile * vs, vs, vn + tile * vns, vns,
-           min(16, t1 - tile));
+      step(IqBool<false>(), kc + tile * ks, ks, kn + tile * kns, kns, vc + tile * vs, vs,
+           vn + tile * vns, vns, min(16, t1 - tile));
     }
   } else {
     const int ntiles = (t1 - t0 + 15) / 16;
     const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
-    // tile i -> stage i % IQ_STAGES: each lane copies a few 16-byte chunks; bytes past the
-    // segment's end are not read (zero-filled), so the last row of a buffer is safe
+    // tile i -> stage i % IQ_STAGES: lane copies 16-byte chunks lane, lane + 32, ... of the
+    // tile's K then V codes (straight-line), lanes 0-3 the norms; bytes past the segment's end
+    // are not read (zero-filled), so the last row of a buffer is safe
     auto issue = [&](int i) {
       uint8_t* st = stage + (i % IQ_STAGES) * SB;
       const int tok0 = t0 + 16 * i;
-      for (int c = lane; c < 2 * KROW + 4; c += 32) {
-        const void* src;
-        uint8_t* dst;
-        long left;
-        if (c < 2 * KROW) {
+      const long base = long(tok0) * KROW;
+#pragma unroll
+      for (int r = 0; r < (2 * KROW + 31) / 32; ++r) {
+        const int c = lane + 32 * r;  // chunk: K codes [0, KROW), V codes [KROW, 2 KROW)
+        if ((2 * KROW) % 32 == 0 || c < 2 * KROW) {
           const bool isv = c >= KROW;
-          const long off = long(tok0) * KROW + 16 * (c - (isv ? KROW : 0));
-          src = (isv ? vc : kc) + off;
-          dst = st + (isv ? TK : 0) + 16 * (c - (isv ? KROW : 0));
-          left = kend - off;
-        } else {
-          const int k = c - 2 * KROW;  // 0, 1: K norms; 2, 3: V norms (8 tokens a chunk)
-          const long tok = tok0 + 8 * (k & 1);
-          src = ((k < 2) ? kn : vn) + tok;
-          dst = st + 2 * TK + 16 * k;
-          left = 2 * (long(t1) - tok);
+          const int cc = isv ? c - KROW : c;
+          const long left = kend - base - 16 * cc;
+          const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
+          const uint8_t* src = (isv ? vc : kc) + base + 16 * cc;
+          iq_cp_async16(st + (isv ? TK : 0) + 16 * cc, bytes > 0 ? src : kc, bytes);
         }
+      }
+      if (lane < 4) {  // 0, 1: K norms; 2, 3: V norms (8 tokens a chunk)
+        const long tok = tok0 + 8 * (lane & 1);
+        const long left = 2 * (long(t1) - tok);
         const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-        iq_cp_async16(dst, bytes > 0 ? src : static_cast<const void*>(kc), bytes);
+        const __half* src = ((lane < 2) ? kn : vn) + tok;
+        iq_cp_async16(st + 2 * TK + 16 * lane, bytes > 0 ? static_cast<const void*>(src)
+                                                         : static_cast<const void*>(kc), bytes);
       }
     };
 #pragma unroll
@@ -330,8 +340,14 @@ __device__ __forceinline__ void iq_tc_warp(
       iq_cp_wait_all_but<IQ_STAGES - 1>();
       __syncwarp();
       const uint8_t* st = stage + (i % IQ_STAGES) * SB;
-      step(st, KROW, reinterpret_cast<const __half*>(st + 2 * TK), 1, st + TK, KROW,
-           reinterpret_cast<const __half*>(st + 2 * TK + 32), 1, min(16, t1 - (t0 + 16 * i)));
+      const __half* kn_ = reinterpret_cast<const __half*>(st + 2 * TK);
+      const __half* vn_ = reinterpret_cast<const __half*>(st + 2 * TK + 32);
+      const int nv = t1 - (t0 + 16 * i);
+      if (nv >= 16) {
+        step(IqBool<true>(), st, KROW, kn_, 1, st + TK, KROW, vn_, 1, 16);
+      } else {
+        step(IqBool<false>(), st, KROW, kn_, 1, st + TK, KROW, vn_, 1, nv);
+      }
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
   }
