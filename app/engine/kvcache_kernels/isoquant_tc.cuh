@@ -69,17 +69,27 @@ __device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
 }
 
 // The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
-// 8i..8i+7 of that range. Rows and lane offsets are 2-byte aligned.
-template <int D>
+// 8i..8i+7 of that range. Rows and lane offsets are 2-byte aligned; A4: 4-byte aligned (the
+// streamed stage rows), read as words.
+template <int D, bool A4>
 __device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32_t S[D / 32]) {
   const uint8_t* p = row + tig * (3 * D / 32);
+  if (A4 && D == 128) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
+    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+    S[0] = iq_spread8(w0 & 0xFFFFFFu);
+    S[1] = iq_spread8((w0 >> 24) | ((w1 & 0xFFFFu) << 8));
+    S[D / 32 - 2] = iq_spread8((w1 >> 16) | ((w2 & 0xFFu) << 16));
+    S[D / 32 - 1] = iq_spread8(w2 >> 8);
+    return;
+  }
   const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
   S[0] = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
   S[1] = iq_spread8((h1 >> 8) | (h2 << 8));
   if (D == 128) {
     const uint32_t h3 = iq_ld16(p + 6), h4 = iq_ld16(p + 8), h5 = iq_ld16(p + 10);
-    S[2] = iq_spread8(h3 | ((h4 & 0xFFu) << 16));
-    S[3] = iq_spread8((h4 >> 8) | (h5 << 8));
+    S[D / 32 - 2] = iq_spread8(h3 | ((h4 & 0xFFu) << 16));
+    S[D / 32 - 1] = iq_spread8((h4 >> 8) | (h5 << 8));
   }
 }
 
@@ -199,8 +209,8 @@ __device__ __forceinline__ void iq_tc_warp(
     auto tok = [&](int t) { return FULL ? t : min(t, last); };
     float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     uint32_t S[2][NKS];
-    iq_tc_kcodes<D>(kc_ + tok(gid) * ks_, tig, S[0]);
-    iq_tc_kcodes<D>(kc_ + tok(8 + gid) * ks_, tig, S[1]);
+    iq_tc_kcodes<D, FULL>(kc_ + tok(gid) * ks_, tig, S[0]);
+    iq_tc_kcodes<D, FULL>(kc_ + tok(8 + gid) * ks_, tig, S[1]);
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       uint32_t a0_, a1_, a2_, a3_;
