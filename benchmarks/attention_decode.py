@@ -104,15 +104,15 @@ def bench_shape(rows, b, t, with_torch, variants):
     del sets
     mx.clear_cache()
     per = b * HKV * t * D * 2 * 2
-    sets = []
-    for s in range(_sets(per)):
-        mx.random.seed(100 + s)
-        q = mx.random.normal((b, HQ, 1, D)).astype(mx.bfloat16)
-        k = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
-        v = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
-        mx.eval(q, k, v)
-        sets.append((q, k, v))
     try:
+        sets = []
+        for s in range(_sets(per)):
+            mx.random.seed(100 + s)
+            q = mx.random.normal((b, HQ, 1, D)).astype(mx.bfloat16)
+            k = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
+            v = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
+            mx.eval(q, k, v)
+            sets.append((q, k, v))
         us = time_mlx(
             lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), sets
         )
@@ -122,7 +122,7 @@ def bench_shape(rows, b, t, with_torch, variants):
             dict(backend="mlx-cuda", kernel="mx_sdpa_bf16", B=b, T=t, d=D, error=str(e)[:200])
         )
         print(f"  mx_sdpa_bf16 B={b} T={t}: {e}")
-    del sets
+    sets = None
     mx.clear_cache()
     if with_torch:
         import torch
@@ -170,6 +170,7 @@ def main() -> None:
         "--out", default=str(Path(__file__).parent / "results" / "attention_decode.json")
     )
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="only the variant sweep")
     args = ap.parse_args()
     if not iq.kernels_available():
         sys.exit("needs MLX's CUDA or Metal backend")
@@ -190,6 +191,7 @@ def main() -> None:
     # both tensor-core register layouts on every shape: the default is chosen from this table
     fused = {"isoquant_fused": with_opts(False), "isoquant_fused_qsmem": with_opts(True)}
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
+    shapes = [] if args.sweep_only else shapes
 
     def save():
         info = {}
@@ -228,7 +230,7 @@ def main() -> None:
             variants["isoquant_fused_scalar"] = with_opts(False, variant="scalar")
             variants["isoquant_unfused"] = lambda q, k, v, s: iq.unfused_attention(q, k, v, s)
         for qs in (False, True):
-            for w in (1536, 3072, 6144, 12288):
+            for w in (512, 1536, 3072, 6144, 12288) if qs else (3072,):
                 variants[f"isoquant_fused_qs{int(qs)}_warps{w}"] = with_opts(qs, w)
         sets, per = isoquant_sets(b, t)
         for name, fn in variants.items():

@@ -243,6 +243,7 @@ def main():
                     help="big-pool probes (~5 GB; default: on a GPU only)")
     ap.add_argument("--dtype", default="bfloat16", help="tiny models' dtype")
     ap.add_argument("--tokens", type=int, default=GEN)
+    ap.add_argument("--skip-probes", action="store_true", help="only the tiny models (part b)")
     a = ap.parse_args()
     import mlx.core as mx
 
@@ -262,7 +263,7 @@ def main():
         out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     result["gather_qmm"] = {}
-    for bits in (2, 4):
+    for bits in () if a.skip_probes else (2, 4):
         result["gather_qmm"][f"{bits}bit"] = probe_bits(bits, big)
         save()
     result["probe_seconds"] = time.perf_counter() - t0
