@@ -179,7 +179,11 @@ def build_cache(spec: tuple, kv: list, seed: int, shadow: bool = True) -> list:
     for i, (k, v) in enumerate(kv):
         if spec[0] == "isoquant":
             sink = spec[5] if len(spec) > 5 else 0
-            c = IsoQuantKVCache(spec[1], spec[2], spec[3], spec[4], seed, i, shadow, sink)
+            # every aged-out token compressed at once (the strictest; the app's decode batches
+            # of 16 keep 0-15 more tokens in float)
+            c = IsoQuantKVCache(
+                spec[1], spec[2], spec[3], spec[4], seed, i, shadow, sink, compress_every=1
+            )
         elif spec[0] == "mlx" and mlx_kv_emulated():
             c = RoundTripKVCache(spec[1])
         else:

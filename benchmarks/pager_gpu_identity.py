@@ -176,7 +176,7 @@ def _first_mismatch(got, ref):
     return None if n == len(got) == len(ref) else n
 
 
-def tiny_models(dtype: str, gen: int) -> dict:
+def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: None) -> dict:
     import mlx.core as mx
 
     from app.engine.offload import layers, load_paged
@@ -188,7 +188,7 @@ def tiny_models(dtype: str, gen: int) -> dict:
     prompts = {"prompt_80": mx.array(np.random.default_rng(7).integers(3, 1000, PROMPT_LEN)
                                       .tolist()),
                "prompt_1": mx.array([17])}
-    res = {}
+    res = {} if res is None else res
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
             src = make_random_model(arch, Path(tmp) / f"{arch}-src", seed=11, scale=0.5,
@@ -231,6 +231,7 @@ def tiny_models(dtype: str, gen: int) -> dict:
                             first.astype(mx.float32) - rf.astype(mx.float32)).max().item()),
                         "slots": pager.stats()["slots"],
                         "split_calls": pager.stats()["split_calls"]}
+                    saved()
                 pager.close()
     return res
 
@@ -274,7 +275,8 @@ def main():
                 print(f"{b + ' ' + case:40s} {v['rows_equal']:>5d} / {v['rows']:<5d} "
                       f"{v['max_abs_diff']:11.3g}")
         print(f"{b + ' reference max |y|':40s} {d['reference_max_abs']:>25.3g}")
-    result["models"] = tiny_models(a.dtype, a.tokens)
+    result["models"] = {}
+    tiny_models(a.dtype, a.tokens, result["models"], save)
     result["models_seconds"] = time.perf_counter() - t0 - result["probe_seconds"]
     save()
     print(f"\n{'model / budget / prompt':44s} {'first mismatch':>14s} {'step-0 logprobs':>16s} "

@@ -17,6 +17,15 @@ from app.engine.kvcache.quantizer import decode
 from app.engine.random_models import TINY_CONFIGS
 
 
+@pytest.fixture(autouse=True)
+def per_token_compression(monkeypatch):
+    """These tests pin exact token positions: compress every aged-out token at once (decode
+    batches of COMPRESS_EVERY are tested on their own below)."""
+    from app.engine.kvcache import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "COMPRESS_EVERY", 1)
+
+
 def _kv(b, h, t, d, seed):
     k1, k2 = mx.random.split(mx.random.key(seed))
     return mx.random.normal((b, h, t, d), key=k1), mx.random.normal((b, h, t, d), key=k2)
@@ -335,3 +344,34 @@ def test_compiled_encoders_are_bit_identical(monkeypatch):
     for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
         x, y = getattr(a, name), getattr(b, name)
         assert mx.array_equal(x, y).item(), name
+
+
+def test_decode_compresses_in_batches_with_the_same_codes():
+    """With compress_every=8 the float tail grows to window + 7 tokens, then 8 tokens are
+    compressed at once, to exactly the codes per-token compression writes."""
+    k, v = _kv(1, 2, 60, 64, 5)
+    a = IsoQuantKVCache(window=4, compress_every=1)
+    b = IsoQuantKVCache(window=4, compress_every=8)
+    seen = []
+    for c in (a, b):
+        c.update_and_fetch(k[:, :, :20], v[:, :, :20])
+    for t in range(20, 60):
+        a.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        out_k, _ = b.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        assert 4 <= out_k.fp_len < 4 + 8 and out_k.compressed_len == b.compressed
+        seen.append(b.compressed)
+    assert seen[0] == 17  # the prompt is compressed in bulk at the first decode step
+    assert sorted(set(seen)) == [17, 25, 33, 41, 49]  # then 8 tokens at a time
+    n = b.compressed
+    for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
+        assert mx.array_equal(getattr(a, name)[:, :, :n], getattr(b, name)[:, :, :n]).item()
+    with pytest.raises(ValueError, match="compress_every"):
+        IsoQuantKVCache(compress_every=0)
+
+
+def test_batches_survive_a_state_round_trip():
+    c = IsoQuantKVCache(window=4, compress_every=16)
+    k, v = _kv(1, 2, 30, 64, 6)
+    _feed(c, k, v, 10)
+    c2 = IsoQuantKVCache.from_state(c.state, c.meta_state)
+    assert (c2.compress_every, c2.offset, c2.compressed) == (c.compress_every, 30, c.compressed)

@@ -25,6 +25,10 @@ def _round_up(n: int, step: int) -> int:
     return (n + step - 1) // step * step
 
 
+# Decode-time compression batch (tokens): measured on the H200 (benchmarks/results/
+# isoquant_step_profile*.json), one compression is ~30 small kernels, ~250 µs per layer when it
+# ran for every token; in batches of 16 it costs a sixteenth of that per token.
+COMPRESS_EVERY = 16
 _COMPILED_MAX_TOKENS = 64  # appends up to this many tokens use the compiled encoder
 COMPILE_ENV = "ROTARYQUANT_KV_COMPILE"  # 1 / 0 forces; default: on GPU backends only
 
@@ -57,6 +61,7 @@ class IsoQuantKVCache(_BaseCache):
         layer: int = 0,
         decoded_shadow: bool = False,
         sink: int = 0,
+        compress_every: int | None = None,
     ):
         if rotation_kind not in KINDS:
             raise ValueError(f"unknown rotation {rotation_kind!r}; expected one of {KINDS}")
@@ -66,10 +71,17 @@ class IsoQuantKVCache(_BaseCache):
             raise ValueError(f"the float window must be ≥ 0 tokens, got {window}")
         if sink < 0:
             raise ValueError(f"the float sink prefix must be ≥ 0 tokens, got {sink}")
+        compress_every = COMPRESS_EVERY if compress_every is None else compress_every
+        if compress_every < 1:
+            raise ValueError(f"compress_every must be ≥ 1 token, got {compress_every}")
         # Named key_bits/value_bits, never `bits`: mlx-lm's attention treats any cache with a
         # `bits` attribute as its own QuantizedKVCache.
         self.rotation_kind, self.key_bits, self.value_bits = rotation_kind, key_bits, value_bits
         self.window, self.seed, self.layer = window, seed, layer
+        # Decode compresses aged-out tokens in batches of `compress_every`: the float tail holds
+        # window .. window + compress_every - 1 tokens, and the ~30 small kernels of one
+        # compression run once per batch instead of once per token.
+        self.compress_every = compress_every
         # The first `sink` tokens stay in float: attention sinks draw much of every query's mass.
         self.sink = sink
         self.sink_keys = self.sink_values = None  # [B, Hkv, sink, D] model dtype
@@ -108,7 +120,7 @@ class IsoQuantKVCache(_BaseCache):
         if self.rotation is None:
             self._setup(h, d, values.shape[-1])
         self._append_fp(keys, values)
-        if n == 1:
+        if n == 1 and self.offset - self.window - self.compressed >= self.compress_every:
             self._compress_to(self.offset - self.window)
         return self._fetch()
 
@@ -345,6 +357,7 @@ class IsoQuantKVCache(_BaseCache):
                 "value_bits": self.value_bits,
                 "window": self.window,
                 "sink": self.sink,
+                "compress_every": self.compress_every,
                 "seed": self.seed,
                 "layer": self.layer,
                 "heads_dim": shape,
@@ -369,6 +382,7 @@ class IsoQuantKVCache(_BaseCache):
             meta["seed"],
             meta["layer"],
             sink=meta.get("sink", 0),
+            compress_every=meta.get("compress_every", 1),
         )
         if meta["heads_dim"] is not None:
             h, d = meta["heads_dim"]
