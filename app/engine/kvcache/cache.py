@@ -30,18 +30,17 @@ def _round_up(n: int, step: int) -> int:
 # ran for every token; in batches of 16 it costs a sixteenth of that per token.
 COMPRESS_EVERY = 16
 _COMPILED_MAX_TOKENS = 64  # appends up to this many tokens use the compiled encoder
-COMPILE_ENV = "ROTARYQUANT_KV_COMPILE"  # 1 / 0 forces; default: on GPU backends only
+COMPILE_ENV = "ROTARYQUANT_KV_COMPILE"  # 1 turns the compiled per-token encoders on
 
 
 def compile_encoders() -> bool:
-    """Whether caches compile their per-token encoders (rotation + codes + packing fused by
-    mx.compile: bit-identical to the op-by-op path, measured in tests). Default on Metal and
-    CUDA, where each op is a kernel launch; off on CPU, where compiling needs a C++ compiler at
-    run time."""
-    v = os.environ.get(COMPILE_ENV)
-    if v in ("0", "1"):
-        return v == "1"
-    return mx.default_device() == mx.gpu
+    """Whether caches compile their decode-time encoders (rotation + codes + packing fused by
+    mx.compile; bit-identical to the op-by-op path, tested). Off unless ROTARYQUANT_KV_COMPILE=1:
+    on the H200 the compiled encoder alone ran 2.7x faster (240 vs 656 µs a step), but each
+    layer's closure compiles its own kernels on first use (a ~35 s stall over 32 layers on
+    MLX-CUDA), and with decode batches of 16 end-to-end decode gained nothing (68.4 vs 73.6 tok/s
+    at 32K; benchmarks/results/e2e_decode_isoquant.json)."""
+    return os.environ.get(COMPILE_ENV) == "1"
 
 
 def _compiled_encoder(rotation: Rotation, quantizer: Quantizer):
