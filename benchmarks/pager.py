@@ -92,8 +92,7 @@ def expert_bytes(folder: Path) -> int:
     from app.engine.offload.records import ExpertStore
 
     with ExpertStore(folder) as st:
-        return sum(sum(t.nbytes for t in st.layout(x).tensors) * st.layout(x).num_experts
-                   for x in st.layers)
+        return st.expert_bytes()
 
 
 def stream(n: int) -> list[int]:

@@ -196,14 +196,9 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
             folder = Path(tmp) / f"{arch}-rq"
             convert(src, folder)
             with ExpertStore(folder) as st:
-                slot = sum(t.nbytes for t in st.layout(st.layers[0]).tensors)
-                eb = sum(sum(t.nbytes for t in st.layout(x).tensors) * st.layout(x).num_experts
-                         for x in st.layers)
-                lay = st.layout(st.layers[0])
-            per = max(int(np.prod(t.shape)) * (32 // lay.quantization[t.name.split(".")[0]]
-                                               ["bits"] if t.name.endswith(".weight") and
-                                               lay.quantization.get(t.name.split(".")[0])
-                                               else 1) for t in lay.tensors)
+                slot = st.layout(st.layers[0]).expert_bytes
+                eb = st.expert_bytes()
+                per = st.layout(st.layers[0]).slot_elements
             ref_model = load_converted(folder).model
             refs = {p: _generate(ref_model, prompts[p], gen) for p in prompts}
             del ref_model

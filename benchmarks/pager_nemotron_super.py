@@ -212,8 +212,7 @@ def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None
     from app.engine.quant.converted import load_converted
 
     with ExpertStore(folder) as st:
-        eb = sum(sum(t.nbytes for t in st.layout(x).tensors) * st.layout(x).num_experts
-                 for x in st.layers)
+        eb = st.expert_bytes()
     budget_bytes = int(budget * 1e9) if not small else eb // 2
     res = {}
 

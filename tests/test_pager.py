@@ -39,8 +39,7 @@ def _generate(model, n=GEN, prompt=PROMPT):
 
 def expert_bytes(folder) -> int:
     with ExpertStore(folder) as st:
-        return sum(sum(t.nbytes for t in st.layout(x).tensors) * st.layout(x).num_experts
-                   for x in st.layers)
+        return st.expert_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +101,7 @@ def test_prompt_routed_to_more_experts_than_slots_runs_in_groups(converted):
     """Two slots for 32 experts: the prompt's calls split into groups of experts."""
     folder, toks, lps = converted("qwen3_moe")
     with ExpertStore(folder) as st:
-        slot = sum(t.nbytes for t in st.layout(st.layers[0]).tensors)
+        slot = st.layout(st.layers[0]).expert_bytes
     lm = load_paged(folder, 2 * slot + slot // 2)
     assert lm.model.rq_pager.stats()["slots"] == 2
     _assert_same(lm.model, toks, lps, n=12)
@@ -210,8 +209,7 @@ def test_verify_off_skips_the_checksum_but_not_the_size(converted, tmp_path):
     path.write_bytes(bytes(data))
     assert zlib.crc32(bytes(data[off:off + lay.record_size])) != crc
     lm = load_paged(bad, expert_bytes(bad), verify=False)  # loads: no CRC check asked
-    assert lm.model.rq_pager.stats()["slots"] == expert_bytes(bad) // (
-        sum(t.nbytes for t in lay.tensors))
+    assert lm.model.rq_pager.stats()["slots"] == expert_bytes(bad) // lay.expert_bytes
 
 
 def test_paged_model_holds_no_expert_parameters(converted):
@@ -237,15 +235,7 @@ def test_async_eval_option_is_identical(converted):
 def _window_limit(folder, slots: int) -> int:
     """An index limit that lets one call span `slots` slots of the first layer's pool."""
     with ExpertStore(folder) as st:
-        lay = st.layout(st.layers[0])
-    per = 1
-    for t in lay.tensors:
-        n = int(np.prod(t.shape))
-        q = lay.quantization.get(t.name.split(".")[0])
-        if t.name.endswith(".weight") and q is not None:
-            n = n * 32 // q["bits"]
-        per = max(per, n)
-    return slots * per + 1
+        return slots * st.layout(st.layers[0]).slot_elements + 1
 
 
 @pytest.mark.slow
@@ -277,7 +267,7 @@ def test_groups_with_slot_windows_are_bit_identical(converted, monkeypatch):
     monkeypatch.setattr(layers, "_index_limit", lambda: _window_limit(folder, 3))
     monkeypatch.setattr(layers, "QMV_ROWS", 64)
     with ExpertStore(folder) as st:
-        slot = sum(t.nbytes for t in st.layout(st.layers[0]).tensors)
+        slot = st.layout(st.layers[0]).expert_bytes
     lm = load_paged(folder, 5 * slot + slot // 2)
     _assert_same(lm.model, toks, lps, n=12)
     assert lm.model.rq_pager.stats()["split_calls"] > 0

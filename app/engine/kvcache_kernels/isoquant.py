@@ -135,7 +135,7 @@ TC_HEAD_DIMS = (64, 128)
 TC_PRECISION = tuple(
     os.environ.get("ROTARYQUANT_ISOQUANT_TC_PRECISION", "10")[i] == "1" for i in (0, 1)
 )
-# tensor-core kernel: Q fragments in shared memory (104 registers, 4 threadgroups per SM)
+# tensor-core kernel: Q fragments in shared memory (100-104 registers, 4 threadgroups per SM)
 # instead of registers (134, 3): 2-14% faster on the H200 at 9 of 11 shapes (attention_decode.json)
 TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # warps the default split plan aims for (enough to fill the GPU a few times over)
@@ -412,8 +412,9 @@ class _Launch:
 
 @functools.lru_cache(maxsize=512)
 def _launch(
-    p: Problem, variant: str, split_len, has_sinks: bool, scale: float, prec: tuple, warps: int
+    p: Problem, variant: str, split_len, has_sinks: bool, scale: float, opts: tuple, warps: int
 ):
+    """opts: the tensor-core kernel's (QLO, PLO, QS) template switches."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps)
     ip = _iparams(
@@ -426,7 +427,7 @@ def _launch(
         (lvk, kinv), (lvv, vinv) = _tc_levels_cached(p.dim, p.kb), _tc_levels_cached(p.dim, p.vb)
         levels = (lvk, lvv)
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
-        tmpl += [("QLO", prec[0]), ("PLO", prec[1]), ("QS", prec[2])]
+        tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2])]
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]

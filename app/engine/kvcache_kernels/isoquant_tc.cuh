@@ -68,39 +68,41 @@ __device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
+// 16 codes (48 bits at a 2-byte aligned p) -> two nibble words: codes 0-7 and 8-15.
+__device__ __forceinline__ void iq_spread48(const uint8_t* p, uint32_t& s0, uint32_t& s1) {
+  const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
+  s0 = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
+  s1 = iq_spread8((h1 >> 8) | (h2 << 8));
+}
+
 // The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
 // 8i..8i+7 of that range. Rows and lane offsets are 2-byte aligned; A4: 4-byte aligned (the
 // streamed stage rows), read as words.
 template <int D, bool A4>
 __device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32_t S[D / 32]) {
   const uint8_t* p = row + tig * (3 * D / 32);
-  if (A4 && D == 128) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
-    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
-    S[0] = iq_spread8(w0 & 0xFFFFFFu);
-    S[1] = iq_spread8((w0 >> 24) | ((w1 & 0xFFFFu) << 8));
-    S[D / 32 - 2] = iq_spread8((w1 >> 16) | ((w2 & 0xFFu) << 16));
-    S[D / 32 - 1] = iq_spread8(w2 >> 8);
-    return;
-  }
-  const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
-  S[0] = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
-  S[1] = iq_spread8((h1 >> 8) | (h2 << 8));
-  if (D == 128) {
-    const uint32_t h3 = iq_ld16(p + 6), h4 = iq_ld16(p + 8), h5 = iq_ld16(p + 10);
-    S[D / 32 - 2] = iq_spread8(h3 | ((h4 & 0xFFu) << 16));
-    S[D / 32 - 1] = iq_spread8((h4 >> 8) | (h5 << 8));
+  if constexpr (D == 128) {
+    if (A4) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
+      const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+      S[0] = iq_spread8(w0 & 0xFFFFFFu);
+      S[1] = iq_spread8((w0 >> 24) | ((w1 & 0xFFFFu) << 8));
+      S[2] = iq_spread8((w1 >> 16) | ((w2 & 0xFFu) << 16));
+      S[3] = iq_spread8(w2 >> 8);
+    } else {
+      iq_spread48(p, S[0], S[1]);
+      iq_spread48(p + 6, S[2], S[3]);
+    }
+  } else {
+    iq_spread48(p, S[0], S[1]);
   }
 }
 
 // The lane's V codes of one row (codes [gid*D/8, +D/8)) as nibble words (D/64 of them).
 template <int D>
 __device__ __forceinline__ void iq_tc_vcodes(const uint8_t* row, int gid, uint32_t S[D / 64]) {
-  if (D == 128) {
-    const uint8_t* p = row + 6 * gid;
-    const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
-    S[0] = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
-    S[D / 64 - 1] = iq_spread8((h1 >> 8) | (h2 << 8));
+  if constexpr (D == 128) {
+    iq_spread48(row + 6 * gid, S[0], S[1]);
   } else {
     const uint8_t* p = row + 3 * gid;
     S[0] = iq_spread8(uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16));

@@ -75,14 +75,7 @@ class _PagedSwitch(nn.Module):
         limit = _index_limit()
         if limit is None:
             return None
-        per_slot = 1
-        for t in pager.store.layout(layer).tensors:
-            n = int(np.prod(t.shape))
-            p = self._projs.get(t.name.split(".")[0])
-            if t.name.endswith(".weight") and p is not None and p.quant is not None:
-                n = n * 32 // p.quant["bits"]  # packed uint32 -> weight elements
-            per_slot = max(per_slot, n)
-        window = max(1, (limit - 1) // per_slot)
+        window = max(1, (limit - 1) // pager.store.layout(layer).slot_elements)
         return None if window >= pager.pool_of[layer].num_slots else window
 
     def _proj(self, name: str, x, idx, sorted_: bool, arrays: dict):
@@ -113,7 +106,7 @@ class _PagedSwitch(nn.Module):
                 n = pager.pool_of[self._layer].num_experts[self._layer]
                 arrays, idx = _view(arrays, base, base + n), indices
             else:
-                slots = np.array(idx).reshape(-1)
+                slots = route.slots.reshape(-1)
                 lo, hi = int(slots.min()), int(slots.max())
                 if hi - lo >= self._window:
                     return self._call_windows(x, indices, slots)

@@ -93,7 +93,7 @@ class SlotPool:
         self.record_size = layout.record_size
         self.layers = layers
         self.num_experts = {lay: 0 for lay in layers}  # filled by the pager
-        self.slot_bytes = sum(t.nbytes for t in self.tensors)
+        self.slot_bytes = layout.expert_bytes
         self.num_slots = num_slots
         self.lru = ExpertLRU(num_slots)
         # storage dtype: bfloat16 kept as uint16 so numpy can address it; viewed at use
@@ -153,6 +153,7 @@ class Group:
 @dataclass
 class Route:
     slot_idx: object = None  # mx.array shaped like the indices: slots to gather (one pass)
+    slots: np.ndarray | None = None  # the same slots on the host (None: never read back)
     groups: list | None = None  # else: groups of experts, run one after another
     flat: np.ndarray | None = None  # the call's expert index per pair (host), with groups
 
@@ -179,7 +180,7 @@ class ExpertPager:
             by_sig.setdefault(_signature(store.layout(layer)), []).append(layer)
         groups = list(by_sig.values())
         experts = [sum(store.layout(x).num_experts for x in g) for g in groups]
-        slot_bytes = [sum(t.nbytes for t in store.layout(g[0]).tensors) for g in groups]
+        slot_bytes = [store.layout(g[0]).expert_bytes for g in groups]
         self.expert_bytes = sum(n * b for n, b in zip(experts, slot_bytes, strict=True))
         self.full = self.budget_bytes >= self.expert_bytes
         self.pools: list[SlotPool] = []
@@ -273,7 +274,7 @@ class ExpertPager:
             return self._split(layer, flat, uniq)
         table = self._acquire(layer, uniq.tolist(), flat)
         slots = table[flat].astype(np.uint32).reshape(indices.shape)
-        return Route(slot_idx=mx.array(slots))
+        return Route(slot_idx=mx.array(slots), slots=slots)
 
     def acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
         """Pin `experts` of `layer` (reading misses); returns expert -> slot (numpy table)."""

@@ -166,6 +166,26 @@ class LayerLayout:
         return self.data_offset + expert * self.stride
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's tensors (a resident slot), alignment padding not counted."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def slot_elements(self) -> int:
+        """Elements of one expert's largest tensor, packed quantized weights counted as the
+        weights they hold: how far a gathered matmul's weight offset moves per slot."""
+        per = 1
+        for t in self.tensors:
+            n = 1
+            for s in t.shape:
+                n *= s
+            q = self.quantization.get(t.name.split(".")[0])
+            if t.name.endswith(".weight") and q is not None:
+                n = n * 32 // q["bits"]  # packed uint32 -> weights
+            per = max(per, n)
+        return per
+
+    @property
     def file_size(self) -> int:
         return self.data_offset + self.num_experts * self.stride
 
@@ -302,6 +322,10 @@ class ExpertStore:
         except KeyError:
             raise ExpertRecordError("no such MoE layer in the expert records",
                                     str(self.folder), layer) from None
+
+    def expert_bytes(self) -> int:
+        """Bytes of every layer's experts (what a budget of 100% holds)."""
+        return sum(self.layout(x).expert_bytes * self.layout(x).num_experts for x in self.layers)
 
     def _fd(self, layer: int) -> int:
         fd = self._fds.get(layer)
