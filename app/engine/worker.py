@@ -190,6 +190,10 @@ class WorkerClient:
         self._stopping = False
         self._reader_thread: threading.Thread | None = None
         self._send_lock = threading.Lock()
+        # Process.join / is_alive reap the child with waitpid, which is not safe from two threads
+        # at once (the loser gets ECHILD and still sees the process as alive): the reader thread
+        # and stop()/kill() take turns.
+        self._reap_lock = threading.RLock()
 
     # lifecycle
     def start(self, timeout: float = 120.0) -> M.Ready:
@@ -225,7 +229,8 @@ class WorkerClient:
         return self.proc.pid if self.proc else None
 
     def is_alive(self) -> bool:
-        return bool(self.proc and self.proc.is_alive())
+        with self._reap_lock:
+            return bool(self.proc and self.proc.is_alive())
 
     def _deliver(self, msg) -> None:
         if self.on_message is not None:
@@ -240,9 +245,10 @@ class WorkerClient:
             except (EOFError, OSError):
                 break
             self._deliver(msg)
-        proc.join(timeout=5)
+        with self._reap_lock:
+            proc.join(timeout=5)
+            code = proc.exitcode
         if not self._stopping and proc is self.proc:
-            code = proc.exitcode if proc else None
             self._deliver(M.WorkerDied(code, f"the engine process stopped unexpectedly (exit code {code})"))
 
     def send(self, msg) -> None:
@@ -265,14 +271,16 @@ class WorkerClient:
                 self.send(M.Shutdown())
             except WorkerError:
                 pass
-            self.proc.join(timeout)
+            with self._reap_lock:
+                self.proc.join(timeout)
         self.kill()
 
     def kill(self) -> None:
         self._stopping = True
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        with self._reap_lock:
+            if self.proc is not None and self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
         if self.conn is not None:
             self.conn.close()
             self.conn = None
