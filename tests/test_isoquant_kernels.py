@@ -188,6 +188,20 @@ def test_emulated_cuda_kernels_match_the_reference(emulated, case):
 
 
 @pytest.mark.slow
+def test_emulated_combine_merges_many_splits(emulated):
+    """Short splits: ~80 compressed splits and a float split per row, shared by the combine's
+    8 warps unevenly (80 = 10 per warp, the float split on warp 0 only), with a sink."""
+    q, k, v = iq.random_problem(1, 2, 4, 1, 128, 2530, 5, dtype=mx.float32, seed=21)
+    sk = mx.random.normal((8,))
+    p = iq.Problem.of(q, k, v, None)
+    plan = iq.split_plan(p, iq.TC_RB, 32)
+    assert plan["nspc"] >= 80 and plan["nsp"] > plan["nspc"]
+    ref = iq.attention_reference(q, k, v, _scale(128), None, sk)
+    out = iq.fused_attention(q, k, v, _scale(128), None, sk, split_len=32)
+    assert iq.rel_error(out, ref) < TOL
+
+
+@pytest.mark.slow
 def test_emulated_kernels_one_by_one(emulated):
     q, k, v = iq.random_problem(2, 2, 4, 1, 64, 47, 0, dtype=mx.float32, seed=7)
     p = iq.Problem.of(q, k, v, None)

@@ -1,5 +1,6 @@
 """The CUDA kernels compile for the H200 (sm_90) with nvcc, in the translation unit MLX's
-`cuda_kernel` generates, before any device time is spent. Skipped where nvcc is absent."""
+`cuda_kernel` generates from what we pass it (the stripped body, the header included from its
+file), before any device time is spent. Skipped where nvcc is absent."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import pytest
 
 from app.engine.cuda_kernels import isoquant as cuda
+from app.engine.cuda_kernels import jit
 from app.engine.kvcache_kernels import isoquant as iq
 
 NVCC = shutil.which("nvcc")
@@ -47,12 +49,14 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
             t = dict(_TYPES, out=cfg.get("TO", "float32"))
             tu = cuda.translation_unit(
                 f"{name}_{i}", [(n, t[n]) for n in ins], [(n, t[n]) for n in outs],
-                list(cfg.items()), body, "",
+                list(cfg.items()), jit.strip(body), "",
             )  # fmt: skip
             pieces.append(tu[tu.index("namespace mlx::core::cu {\n__global__") :])
     src = tmp_path / "isoquant.cu"
     hdr = iq.SHARED_HEADER + iq.TC_HEADER
-    src.write_text(cuda._MLX_STANDIN + cuda.HEADER + hdr + "\n".join(pieces))
+    included = jit.include_header(cuda.HEADER + hdr)
+    assert included.startswith("#include")  # the header MLX gets is one line
+    src.write_text(cuda._MLX_STANDIN + included + "\n".join(pieces))
     r = subprocess.run(
         [NVCC, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o"),
          "-Xptxas", "-v", "-diag-suppress", "177"],

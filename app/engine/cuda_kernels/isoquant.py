@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import jit
+
 HEADER = r"""
 #define IQ_FN __device__ __forceinline__
 #define IQ_TG
@@ -78,13 +80,8 @@ def available() -> bool:
 
 
 def build(name: str, inputs: list[str], outputs: list[str], body: str, header: str):
-    return mx.fast.cuda_kernel(
-        name=name,
-        input_names=inputs,
-        output_names=outputs,
-        source=BODY + body,
-        header=HEADER + header,
-        ensure_row_contiguous=False,
+    return jit.cuda_kernel(
+        name, inputs, outputs, BODY + body, HEADER + header, ensure_row_contiguous=False
     )
 
 

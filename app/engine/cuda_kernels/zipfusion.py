@@ -30,6 +30,7 @@ import os
 import mlx.core as mx
 
 from ..kvcache.zipfusion import codec
+from . import jit
 
 # -- sources -------------------------------------------------------------------------------
 
@@ -840,7 +841,9 @@ def ring_max_queued(head_dim: int, ring_kb: int = RING_KB) -> int:
     return min(8, ring_bytes(head_dim, ring_kb) // small_page + 1)
 
 
-def ring_shared_bytes(head_dim: int, num_warps: int = RING_NUM_WARPS, ring_kb: int = RING_KB) -> int:
+def ring_shared_bytes(
+    head_dim: int, num_warps: int = RING_NUM_WARPS, ring_kb: int = RING_KB
+) -> int:
     """Dynamic shared memory of the ring variant: each warp's ring plus its page table."""
     table = ring_max_queued(head_dim, ring_kb) * (2 * codec.meta_words(head_dim) + 1) * 4
     return num_warps * (ring_bytes(head_dim, ring_kb) + table)
@@ -856,7 +859,8 @@ def ring_ctas_per_sm(head_dim: int, num_warps: int = RING_NUM_WARPS, ring_kb: in
 def translation_unit(
     name: str, input_types: list[str], output_types: list[str], template: dict
 ) -> str:
-    """The .cu text MLX's `cuda_kernel` generates for `name` (signature, constants, body), with
+    """The .cu text MLX's `cuda_kernel` generates for `name` (signature, constants, body) from
+    what the kernels pass it (header included from its file, body stripped: see jit.py), with
     plain CUDA includes instead of MLX's header: for compile-only checks with nvcc."""
     inputs, outputs, body = SOURCES[name]
     params = [f"    const {t}* {n}" for t, n in zip(input_types, inputs, strict=True)]
@@ -864,12 +868,12 @@ def translation_unit(
     consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
     return (
         "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-        + HEADER
+        + jit.include_header(HEADER)
         + f"\n__global__ void {name}(\n"
         + ",\n".join(params)
         + ") {\n"
         + consts
-        + body
+        + jit.strip(body)
         + "\n}\n"
     )
 
@@ -882,7 +886,7 @@ def _cuda() -> bool:
 
 
 def _make_pipe(head_dim: int, num_warps: int, stages: int):
-    return mx.fast.cuda_kernel(
+    return jit.cuda_kernel(
         name=f"zipfusion_attn_pipe_d{head_dim}_s{stages}_w{num_warps}",
         input_names=ATTN_INPUTS,
         output_names=ATTN_OUTPUTS,
@@ -893,7 +897,7 @@ def _make_pipe(head_dim: int, num_warps: int, stages: int):
 
 
 def _make_ring(head_dim: int, num_warps: int, ring_kb: int):
-    return mx.fast.cuda_kernel(
+    return jit.cuda_kernel(
         name=f"zipfusion_attn_ring_d{head_dim}_r{ring_kb}_w{num_warps}",
         input_names=ATTN_INPUTS,
         output_names=ATTN_OUTPUTS,
@@ -925,7 +929,7 @@ if _cuda():
     for _name, (_ins, _outs, _body) in SOURCES.items():
         if _name in ("zipfusion_attn_pipe", "zipfusion_attn_ring"):
             continue
-        _KERNELS[_name] = mx.fast.cuda_kernel(
+        _KERNELS[_name] = jit.cuda_kernel(
             name=_name, input_names=_ins, output_names=_outs, source=_body, header=HEADER
         )
     # The pipe variant's shared memory depends on the head dim: one kernel (and name) per dim.

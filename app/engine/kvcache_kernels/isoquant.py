@@ -119,11 +119,16 @@ def kernels_available() -> bool:
     return bool(_KERNELS)
 
 
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
 def _dtype_name(dt) -> str:
-    for k, v in DTYPES.items():
-        if v == dt:
-            return k
-    raise ValueError(f"IsoQuant kernels take float16, bfloat16 or float32 queries, not {dt}")
+    try:
+        return _DTYPE_NAMES[dt]
+    except KeyError:
+        raise ValueError(
+            f"IsoQuant kernels take float16, bfloat16 or float32 queries, not {dt}"
+        ) from None
 
 
 # -- problem description -------------------------------------------------------------------
@@ -141,6 +146,7 @@ TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # warps the default split plan aims for (enough to fill the GPU a few times over)
 SPLIT_WARPS = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS", "3072"))
 NW = 4  # warps per threadgroup (IQ_NW)
+COMBINE_THREADS = 256  # threads of iq_combine's threadgroup (CT in its body)
 TC_RB = 8  # query rows per threadgroup of the tensor-core kernel
 # rows per threadgroup of the scalar kernels: keeps RB * D/32 accumulators per lane at <= 32
 SCALAR_RB = {64: 8, 128: 8, 256: 4, 512: 2}
@@ -493,14 +499,20 @@ def fused_attention(
     variant = variant or _variant(p)
     if variant == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
         raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-    (po, pm, pl), run = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
-    return _kernel("iq_combine", q.dtype)(
-        inputs=[po, pm, pl, _rot_array(keys.rotation), _sinks(p, sinks), run.ip, run.fp_combine],
-        template=[("D", p.dim), ("KIND", p.kind), ("TO", q.dtype)],
-        grid=(p.dim, p.rows, p.b * p.hkv),
-        threadgroup=(p.dim, 1, 1),
+    part, run = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
+    return combine(part, keys.rotation, p, run, q.dtype, sinks)
+
+
+def combine(part, rot: Rotation, p: Problem, run: _Launch, dtype, sinks=None) -> mx.array:
+    """The split partials -> [B, Hq, L, D] (log-sum-exp merge, Rᵀ once per row)."""
+    po, pm, pl = part
+    return _kernel("iq_combine", dtype)(
+        inputs=[po, pm, pl, _rot_array(rot), _sinks(p, sinks), run.ip, run.fp_combine],
+        template=[("D", p.dim), ("KIND", p.kind), ("TO", dtype)],
+        grid=(COMBINE_THREADS, p.rows, p.b * p.hkv),
+        threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(p.b, p.hq, p.length, p.dim)],
-        output_dtypes=[q.dtype],
+        output_dtypes=[dtype],
     )[0]
 
 

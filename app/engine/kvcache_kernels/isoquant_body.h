@@ -419,12 +419,19 @@ IQ_FN void iq_store_partial(
 // @end
 
 // @kernel iq_combine
-// Log-sum-exp merge of all warp splits of one row, inverse rotation of the compressed part,
-// plus the float part, divided by the total weight (sink included). grid (D, R, B*Hkv), group D.
-// template: D, KIND, TO (output dtype).
+// Log-sum-exp merge of all splits of one row (compressed splits [0, NSPC), float splits after),
+// inverse rotation of the compressed part, plus the float part, divided by the total weight
+// (sink included). grid (IQ_CT, R, B*Hkv), group IQ_CT = 256 threads: the 8 warps share the
+// splits (warp w takes w, w + 8, ...; each lane D/32 coordinates, loads coalesced and many in
+// flight), then add their sums in threadgroup memory. template: D, KIND, TO.
 {
+  constexpr int CT = 256;
+  constexpr int CW = CT / 32;
+  constexpr int V = D / 32;
   IQ_SHARED float iq_x[D];
   IQ_SHARED float iq_tmp[D];
+  IQ_SHARED float iq_red[CW * D];
+  IQ_SHARED float iq_wred[CW];
   const int R = iparams[IQ_P_R];
   const int L = iparams[IQ_P_L];
   const int G = iparams[IQ_P_G];
@@ -435,13 +442,23 @@ IQ_FN void iq_store_partial(
   const int b = bh / Hkv;
   const int h = bh % Hkv;
   const int r = iq_by;
-  const int d = iq_tid;
   const int g = r / L;
   const int l = r % L;
+  const int warp = iq_tid / 32;
+  const int lane = iq_tid % 32;
   const long base = long(bh) * nsp * R + r;  // row r of split 0
   float M = IQ_NEG_INF;
-  for (int s = 0; s < nsp; ++s) {
+  for (int s = iq_tid; s < nsp; s += CT) {
     M = max(M, part_m[base + long(s) * R]);
+  }
+  M = iq_warp_max(M);
+  if (lane == 0) {
+    iq_wred[warp] = M;
+  }
+  IQ_BARRIER();
+  M = iq_wred[0];
+  for (int w = 1; w < CW; ++w) {
+    M = max(M, iq_wred[w]);
   }
   float sink = IQ_NEG_INF;
   if (iparams[IQ_P_SINKS] != 0) {
@@ -449,26 +466,62 @@ IQ_FN void iq_store_partial(
     M = max(M, sink);
   }
   const float mb = M == IQ_NEG_INF ? 0.0f : M;
-  float tot = IQ_EXP2(sink - mb);
-  float oc = 0.0f;
-  float of = 0.0f;
-  for (int s = 0; s < nsp; ++s) {
+  float tot = 0.0f;  // this warp's splits (the same on every lane)
+  float oc[V];
+  float of[V];
+  for (int i = 0; i < V; ++i) {
+    oc[i] = 0.0f;
+    of[i] = 0.0f;
+  }
+  for (int s = warp; s < nspc; s += CW) {
     const long row = base + long(s) * R;
     const float w = IQ_EXP2(part_m[row] - mb);
     tot += w * part_l[row];
-    const float v = w * part_o[row * D + d];
-    if (s < nspc) {
-      oc += v;
-    } else {
-      of += v;
+    for (int i = 0; i < V; ++i) {
+      oc[i] += w * part_o[row * D + lane + 32 * i];
     }
   }
-  iq_x[d] = oc;
+  for (int s = nspc + warp; s < nsp; s += CW) {
+    const long row = base + long(s) * R;
+    const float w = IQ_EXP2(part_m[row] - mb);
+    tot += w * part_l[row];
+    for (int i = 0; i < V; ++i) {
+      of[i] += w * part_o[row * D + lane + 32 * i];
+    }
+  }
+  IQ_BARRIER();  // every thread has read iq_wred
+  if (lane == 0) {
+    iq_wred[warp] = tot;
+  }
+  for (int i = 0; i < V; ++i) {
+    iq_red[warp * D + lane + 32 * i] = oc[i];
+  }
   IQ_BARRIER();
-  iq_rotate_rows<D, 1, KIND, D>(iq_x, iq_tmp, rot, h, true, iq_tid);
+  tot = IQ_EXP2(sink - mb);
+  for (int w = 0; w < CW; ++w) {
+    tot += iq_wred[w];
+  }
+  for (int d = iq_tid; d < D; d += CT) {
+    float acc = 0.0f;
+    for (int w = 0; w < CW; ++w) {
+      acc += iq_red[w * D + d];
+    }
+    iq_x[d] = acc;
+  }
+  IQ_BARRIER();
+  for (int i = 0; i < V; ++i) {
+    iq_red[warp * D + lane + 32 * i] = of[i];
+  }
+  iq_rotate_rows<D, 1, KIND, CT>(iq_x, iq_tmp, rot, h, true, iq_tid);  // ends with a barrier
   const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
-  const long oi = ((long(b) * iparams[IQ_P_HQ] + h * G + g) * L + l) * D + d;
-  out[oi] = static_cast<TO>((iq_x[d] + of) * inv);
+  const long ob = ((long(b) * iparams[IQ_P_HQ] + h * G + g) * L + l) * D;
+  for (int d = iq_tid; d < D; d += CT) {
+    float acc = iq_x[d];
+    for (int w = 0; w < CW; ++w) {
+      acc += iq_red[w * D + d];
+    }
+    out[ob + d] = static_cast<TO>(acc * inv);
+  }
 }
 // @end
 
