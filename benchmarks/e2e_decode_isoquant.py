@@ -109,17 +109,28 @@ def decode_tok_s_pipelined(model, caches, steps: int, warmup: int = WARMUP) -> f
     return steps / (time.perf_counter() - t0)
 
 
-def decode_tok_s(model, caches, steps: int, warmup: int = WARMUP) -> float:
-    """One step at a time, each evaluated before the next is built (no overlap)."""
+def decode_tok_s(model, caches, steps: int, warmup: int = WARMUP):
+    """One step at a time, each evaluated before the next is built (no overlap): (tok/s,
+    median ms to build a step's graph on the host, median ms to evaluate it, slowest step ms:
+    a step that compresses a batch of 16 tokens in every layer)."""
+    import statistics
+
     tok = mx.array([[1]])
     for _ in range(warmup):
         tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
         mx.eval(tok)
+    build, run = [], []
     t0 = time.perf_counter()
     for _ in range(steps):
+        t = time.perf_counter()
         tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
+        t1 = time.perf_counter()
         mx.eval(tok)
-    return steps / (time.perf_counter() - t0)
+        build.append(t1 - t)
+        run.append(time.perf_counter() - t1)
+    tps = steps / (time.perf_counter() - t0)
+    steps_ms = [(a + b) * 1e3 for a, b in zip(build, run, strict=True)]
+    return tps, statistics.median(build) * 1e3, statistics.median(run) * 1e3, max(steps_ms)
 
 
 def main() -> None:
@@ -128,6 +139,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reference", action="store_true", help="also time the MLX-ops reference")
     ap.add_argument("--compare-compile", action="store_true", help="also compiled encoders")
+    ap.add_argument(
+        "--compare-encoder", action="store_true", help="also the MLX-ops encoder (no fused one)"
+    )
     ap.add_argument("--tiny", action="store_true", help="2 layers, small vocab: a smoke test")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "e2e_decode_isoquant.json")
@@ -138,26 +152,34 @@ def main() -> None:
     model = build_model()
     rows = []
     modes = ["fp16", "isoquant_fused"] + (["isoquant_reference"] if args.reference else [])
+    if args.compare_encoder:  # the MLX-ops encoder in the cache's compression, side by side
+        modes.insert(2, "isoquant_fused_mlx_encoder")
     if args.compare_compile:  # the compiled decode-time encoders, side by side
         modes.insert(2, "isoquant_fused_compiled_encoder")
     for ctx in args.contexts:
         for mode in modes:
             kk.install()  # registered: the kernels run whenever the backend has them
-            if mode == "isoquant_reference":
+            if mode == "isoquant_reference":  # MLX ops throughout: attention and encoder
                 kvcache.register_kernel(None)
+                kvcache.register_encoder(None)
+            if mode == "isoquant_fused_mlx_encoder":  # fused attention, MLX-ops compression
+                kvcache.register_encoder(None)
             os.environ.pop(kvcache.cache.COMPILE_ENV, None)
             if mode == "isoquant_fused_compiled_encoder":
                 os.environ[kvcache.cache.COMPILE_ENV] = "1"
             caches = make_caches("fp16" if mode == "fp16" else "isoquant", ctx)
             tps = decode_tok_s_pipelined(model, caches, args.steps)
-            sync = decode_tok_s(model, caches, args.steps)
+            sync, build_ms, eval_ms, max_ms = decode_tok_s(model, caches, args.steps)
             kv = sum(kvcache.cache_nbytes([c]) for c in caches)
             rows.append(dict(mode=mode, context=ctx, tok_s=round(tps, 2), ms_per_token=round(1e3 / tps, 3),
-                             tok_s_unpipelined=round(sync, 2), kv_bytes=int(kv),
+                             tok_s_unpipelined=round(sync, 2), build_ms=round(build_ms, 3),
+                             eval_ms=round(eval_ms, 3), slowest_step_ms=round(max_ms, 2),
+                             kv_bytes=int(kv),
                              peak_bytes=int(mx.get_peak_memory())))  # fmt: skip
             print(
                 f"ctx {ctx:6d} {mode:20s} {tps:7.1f} tok/s  {1e3 / tps:7.2f} ms/token  "
-                f"(one step at a time: {sync:7.1f} tok/s)  KV {kv / 1e9:5.2f} GB"
+                f"(one step at a time: {sync:7.1f} tok/s; build {build_ms:5.2f} ms, "
+                f"eval {eval_ms:5.2f} ms, slowest {max_ms:6.1f} ms)  KV {kv / 1e9:5.2f} GB"
             )
             del caches
             mx.clear_cache()
@@ -174,7 +196,9 @@ def main() -> None:
         model="Llama-3.1-8B shapes, random weights, 4-bit g64; batch 1; greedy decode",
         method=f"{args.steps} timed steps after {WARMUP} warm-up steps; caches pre-filled with random KV; "
         "tok_s: mlx-lm generate_step (next step built while the GPU runs this one, as the app "
-        "decodes); tok_s_unpipelined: each step evaluated before the next is built",
+        "decodes); tok_s_unpipelined: each step evaluated before the next is built; build_ms / eval_ms: "
+        "median host time to build one step's graph / to evaluate it, in that mode; "
+        "isoquant_fused_mlx_encoder: fused attention, compression by MLX ops (no fused encoder)",
         kv_compile=kvcache.cache.compile_encoders(),
         records=rows,
     )

@@ -189,16 +189,115 @@ def test_emulated_cuda_kernels_match_the_reference(emulated, case):
 
 @pytest.mark.slow
 def test_emulated_combine_merges_many_splits(emulated):
-    """Short splits: ~80 compressed splits and a float split per row, shared by the combine's
-    8 warps unevenly (80 = 10 per warp, the float split on warp 0 only), with a sink."""
+    """Short splits with a float segment and a sink. Scalar kernel: ~80 compressed partials per
+    row, shared by the combine's 8 warps unevenly. Tensor-core kernel: each threadgroup merges
+    its 4 warps first (~20 partials; the last threadgroup's tail warps see no tokens)."""
     q, k, v = iq.random_problem(1, 2, 4, 1, 128, 2530, 5, dtype=mx.float32, seed=21)
     sk = mx.random.normal((8,))
     p = iq.Problem.of(q, k, v, None)
     plan = iq.split_plan(p, iq.TC_RB, 32)
     assert plan["nspc"] >= 80 and plan["nsp"] > plan["nspc"]
+    merged = iq.split_plan(p, iq.TC_RB, 32, merged=True)
+    assert merged["nspc"] == merged["ncb"] == plan["nspc"] // iq.NW
     ref = iq.attention_reference(q, k, v, _scale(128), None, sk)
-    out = iq.fused_attention(q, k, v, _scale(128), None, sk, split_len=32)
-    assert iq.rel_error(out, ref) < TOL
+    for variant in ("scalar", "tc"):
+        out = iq.fused_attention(q, k, v, _scale(128), None, sk, variant=variant, split_len=32)
+        assert iq.rel_error(out, ref) < TOL, variant
+
+
+def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):
+    """Kernel codes equal the MLX-ops encoder's, except where float rounding puts the unit
+    coordinate u within 1e-5 of a threshold (either side is then a right answer); norms equal
+    up to one fp16 step."""
+    from app.engine.kvcache.packing import unpack_codes
+
+    c, rc = unpack_codes(codes, qz.bits), unpack_codes(ref_codes, qz.bits)
+    y = rot.forward(x)
+    nrm = mx.sqrt(mx.sum(y * y, axis=-1, keepdims=True))
+    u = y * (math.sqrt(qz.dim) / mx.maximum(nrm, 1e-30))
+    near = mx.min(mx.abs(u[..., None] - qz.thresholds), axis=-1) < 1e-5
+    assert mx.all((c == rc) | near).item()
+    a, b = norms.astype(mx.float32), ref_norms.astype(mx.float32)
+    assert mx.all(mx.abs(a - b) <= mx.abs(b) * 2.0**-10).item()
+
+
+ENC_CASES = [
+    # b, hkv, n, d, kb, vb, kind, dtype
+    (1, 2, 5, 64, 3, 4, "v3", mx.bfloat16),
+    (2, 3, 17, 128, 3, 3, "v2", mx.float32),
+    (1, 1, 3, 256, 4, 3, "dense", mx.float16),
+    (1, 2, 1, 512, 3, 3, "v1", mx.bfloat16),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ENC_CASES, ids=lambda c: f"d{c[3]}-n{c[2]}-{c[6]}-{c[4]}{c[5]}")
+def test_emulated_encoder_matches_the_mlx_encoder(emulated, case):
+    from app.engine.kvcache.quantizer import Quantizer, encode
+    from app.engine.kvcache.rotation import Rotation
+
+    b, h, n, d, kb, vb, kind, dtype = case
+    mx.random.seed(n + d)
+    rot = Rotation.make(kind, d, h, seed=3, layer=2)
+    kq, vq = Quantizer.make(d, kb), Quantizer.make(d, vb)
+    # strided views, as the cache passes its float tail (and one huge row to hit the clamp)
+    big_k = (mx.random.normal((b, h, n + 7, d)) * 3.0).astype(dtype)
+    big_v = mx.random.normal((b, h, n + 7, d)).astype(dtype)
+    xk, xv = big_k[:, :, 4 : 4 + n], big_v[:, :, 4 : 4 + n]
+    kc, kn, vc, vn = emulated.encode_pair(xk, xv, rot, kq, vq)
+    rkc, rkn = encode(xk, rot, kq)
+    rvc, rvn = encode(xv, rot, vq)
+    assert kc.shape == rkc.shape and vc.shape == rvc.shape and kn.dtype == mx.float16
+    _assert_codes_match(kc, kn, rkc, rkn, xk.astype(mx.float32), rot, kq)
+    _assert_codes_match(vc, vn, rvc, rvn, xv.astype(mx.float32), rot, vq)
+
+
+@pytest.mark.slow
+def test_emulated_encoder_clamps_norms_and_declines_what_it_cannot_take(emulated):
+    from app.engine.kvcache.quantizer import Quantizer
+    from app.engine.kvcache.rotation import Rotation
+
+    rot = Rotation.make("v3", 64, 1, seed=0, layer=0)
+    q = Quantizer.make(64, 3)
+    x = mx.full((1, 1, 2, 64), 3e4, mx.float32)  # |x| = 2.4e5 > fp16 max
+    _, kn, _, vn = emulated.encode_pair(x, x * 1e-3, rot, q, q)
+    assert kn.tolist() == [[[65504.0, 65504.0]]] and abs(vn[0, 0, 0].item() - 240.0) < 0.5
+    assert emulated.encode_pair(x, x[..., :32], rot, q, Quantizer.make(32, 3)) is None
+    assert emulated.encode_pair(x[:, :, :0], x[:, :, :0], rot, q, q) is None
+
+
+@pytest.mark.slow
+def test_emulated_cache_compresses_with_the_fused_encoder(emulated, monkeypatch):
+    """Decode with batch compression: the cache calls the kernel (one call per batch) and
+    stores what the MLX-ops encoder would have."""
+    from app.engine import kvcache
+    from app.engine.kvcache import cache as cache_mod
+
+    calls = []
+
+    def counting(*a):
+        calls.append(a[0].shape[2])
+        return emulated.encode_pair(*a)
+
+    def run(encoder):
+        monkeypatch.setattr(cache_mod, "_ENCODER", encoder)
+        c = kvcache.IsoQuantKVCache("v3", 3, 3, window=8, layer=1, compress_every=16)
+        mx.random.seed(5)
+        c.update_and_fetch(*(mx.random.normal((1, 2, 20, 64)).astype(mx.bfloat16) for _ in "kv"))
+        c.finish_prefill()
+        for _ in range(40):
+            c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)).astype(mx.bfloat16) for _ in "kv"))
+        return c
+
+    fused, plain = run(counting), run(None)
+    assert calls == [12, 16, 16] and fused.compressed == plain.compressed == 44
+    r = fused._n_rows
+    for a, b in ((fused.k_codes, plain.k_codes), (fused.v_codes, plain.v_codes)):
+        same = mx.mean((a[:, :, :r] == b[:, :, :r]).astype(mx.float32)).item()
+        assert same > 0.999  # bytes; a code may differ only at a threshold (see above)
+    for a, b in ((fused.k_norms, plain.k_norms), (fused.v_norms, plain.v_norms)):
+        a, b = a[:, :, :r].astype(mx.float32), b[:, :, :r].astype(mx.float32)
+        assert mx.all(mx.abs(a - b) <= mx.abs(b) * 2.0**-10).item()
 
 
 @pytest.mark.slow

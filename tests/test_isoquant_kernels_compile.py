@@ -28,13 +28,15 @@ CONFIGS = {
     "iq_value_word": [dict(D=128, RB=4, VB=3)],
     "iq_value_dim": [dict(D=128, RB=4, VB=3)],
     "iq_rotate_inverse": [dict(D=128, KIND=0, ADD=True, TO="bfloat16")],
+    "iq_encode": [dict(D=128, KIND=0, KB=3, VB=3, HT="float16")],
 }
 _TYPES = dict(
     k_codes="uint8", v_codes="uint8", k_norms="float16", v_norms="float16", rot="float32",
     lv_k="float32", lv_v="float32", lens="int32", iparams="int32", fparams="float32",
     part_o="float32", part_m="float32", part_l="float32", sinks="float32", scores="float32",
     probs="float32", acc="float32", part="float32", q="bfloat16", k_fp="bfloat16",
-    v_fp="bfloat16", add="bfloat16",
+    v_fp="bfloat16", add="bfloat16", x_k="bfloat16", x_v="bfloat16", thr_k="float32",
+    thr_v="float32", kc="uint8", vc="uint8", kn="float16", vn="float16",
 )  # fmt: skip
 
 

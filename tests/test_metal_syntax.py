@@ -34,18 +34,24 @@ CONFIGS = {
         dict(D=128, KIND=0, ADD=True, TO="bfloat16"),
         dict(D=64, KIND=1, ADD=False, TO="float32"),
     ],
+    "iq_encode": [
+        dict(D=128, KIND=0, KB=3, VB=3, HT="float16"),
+        dict(D=512, KIND=2, KB=4, VB=3, HT="float16"),
+    ],
 }
 _TYPES = dict(
     k_codes="uint8", v_codes="uint8", k_norms="float16", v_norms="float16", rot="float32",
     lv_k="float32", lv_v="float32", lens="int32", iparams="int32", fparams="float32",
     part_o="float32", part_m="float32", part_l="float32", sinks="float32", scores="float32",
-    probs="float32", acc="float32", part="float32",
+    probs="float32", acc="float32", part="float32", thr_k="float32", thr_v="float32",
+    kc="uint8", vc="uint8", kn="float16", vn="float16",
 )  # fmt: skip
 
 
 def _io(name: str, cfg: dict, dtype: str, size: int):
     ins, outs = iq.SPECS[name]
-    t = dict(_TYPES, q=dtype, k_fp=dtype, v_fp=dtype, add=dtype, out=cfg.get("TO", "float32"))
+    t = dict(_TYPES, q=dtype, k_fp=dtype, v_fp=dtype, add=dtype, x_k=dtype, x_v=dtype)
+    t["out"] = cfg.get("TO", "float32")
     return [(n, t[n], size) for n in ins], [(n, t[n]) for n in outs]
 
 

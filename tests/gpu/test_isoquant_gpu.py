@@ -141,3 +141,33 @@ def test_the_cache_attention_uses_the_kernel_and_the_setting_forces_the_referenc
     assert not calls
     monkeypatch.setenv(kk.SETTING_ENV, "auto")
     assert kk.install()
+
+
+@pytest.mark.parametrize(
+    "d,kb,vb,kind", [(64, 3, 4, "v3"), (128, 3, 3, "v3"), (256, 4, 3, "dense")]
+)
+@pytest.mark.parametrize("n", [1, 16, 300])
+def test_fused_encoder_matches_the_mlx_encoder(d, kb, vb, kind, n):
+    """The cache's one-launch K/V encoder against quantizer.encode on strided bf16 rows: codes
+    equal except within 1e-5 of a threshold, norms within one fp16 step."""
+    from app.engine.kvcache.packing import unpack_codes
+    from app.engine.kvcache.quantizer import Quantizer, encode
+    from app.engine.kvcache.rotation import Rotation
+
+    mx.random.seed(d + n)
+    rot = Rotation.make(kind, d, 8, seed=1, layer=3)
+    qk, qv = Quantizer.make(d, kb), Quantizer.make(d, vb)
+    xk = (mx.random.normal((2, 8, n + 9, d)) * 4).astype(mx.bfloat16)[:, :, 5 : 5 + n]
+    xv = mx.random.normal((2, 8, n + 9, d)).astype(mx.bfloat16)[:, :, 5 : 5 + n]
+    out = iq.encode_pair(xk, xv, rot, qk, qv)
+    for (c, nm), x, qz in (((out[0], out[1]), xk, qk), ((out[2], out[3]), xv, qv)):
+        with mx.stream(mx.cpu):
+            rc, rn = encode(x, rot, qz)
+            y = rot.forward(x.astype(mx.float32))
+            nrm = mx.sqrt(mx.sum(y * y, axis=-1, keepdims=True))
+            u = y * (math.sqrt(d) / mx.maximum(nrm, 1e-30))
+            near = mx.min(mx.abs(u[..., None] - qz.thresholds), axis=-1) < 1e-5
+        same = unpack_codes(c, qz.bits) == unpack_codes(rc, qz.bits)
+        assert mx.all(same | near).item()
+        a, b = nm.astype(mx.float32), rn.astype(mx.float32)
+        assert mx.all(mx.abs(a - b) <= mx.abs(b) * 2.0**-10).item()

@@ -1,7 +1,7 @@
 """KV-cache compression: IsoQuant (rotated 3/4-bit codes, this package) and ZipFusion
 (lossless BF16, `zipfusion/`). Format of the packed IsoQuant cache: packing.py."""
 
-from .cache import IsoQuantKVCache
+from .cache import IsoQuantKVCache, register_encoder
 from .dispatch import install
 from .isoquant_attention import (
     IsoQuantTensor,
@@ -30,6 +30,7 @@ __all__ = [
     "make_cache",
     "mode_spec",
     "pack_codes",
+    "register_encoder",
     "register_kernel",
     "save_cache",
     "unpack_codes",

@@ -43,6 +43,19 @@ def compile_encoders() -> bool:
     return os.environ.get(COMPILE_ENV) == "1"
 
 
+# The fused encoder (kvcache_kernels registers isoquant.encode_pair where the backend has
+# kernels): (keys, values, rotation, kq, vq) -> (kc, kn, vc, vn), or None for inputs it does
+# not take. One launch per compression instead of ~100 small MLX ops, each of which costs host
+# time on every decode step that compresses.
+_ENCODER = None
+
+
+def register_encoder(fn) -> None:
+    """Install (or, with None, remove) the fused K/V encoder the caches compress with."""
+    global _ENCODER
+    _ENCODER = fn
+
+
 def _compiled_encoder(rotation: Rotation, quantizer: Quantizer):
     return mx.compile(lambda x: quantizer.encode_rotated(rotation.forward(x)))
 
@@ -193,12 +206,18 @@ class IsoQuantKVCache(_BaseCache):
             c = s_hi
         if upto > c:
             lo, hi = c - self.fp_start, upto - self.fp_start
-            if self._enc_k is not None and hi - lo <= _COMPILED_MAX_TOKENS:
-                kc, kn = self._enc_k(self.fp_keys[:, :, lo:hi])
-                vc, vn = self._enc_v(self.fp_values[:, :, lo:hi])
+            fk, fv = self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
+            fused = None
+            if _ENCODER is not None and self._enc_k is None:  # compiled: an explicit opt-in
+                fused = _ENCODER(fk, fv, self.rotation, self.kq, self.vq)
+            if fused is not None:
+                kc, kn, vc, vn = fused
+            elif self._enc_k is not None and hi - lo <= _COMPILED_MAX_TOKENS:
+                kc, kn = self._enc_k(fk)
+                vc, vn = self._enc_v(fv)
             else:
-                kc, kn = encode(self.fp_keys[:, :, lo:hi], self.rotation, self.kq)
-                vc, vn = encode(self.fp_values[:, :, lo:hi], self.rotation, self.vq)
+                kc, kn = encode(fk, self.rotation, self.kq)
+                vc, vn = encode(fv, self.rotation, self.vq)
             r0, r1 = c - self.sink, upto - self.sink
             self._grow_codes(r1)
             self.k_codes[:, :, r0:r1] = kc

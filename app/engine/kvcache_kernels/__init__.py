@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from ..kvcache.cache import register_encoder
 from ..kvcache.isoquant_attention import register_kernel
 from .isoquant import (
     BACKEND,
@@ -18,6 +19,7 @@ from .isoquant import (
     Unsupported,
     attention,
     attention_reference,
+    encode_pair,
     fused_attention,
     kernels_available,
     unfused_attention,
@@ -72,10 +74,12 @@ def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
 
 
 def install() -> bool:
-    """Register the kernel path with the cache when the backend has kernels and the setting
-    is not "reference"; otherwise make sure none is registered. Returns whether it is."""
+    """Register the kernel paths with the cache (attention, and the fused K/V encoder of its
+    decode-time compression) when the backend has kernels and the setting is not "reference";
+    otherwise make sure none is registered. Returns whether they are."""
     on = kernels_available() and setting() != "reference"
     register_kernel(_cache_entry if on else None)
+    register_encoder(encode_pair if on else None)
     return on
 
 
@@ -88,6 +92,7 @@ __all__ = [
     "Problem",
     "Unsupported",
     "attention_reference",
+    "encode_pair",
     "fused_attention",
     "install",
     "isoquant_attention",

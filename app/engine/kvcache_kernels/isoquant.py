@@ -11,6 +11,7 @@ metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
   iq_fused_scalar      A+B+C in one launch: split-K with an online softmax per warp
   iq_fused_tc          its CUDA tensor-core twin (3-bit, D 64/128; isoquant_tc.cuh)
   iq_combine           log-sum-exp merge of the splits, Rᵀ once per row, float segment added
+  iq_encode            the cache's decode-time compression of K and V rows (one launch)
 Shapes: q [B, Hq, L, D]; codes [B, Hkv, Tc, D*bits/8] uint8; norms [B, Hkv, Tc] fp16;
 fp K/V [B, Hkv, Tf, D]; rows r = g*L + l per KV head (query head h*G + g, position l).
 """
@@ -72,6 +73,7 @@ SPECS: dict[str, tuple[list[str], list[str]]] = {
     "iq_value_word": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["out"]),
     "iq_value_dim": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["part"]),
     "iq_rotate_inverse": (["acc", "add", "rot", "iparams"], ["out"]),
+    "iq_encode": (["x_k", "x_v", "rot", "thr_k", "thr_v", "iparams"], ["kc", "kn", "vc", "vn"]),
 }
 CUDA_ONLY = ("iq_fused_tc",)
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -384,11 +386,16 @@ def _kernel(name: str, dtype) -> object:
 
 
 def split_plan(
-    p: Problem, rows_per_block: int, split_len: int | None = None, warps: int | None = None
+    p: Problem,
+    rows_per_block: int,
+    split_len: int | None = None,
+    warps: int | None = None,
+    merged: bool = False,
 ) -> dict:
     """Token splits of the fused kernels: one warp per split, NW warps per threadgroup.
     Default: enough warps to fill a large GPU, splits no shorter than 64/256 tokens so the
-    partials stay small against the KV they summarize."""
+    partials stay small against the KV they summarize. merged: the threadgroup merges its
+    warps' compressed splits into one partial (the tensor-core kernel)."""
     nrb = _cdiv(p.rows, rows_per_block)
     heads = p.b * p.hkv * nrb
     if split_len is None:
@@ -399,7 +406,8 @@ def split_plan(
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
     slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))
     nfb = _cdiv(p.tf, NW * slf)
-    return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=(ncb + nfb) * NW, nspc=ncb * NW)
+    nspc = ncb if merged else ncb * NW
+    return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=nspc + nfb * NW, nspc=nspc)
 
 
 @dataclass(frozen=True, eq=False)
@@ -422,7 +430,7 @@ def _launch(
 ):
     """opts: the tensor-core kernel's (QLO, PLO, QS) template switches."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
-    plan = split_plan(p, rb, split_len, warps)
+    plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     ip = _iparams(
         p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
         sinks=has_sinks,
@@ -646,6 +654,67 @@ def attention(q, keys, values, scale, mask=None, sinks=None, lens=None, use_kern
     if path == "fused":
         return fused_attention(q, keys, values, scale, mask, sinks, lens)
     return unfused_attention(q, keys, values, scale, mask, sinks, lens)
+
+
+# -- decode-time compression -----------------------------------------------------------------
+
+ENCODE_MAX_ROWS = 16384  # rows per launch (grid y); longer inputs go in chunks
+
+
+@functools.lru_cache(maxsize=32)
+def _thresholds(dim: int, bits: int) -> mx.array:
+    """The codebook's thresholds (quantizer.thresholds' values), padded to 8+ entries."""
+    t = list(lloyd_max(dim, bits).thresholds)
+    return mx.array(t + [0.0] * max(0, 8 - len(t)), mx.float32)
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_params(hkv: int, n: int) -> mx.array:
+    return mx.array([hkv, n, 0, 0, 0, 0, 0, 0], mx.int32)
+
+
+def encode_pair(keys: mx.array, values: mx.array, rotation: Rotation, kq, vq):
+    """K and V rows [B, Hkv, N, D] -> (K codes, K norms, V codes, V norms) in the cache's
+    format, one kernel launch (the MLX-ops encoder is ~50 small ops per tensor). The math of
+    quantizer.encode; None where the kernel does not take the input (the caller encodes with
+    MLX ops)."""
+    if not kernels_available():
+        return None
+    b, h, n, d = keys.shape
+    if values.shape != keys.shape or kq.dim != d or vq.dim != d or d not in HEAD_DIMS or n == 0:
+        return None
+    if n > ENCODE_MAX_ROWS:
+        parts = [
+            encode_pair(keys[:, :, i : i + ENCODE_MAX_ROWS], values[:, :, i : i + ENCODE_MAX_ROWS],
+                        rotation, kq, vq)
+            for i in range(0, n, ENCODE_MAX_ROWS)
+        ]  # fmt: skip
+        return tuple(mx.concatenate([p[j] for p in parts], axis=2) for j in range(4))
+    if values.dtype != keys.dtype:
+        values = values.astype(keys.dtype)
+    return tuple(
+        _kernel("iq_encode", keys.dtype)(
+            inputs=[
+                keys,
+                values,
+                _rot_array(rotation),
+                _thresholds(d, kq.bits),
+                _thresholds(d, vq.bits),
+                _encode_params(h, n),
+            ],
+            template=[
+                ("D", d),
+                ("KIND", KIND_CODES[rotation.kind]),
+                ("KB", kq.bits),
+                ("VB", vq.bits),
+                ("HT", mx.float16),
+            ],
+            grid=(d, n, b * h * 2),
+            threadgroup=(d, 1, 1),
+            output_shapes=[(b, h, n, kq.row_bytes), (b, h, n), (b, h, n, vq.row_bytes), (b, h, n)],
+            output_dtypes=[mx.uint8, mx.float16, mx.uint8, mx.float16],
+        )
+    )
 
 
 # -- inputs for tests and benchmarks ----------------------------------------------------------

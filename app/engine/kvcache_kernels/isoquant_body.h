@@ -775,3 +775,88 @@ IQ_FN void iq_store_partial(
   out[oi] = static_cast<TO>(v);
 }
 // @end
+
+// @kernel iq_encode
+// Decode-time compression of K and V rows into the cache's packed format (packing.py), one row
+// per threadgroup of D threads, both tensors in one launch: y = R x (float32, the rotation of
+// KV head h as iq_rotate_rows), norm = |y|, u = y * sqrt(D) / max(norm, 1e-30),
+// code = #{thresholds < u}, packed little-endian (3-bit: 8 codes in 3 bytes; 4-bit: two a
+// byte, low nibble first), norm stored as HT (fp16) clamped to 65504. The math of
+// quantizer.encode (the MLX-ops path); codes agree except where float rounding puts u within
+// ~1e-6 of a threshold. x_k, x_v: [B, Hkv, N, D] views (any strides).
+// grid (D, N, B*Hkv*2), z = (b*Hkv + h)*2 + (0: K, 1: V); group D. template: D, KIND, KB, VB, HT.
+{
+  IQ_SHARED float iq_x[D];
+  IQ_SHARED float iq_tmp[D];
+  IQ_SHARED float iq_wsum[D / 32];
+  IQ_SHARED int iq_code[D];
+  const int Hkv = iparams[0];
+  const int N = iparams[1];
+  const int n = iq_by;
+  const int kv = iq_bz % 2;
+  const int bh = iq_bz / 2;
+  const int b = bh / Hkv;
+  const int h = bh % Hkv;
+  const int d = iq_tid;
+  if (kv == 0) {
+    iq_x[d] = float(x_k[b * x_k_strides[0] + h * x_k_strides[1] + n * x_k_strides[2] +
+                        d * x_k_strides[3]]);
+  } else {
+    iq_x[d] = float(x_v[b * x_v_strides[0] + h * x_v_strides[1] + n * x_v_strides[2] +
+                        d * x_v_strides[3]]);
+  }
+  IQ_BARRIER();
+  iq_rotate_rows<D, 1, KIND, D>(iq_x, iq_tmp, rot, h, false, iq_tid);  // ends with a barrier
+  const float y = iq_x[d];
+  const float ss = iq_warp_sum(y * y);
+  if (d % 32 == 0) {
+    iq_wsum[d / 32] = ss;
+  }
+  IQ_BARRIER();
+  float norm2 = 0.0f;
+  for (int w = 0; w < D / 32; ++w) {
+    norm2 += iq_wsum[w];
+  }
+  const float norm = sqrt(norm2);
+  const float u = y * (sqrt(float(D)) / max(norm, 1e-30f));
+  const int bits = kv == 0 ? KB : VB;
+  int c = 0;
+  for (int t = 0; t < (1 << bits) - 1; ++t) {
+    c += u > float(kv == 0 ? thr_k[t] : thr_v[t]) ? 1 : 0;
+  }
+  iq_code[d] = c;
+  IQ_BARRIER();
+  const long row = long(bh) * N + n;
+  if (bits == 3) {
+    if (d % 8 == 0) {
+      iq_u32 w = 0u;
+      for (int k = 0; k < 8; ++k) {
+        w |= iq_u32(iq_code[d + k]) << (3 * k);
+      }
+      const long o = row * (3 * D / 8) + 3 * (d / 8);
+      for (int j = 0; j < 3; ++j) {
+        if (kv == 0) {
+          kc[o + j] = uint8_t((w >> (8 * j)) & 0xFFu);
+        } else {
+          vc[o + j] = uint8_t((w >> (8 * j)) & 0xFFu);
+        }
+      }
+    }
+  } else if (d % 2 == 0) {
+    const uint8_t v = uint8_t(iq_code[d] | (iq_code[d + 1] << 4));
+    if (kv == 0) {
+      kc[row * (D / 2) + d / 2] = v;
+    } else {
+      vc[row * (D / 2) + d / 2] = v;
+    }
+  }
+  if (d == 0) {
+    const HT nv = static_cast<HT>(min(norm, 65504.0f));
+    if (kv == 0) {
+      kn[row] = nv;
+    } else {
+      vn[row] = nv;
+    }
+  }
+}
+// @end

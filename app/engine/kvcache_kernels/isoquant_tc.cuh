@@ -19,7 +19,7 @@
 //   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 2tig, 2tig+1, 2tig+8,
 //       2tig+9; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows gid -> code
 //       8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
-// Partials have the layout of iq_fused_scalar (iq_combine merges either).
+// Partials have the layout of iq_fused_scalar (iq_combine merges either), one per threadgroup.
 // The level tables arrive scaled by s (fparams[3] = 1/s for K, [4] for V), s chosen so the fp16
 // table rounds the levels ~10x closer than plain fp16 would; the norms carry the 1/s back.
 // iq_mma (one m16n8k16 f16 -> f32 multiply-accumulate) comes from the CUDA prologue.
@@ -159,15 +159,15 @@ IQ_FN bool iq_aligned16(const void* p) {
 }
 
 // One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
-// zero); writes its partial (split sp) itself.
+// zero); then the threadgroup's warps (all of them call this) merge and write one partial.
 // stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory. Contiguous, aligned rows
 // stream through it with cp.async; other layouts (views with odd strides) are read directly.
 template <int D, bool QLO, bool PLO, bool QS>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
-    int t1, int lane, float kinv, float vinv, uint8_t* stage, float* po, float* pm, float* pl,
-    int bh, int sp, int nsp, int r0, int R) {
+    int t1, int lane, float kinv, float vinv, uint8_t* stage, float* red, float* po, float* pm,
+    float* pl, long prow, int r0, int R) {
   constexpr int KT = D / 16;  // k-steps of QK
   constexpr int MT = D / 16;  // m-tiles of PV (16 coordinates each)
   constexpr int NKS = D / 32;  // nibble words of the lane's K codes
@@ -365,28 +365,63 @@ __device__ __forceinline__ void iq_tc_warp(
   }
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
-  const long rows0 = (long(bh) * nsp + sp) * R;
+  // The threadgroup's IQ_NW warps merge into one partial (rows r0 .. r0+7 at prow + r):
+  // red = [IQ_NW][8] maxima, [IQ_NW][8] sums, then [IQ_NW][8][D] rescaled accumulators (it
+  // overlays the warps' stages: every warp must be done streaming first).
+  const int warp = threadIdx.x / 32;
+  float* rm = red;
+  float* rl = red + IQ_NW * 8;
+  float* ro = red + 2 * IQ_NW * 8;
+  __syncthreads();
+  if (tig == 0) {
+    rm[warp * 8 + gid] = m;
+    rl[warp * 8 + gid] = l;
+  }
+  __syncthreads();
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const int r = r0 + 2 * tig + e;
-    if (2 * tig + e < 8 && r < R) {
-      float* out = po + (rows0 + r) * D + gid * (D / 8);
+    const int r = 2 * tig + e;  // this lane's accumulator row
+    float mmax = NEG_INF;
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        out[iq_tc_vcode(mt, 0)] = o[mt][e];
-        out[iq_tc_vcode(mt, 1)] = o[mt][2 + e];
-      }
+    for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
+    const float mine = rm[warp * 8 + r];
+    const float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax);
+    float* out = ro + (warp * 8 + r) * D + gid * (D / 8);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      out[iq_tc_vcode(mt, 0)] = o[mt][e] * f;
+      out[iq_tc_vcode(mt, 1)] = o[mt][2 + e] * f;
     }
   }
-  if (tig == 0 && r0 + gid < R) {
-    pm[rows0 + r0 + gid] = m;
-    pl[rows0 + r0 + gid] = l;
+  __syncthreads();
+  const int nrow = min(8, R - r0);
+  for (int i = threadIdx.x; i < nrow * D; i += IQ_NW * 32) {
+    const int r = i / D;
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r) * D + i % D];
+    po[(prow + r0) * D + i] = acc;
+  }
+  if (threadIdx.x < nrow) {
+    const int r = threadIdx.x;
+    float mmax = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
+    float lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < IQ_NW; ++w) {
+      const float mw = rm[w * 8 + r];
+      lsum += mw == NEG_INF ? 0.0f : exp2f(mw - mmax) * rl[w * 8 + r];
+    }
+    pm[prow + r0 + r] = mmax;
+    pl[prow + r0 + r] = lsum;
   }
 }
 // @end
 
 // @kernel iq_fused_tc
-// Same grid, inputs and partials as iq_fused_scalar with RB = 8 rows per threadgroup;
+// Same grid and inputs as iq_fused_scalar with RB = 8 rows per threadgroup; partials: one per
+// threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for float ones;
 // template: D, KIND, CAUSAL, QLO, PLO, QS (codes are 3-bit; QLO adds the fp16 rounding remainder of
 // the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a second mma). Float
 // splits use the scalar warp walk.
@@ -399,7 +434,9 @@ __device__ __forceinline__ void iq_tc_warp(
   constexpr int SCRATCH = RB * D * 4;
   constexpr int STAGES = IQ_NW * IQ_STAGES * IqStage<D>::BYTES;
   constexpr int PW = IQ_NW * RB * 32 * 4;
-  constexpr int BUF = STAGES > SCRATCH ? (STAGES > PW ? STAGES : PW) : (SCRATCH > PW ? SCRATCH : PW);
+  constexpr int RED = IQ_NW * RB * (D + 2) * 4;  // the warps' merge (iq_tc_warp's end)
+  constexpr int BUF0 = STAGES > SCRATCH ? (STAGES > PW ? STAGES : PW) : (SCRATCH > PW ? SCRATCH : PW);
+  constexpr int BUF = BUF0 > RED ? BUF0 : RED;
   __shared__ float iq_qs[RB * D];
   __shared__ __align__(16) uint8_t iq_buf[BUF];
   __shared__ float iq_lk[16];
@@ -454,7 +491,8 @@ __device__ __forceinline__ void iq_tc_warp(
         long(k_norms_strides[2]), v_codes + b * v_codes_strides[0] + h * v_codes_strides[1],
         long(v_codes_strides[2]), v_norms + b * v_norms_strides[0] + h * v_norms_strides[1],
         long(v_norms_strides[2]), t0, t1, lane, fparams[3], fparams[4],
-        iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES, part_o, part_m, part_l, bh, sp, nsp, r0, R);
+        iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES, reinterpret_cast<float*>(iq_buf), part_o,
+        part_m, part_l, (long(bh) * nsp + iq_bx) * R, r0, R);
   } else {
     float m[RB];
     float l[RB];
