@@ -126,6 +126,33 @@ def test_state_round_trip_with_format_version(tmp_path):
         IsoQuantKVCache.from_state(c.state, bad)
 
 
+def test_code_views_are_reused_until_the_codes_change():
+    """Between compressions the cache hands attention the same code/norm views (no new slice
+    ops each step); a compression, a trim into the codes or a new state rebuilds them, and
+    what they show is always the codes buffer's current rows."""
+    c = IsoQuantKVCache("v3", 3, 3, window=4, compress_every=8)
+    mx.random.seed(2)
+    c.update_and_fetch(*(mx.random.normal((1, 2, 12, 64)) for _ in "kv"))
+    c.finish_prefill()
+    k1, _ = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+    k2, v2 = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+    assert k2.codes is k1.codes and k2.norms is k1.norms and k2.fp is not k1.fp
+    for _ in range(6):  # the 8th float token past the window triggers a compression
+        k3, v3 = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+    assert c.compressed == 16 and k3.codes is not k2.codes and k3.codes.shape[2] == 16
+    assert mx.array_equal(k3.codes, c.k_codes[:, :, :16]).item()
+    assert mx.array_equal(v3.norms, c.v_norms[:, :, :16]).item()
+    assert mx.array_equal(k3.codes[:, :, :8], k2.codes).item()  # old rows kept
+    c.trim(12)  # back into the codes: offset 8, rows 0..7 stay
+    k4, _ = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+    assert k4.codes.shape[2] == c._n_rows == 8
+    c2 = IsoQuantKVCache("v3", 3, 3, window=4, compress_every=8)
+    c2.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+    c2.state = c.state
+    k5, _ = c2.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+    assert mx.array_equal(k5.codes, k4.codes).item()
+
+
 def test_trim():
     c = IsoQuantKVCache(window=4)
     k, v = _kv(1, 1, 50, 64, 5)

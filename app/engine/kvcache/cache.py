@@ -108,6 +108,9 @@ class IsoQuantKVCache(_BaseCache):
         # tokens [0, compressed) left the float tail: positions < sink are in sink_keys, code
         # row r is position sink + r; code capacity grows by `step`
         self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
+        # (rows, the four code/norm views, the decoded views) handed to attention: rebuilt
+        # only when the codes change (a compression, growth, a new state), not every step
+        self._views = None
         # float tokens: fp_keys[:, :, i] is absolute position fp_start + i
         self.fp_keys = self.fp_values = None
         self.fp_start = 0
@@ -174,6 +177,7 @@ class IsoQuantKVCache(_BaseCache):
             return
         new_cap = _round_up(needed, self.step)
         rows = self._n_rows
+        self._views = None
 
         def grow(a, shape_tail, dtype):
             z = mx.zeros((b, h, new_cap, *shape_tail), dtype)
@@ -219,6 +223,7 @@ class IsoQuantKVCache(_BaseCache):
                 kc, kn = encode(fk, self.rotation, self.kq)
                 vc, vn = encode(fv, self.rotation, self.vq)
             r0, r1 = c - self.sink, upto - self.sink
+            self._views = None  # before the writes: a live view would keep the old buffers
             self._grow_codes(r1)
             self.k_codes[:, :, r0:r1] = kc
             self.k_norms[:, :, r0:r1] = kn
@@ -266,15 +271,15 @@ class IsoQuantKVCache(_BaseCache):
             if fk is None:
                 return pk, pv
             return mx.concatenate([pk, fk], axis=2), mx.concatenate([pv, fv], axis=2)
-        kd = vd = None
-        if self.decoded_shadow:
-            kd, vd = self.k_dec[:, :, :r], self.v_dec[:, :, :r]
-        keys = IsoQuantTensor(
-            self.k_codes[:, :, :r], self.k_norms[:, :, :r], fk, self.kq, self.rotation, kd, pk
-        )
-        values = IsoQuantTensor(
-            self.v_codes[:, :, :r], self.v_norms[:, :, :r], fv, self.vq, self.rotation, vd, pv
-        )
+        if self._views is None or self._views[0] != r:
+            kd = vd = None
+            if self.decoded_shadow:
+                kd, vd = self.k_dec[:, :, :r], self.v_dec[:, :, :r]
+            codes = (self.k_codes, self.k_norms, self.v_codes, self.v_norms)
+            self._views = (r, *(a[:, :, :r] for a in codes), kd, vd)
+        _, kc, kn, vc, vn, kd, vd = self._views
+        keys = IsoQuantTensor(kc, kn, fk, self.kq, self.rotation, kd, pk)
+        values = IsoQuantTensor(vc, vn, fv, self.vq, self.rotation, vd, pv)
         return keys, values
 
     def size(self) -> int:
@@ -335,6 +340,7 @@ class IsoQuantKVCache(_BaseCache):
     @state.setter
     def state(self, v):
         self.k_dec = self.v_dec = None
+        self._views = None
         if not v:
             self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
             self.fp_keys = self.fp_values = self.sink_keys = self.sink_values = None
