@@ -17,9 +17,9 @@ from app.engine.kvcache_kernels import isoquant as iq
 NVCC = shutil.which("nvcc")
 CONFIGS = {
     "iq_fused_tc": [
-        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False),
-        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=True),
-        dict(D=64, KIND=2, CAUSAL=True, QLO=False, PLO=True, QS=True),
+        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16"),
+        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=True, TO="bfloat16"),
+        dict(D=64, KIND=2, CAUSAL=True, QLO=False, PLO=True, QS=True, TO="float32"),
     ],
     "iq_fused_scalar": [dict(D=128, RB=8, KB=3, VB=3, KIND=0, CAUSAL=False)],
     "iq_combine": [dict(D=128, KIND=0, TO="bfloat16")],
@@ -36,7 +36,7 @@ _TYPES = dict(
     part_o="float32", part_m="float32", part_l="float32", sinks="float32", scores="float32",
     probs="float32", acc="float32", part="float32", q="bfloat16", k_fp="bfloat16",
     v_fp="bfloat16", add="bfloat16", x_k="bfloat16", x_v="bfloat16", thr_k="float32",
-    thr_v="float32", kc="uint8", vc="uint8", kn="float16", vn="float16",
+    thr_v="float32", kc="uint8", vc="uint8", kn="float16", vn="float16", counters="int32",
 )  # fmt: skip
 
 

@@ -24,7 +24,7 @@
 struct emu_uint3 {
   unsigned x, y, z;
 };
-inline thread_local emu_uint3 threadIdx, blockIdx;
+inline thread_local emu_uint3 threadIdx, blockIdx, gridDim;
 inline thread_local int emu_tid;
 
 struct uint4 {
@@ -102,6 +102,13 @@ struct EmuBlock {
 inline EmuBlock* emu_blk = nullptr;
 
 inline void __syncthreads() { emu_blk->block->arrive_and_wait(); }
+// Blocks run one after another and only one thread of a block touches a counter at a time.
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p += v;
+  return old;
+}
+inline void __threadfence() {}
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_blk->warps[emu_tid / 32]->arrive_and_wait(); }
 
 template <typename T>
@@ -178,6 +185,7 @@ inline void emu_launch(unsigned gx, unsigned gy, unsigned gz, int nt, const std:
           ts.emplace_back([&, t] {
             threadIdx = {unsigned(t), 0, 0};
             blockIdx = {x, y, z};
+            gridDim = {gx, gy, gz};
             emu_tid = t;
             fn();
           });

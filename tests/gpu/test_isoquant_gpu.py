@@ -171,3 +171,32 @@ def test_fused_encoder_matches_the_mlx_encoder(d, kb, vb, kind, n):
         assert mx.all(same | near).item()
         a, b = nm.astype(mx.float32), rn.astype(mx.float32)
         assert mx.all(mx.abs(a - b) <= mx.abs(b) * 2.0**-10).item()
+
+
+@pytest.mark.skipif(
+    iq.BACKEND != "cuda", reason="the folded combine is the CUDA tensor-core kernel's"
+)
+def test_folded_combine_reuses_counter_slots_and_survives_concurrent_calls(monkeypatch):
+    """The last threadgroup of each row block merges (ticket counters): slots drawn from a
+    tiny ring come round every other call and must have been reset to 0; independent calls
+    queued in one graph (which may run concurrently) each draw their own slots."""
+    probs = [
+        iq.random_problem(2, 2, 4, 1, 128, 700 + 97 * i, 5, dtype=mx.float32, seed=i)
+        for i in range(6)
+    ]
+    s = 1.0 / math.sqrt(128)
+    with mx.stream(mx.cpu):
+        refs = [iq.attention_reference(q, k, v, s) for q, k, v in probs]
+    slots = iq._launch(iq.Problem.of(*probs[0], None), "tc", None, False, s,
+                       (*iq.TC_PRECISION, iq.TC_QS), iq.SPLIT_WARPS, mx.float32).slots  # fmt: skip
+    monkeypatch.setattr(iq, "COUNTER_RING", 2 * slots)
+    monkeypatch.setattr(iq, "_ring", [None, 0])
+    for (q, k, v), ref in zip(probs, refs, strict=True):  # one at a time: slots reused
+        out = iq.fused_attention(q, k, v, s, variant="tc")
+        mx.eval(out)
+        assert iq.rel_error(out, ref) < TOL
+    monkeypatch.setattr(iq, "COUNTER_RING", 1 << 20)
+    outs = [iq.fused_attention(q, k, v, s, variant="tc") for q, k, v in probs]
+    mx.eval(outs)  # queued together
+    for out, ref in zip(outs, refs, strict=True):
+        assert iq.rel_error(out, ref) < TOL

@@ -9,7 +9,8 @@ metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
     iq_value_dim       the same, dimension-parallel over token splits (T >= 512)
   D iq_rotate_inverse  o = Rᵀ õ (+ the float segment's output)
   iq_fused_scalar      A+B+C in one launch: split-K with an online softmax per warp
-  iq_fused_tc          its CUDA tensor-core twin (3-bit, D 64/128; isoquant_tc.cuh)
+  iq_fused_tc          its CUDA tensor-core twin (3-bit, D 64/128; isoquant_tc.cuh), with the
+                       combine folded in (the last threadgroup of a row block merges): one launch
   iq_combine           log-sum-exp merge of the splits, Rᵀ once per row, float segment added
   iq_encode            the cache's decode-time compression of K and V rows (one launch)
 Shapes: q [B, Hq, L, D]; codes [B, Hkv, Tc, D*bits/8] uint8; norms [B, Hkv, Tc] fp16;
@@ -66,7 +67,7 @@ _PART_OUT = ["part_o", "part_m", "part_l"]
 # in the compiled kernel's name), and the q/fp dtype is part of our name (see _kernel_name).
 SPECS: dict[str, tuple[list[str], list[str]]] = {
     "iq_fused_scalar": (_FUSED_IN, _PART_OUT),
-    "iq_fused_tc": (_FUSED_IN, _PART_OUT),
+    "iq_fused_tc": (_FUSED_IN + ["sinks", "counters"], _PART_OUT + ["out"]),
     "iq_combine": (["part_o", "part_m", "part_l", "rot", "sinks", "iparams", "fparams"], ["out"]),
     "iq_qk_dot": (["q", "k_codes", "k_norms", "rot", "lv_k", "iparams", "fparams"], ["scores"]),
     "iq_softmax": (["scores", "sinks", "lens", "iparams"], ["probs"]),
@@ -247,6 +248,25 @@ def _sinks(p: Problem, sinks) -> mx.array:
     return _pad8(sinks.astype(mx.float32).reshape(-1))
 
 
+# Ticket counters of the tensor-core kernel's folded combine: each call draws a fresh range of
+# slots (one per KV head and row block) from a zeroed ring, so calls that run concurrently never
+# share one; the last threadgroup of a row block sets its slot back to 0. A slot comes round
+# again only after COUNTER_RING slots of later calls, long after its call has finished.
+COUNTER_RING = 1 << 20
+_ring: list = [None, 0]  # [the ring, next free slot]
+
+
+def _counters(n: int) -> mx.array:
+    ring, pos = _ring
+    if ring is None or ring.size != COUNTER_RING:
+        ring, pos = mx.zeros((COUNTER_RING,), mx.int32), 0
+        mx.eval(ring)
+    if pos + n > COUNTER_RING:
+        pos = 0
+    _ring[0], _ring[1] = ring, pos + n
+    return ring[pos : pos + n]
+
+
 @functools.lru_cache(maxsize=16)
 def _dummy_fp(dim: int, dtype) -> mx.array:
     return mx.zeros((1, 1, 1, dim), dtype)
@@ -422,13 +442,22 @@ class _Launch:
     fp: mx.array
     fp_combine: mx.array
     levels: tuple  # (K levels, V levels) or None: the quantizers' own
+    slots: int  # counter slots of the folded combine (tensor-core kernel), else 0
 
 
 @functools.lru_cache(maxsize=512)
 def _launch(
-    p: Problem, variant: str, split_len, has_sinks: bool, scale: float, opts: tuple, warps: int
+    p: Problem,
+    variant: str,
+    split_len,
+    has_sinks: bool,
+    scale: float,
+    opts: tuple,
+    warps: int,
+    dtype=mx.float32,
 ):
-    """opts: the tensor-core kernel's (QLO, PLO, QS) template switches."""
+    """opts: the tensor-core kernel's (QLO, PLO, QS) template switches; dtype: the output's
+    (the tensor-core kernel writes it)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     ip = _iparams(
@@ -441,20 +470,24 @@ def _launch(
         (lvk, kinv), (lvv, vinv) = _tc_levels_cached(p.dim, p.kb), _tc_levels_cached(p.dim, p.vb)
         levels = (lvk, lvv)
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
-        tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2])]
+        tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
     nsp = plan["nsp"]
+    out_shapes = [(nbh, nsp, p.rows, p.dim), (nbh, nsp, p.rows), (nbh, nsp, p.rows)]
+    if variant == "tc":
+        out_shapes.append((p.b, p.hq, p.length, p.dim))
     return _Launch(
         kern="iq_fused_tc" if variant == "tc" else "iq_fused_scalar",
         template=tmpl,
         grid=(32 * NW * (plan["ncb"] + plan["nfb"]), plan["nrb"], nbh),
-        out_shapes=[(nbh, nsp, p.rows, p.dim), (nbh, nsp, p.rows), (nbh, nsp, p.rows)],
+        out_shapes=out_shapes,
         ip=ip,
         fp=_fparams(scale, kinv, vinv),
         fp_combine=_fparams(scale),
         levels=levels,
+        slots=nbh * plan["nrb"] if variant == "tc" else 0,
     )
 
 
@@ -464,7 +497,7 @@ def _fused_partials(
     dt = q.dtype
     run = _launch(
         p, variant, split_len, sinks is not None, float(scale), (*TC_PRECISION, TC_QS),
-        SPLIT_WARPS,
+        SPLIT_WARPS, dt,
     )  # fmt: skip
     fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
     fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
@@ -475,13 +508,17 @@ def _fused_partials(
         q, keys.codes, keys.norms, values.codes, values.norms, fpk, fpv,
         _rot_array(keys.rotation), lvk, lvv, _lens(p, lens), run.ip, run.fp,
     ]  # fmt: skip
+    out_dtypes = [mx.float32] * 3
+    if run.slots:
+        inputs += [_sinks(p, sinks), _counters(run.slots)]
+        out_dtypes.append(dt)
     part = _kernel(run.kern, dt)(
         inputs=inputs,
         template=run.template,
         grid=run.grid,
         threadgroup=(32 * NW, 1, 1),
         output_shapes=run.out_shapes,
-        output_dtypes=[mx.float32] * 3,
+        output_dtypes=out_dtypes,
     )
     return part, run
 
@@ -489,7 +526,8 @@ def _fused_partials(
 def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, split_len=None):
     """The split partials (o [B*Hkv, NSP, R, D], m, l [B*Hkv, NSP, R]; log2 domain) — for tests."""
     p = Problem.of(q, keys, values, mask)
-    return _fused_partials(q, keys, values, scale, p, lens, variant or _variant(p), split_len)[0]
+    part, _ = _fused_partials(q, keys, values, scale, p, lens, variant or _variant(p), split_len)
+    return part[:3]
 
 
 def _variant(p: Problem) -> str:
@@ -501,14 +539,17 @@ def _variant(p: Problem) -> str:
 def fused_attention(
     q, keys, values, scale, mask=None, sinks=None, lens=None, variant=None, split_len=None
 ):
-    """Single-pass split-K attention (A+B+C in one launch) + combine. variant: "tc" (CUDA tensor
-    cores, 3-bit, D 64/128) or "scalar" (every backend); default picks tc where it applies."""
+    """Single-pass split-K attention (A+B+C in one launch) + combine (folded into the same launch
+    by the tensor-core kernel). variant: "tc" (CUDA tensor cores, 3-bit, D 64/128) or "scalar"
+    (every backend); default picks tc where it applies."""
     p = Problem.of(q, keys, values, mask)
     variant = variant or _variant(p)
     if variant == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
         raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
     part, run = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
-    return combine(part, keys.rotation, p, run, q.dtype, sinks)
+    if run.slots:  # the tensor-core kernel merged its splits itself
+        return part[3]
+    return combine(part[:3], keys.rotation, p, run, q.dtype, sinks)
 
 
 def combine(part, rot: Rotation, p: Problem, run: _Launch, dtype, sinks=None) -> mx.array:

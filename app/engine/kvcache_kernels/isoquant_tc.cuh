@@ -417,12 +417,92 @@ __device__ __forceinline__ void iq_tc_warp(
     pl[prow + r0 + r] = lsum;
   }
 }
+
+// The combine, folded into the split kernel: the threadgroup that finishes last for (bh, row
+// block) (a ticket from `ctr`, reset to 0 for the next call) merges all NSP partials of rows
+// r0 .. r0+7 (< R): warp w takes rows w, w + IQ_NW, ...; its lanes walk the splits together,
+// D/32 coordinates each; then R^T once per row (compressed part), the float part added, / the
+// total weight (sink included). x, xf: [8][D] threadgroup scratch; tot: [8].
+template <int D, int KIND, typename TO, typename PR, typename PS>
+__device__ __forceinline__ void iq_tc_fold(
+    const float* po, const float* pm, const float* pl, PR rot, PS sinks, TO* out, int* ctr,
+    float* x, float* xf, float* tot, const int* ip, float log2e, int bh, int r0) {
+  __shared__ int iq_last;
+  const int tid = threadIdx.x;
+  __syncthreads();  // every warp of this threadgroup has written its partial
+  if (tid == 0) {
+    __threadfence();
+    const int ticket = atomicAdd(ctr, 1);
+    iq_last = ticket == int(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!iq_last) return;
+  __threadfence();  // the other threadgroups' partials are visible
+  constexpr int V = D / 32;
+  const float NEG_INF = __int_as_float(0xff800000);
+  const int R = ip[IQ_P_R], L = ip[IQ_P_L], G = ip[IQ_P_G], Hkv = ip[IQ_P_HKV];
+  const int nsp = ip[IQ_P_NSP], nspc = ip[IQ_P_NSPC];
+  const int h = bh % Hkv, b = bh / Hkv;
+  const int nrow = min(8, R - r0);
+  const int warp = tid / 32, lane = tid % 32;
+  for (int r = warp; r < 8; r += IQ_NW) {
+    float oc[V], of[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) oc[i] = of[i] = 0.0f;
+    float t = 0.0f;
+    if (r < nrow) {
+      const long base = long(bh) * nsp * R + r0 + r;
+      float M = NEG_INF;
+      for (int s = lane; s < nsp; s += 32) M = fmaxf(M, pm[base + long(s) * R]);
+      for (int m = 16; m > 0; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
+      float sink = NEG_INF;
+      if (ip[IQ_P_SINKS] != 0) {
+        sink = float(sinks[h * G + (r0 + r) / L]) * log2e;
+        M = fmaxf(M, sink);
+      }
+      const float mb = M == NEG_INF ? 0.0f : M;
+      t = exp2f(sink - mb);
+#pragma unroll 4
+      for (int s = 0; s < nspc; ++s) {
+        const long row = base + long(s) * R;
+        const float w = exp2f(pm[row] - mb);
+        t += w * pl[row];
+#pragma unroll
+        for (int i = 0; i < V; ++i) oc[i] += w * po[row * D + lane + 32 * i];
+      }
+      for (int s = nspc; s < nsp; ++s) {
+        const long row = base + long(s) * R;
+        const float w = exp2f(pm[row] - mb);
+        t += w * pl[row];
+#pragma unroll
+        for (int i = 0; i < V; ++i) of[i] += w * po[row * D + lane + 32 * i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      x[r * D + lane + 32 * i] = oc[i];
+      xf[r * D + lane + 32 * i] = of[i];
+    }
+    if (lane == 0) tot[r] = t;
+  }
+  __syncthreads();
+  iq_rotate_rows<D, 8, KIND, IQ_NW * 32>(x, xf + 8 * D, rot, h, true, tid);  // ends with a barrier
+  for (int i = tid; i < nrow * D; i += IQ_NW * 32) {
+    const int r = i / D, d = i % D, row = r0 + r;
+    const float inv = tot[r] > 0.0f ? 1.0f / tot[r] : 0.0f;
+    const long oi = ((long(b) * ip[IQ_P_HQ] + h * G + row / L) * L + row % L) * D + d;
+    out[oi] = static_cast<TO>((x[i] + xf[i]) * inv);
+  }
+  if (tid == 0) *ctr = 0;  // ready for the next call that draws this slot
+}
 // @end
 
 // @kernel iq_fused_tc
-// Same grid and inputs as iq_fused_scalar with RB = 8 rows per threadgroup; partials: one per
-// threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for float ones;
-// template: D, KIND, CAUSAL, QLO, PLO, QS (codes are 3-bit; QLO adds the fp16 rounding remainder of
+// Same grid and inputs as iq_fused_scalar with RB = 8 rows per threadgroup, plus sinks and
+// counters (B*Hkv*row blocks int32 zeros, a fresh slot range per call: iq_tc_fold); partials:
+// one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
+// float ones; out: the attention output, written by the last threadgroup of each row block.
+// template: D, KIND, CAUSAL, QLO, PLO, QS, TO (codes are 3-bit; QLO adds the fp16 rounding remainder of
 // the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a second mma). Float
 // splits use the scalar warp walk.
 {
@@ -509,5 +589,10 @@ __device__ __forceinline__ void iq_tc_warp(
     iq_store_partial<D, RB>(part_o, part_m, part_l, bh, iparams[IQ_P_NSPC] + spf, nsp, r0, R,
                             lane, m, l, o);
   }
+  // threadgroup scratch for the fold: iq_qs (the query rows are no longer needed) and iq_buf
+  float* iq_fx = reinterpret_cast<float*>(iq_buf);
+  iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, sinks, out,
+                          const_cast<int*>(counters) + (bh * int(gridDim.y) + iq_by), iq_qs,
+                          iq_fx, iq_fx + 16 * D, iparams, fparams[2], bh, r0);
 }
 // @end
