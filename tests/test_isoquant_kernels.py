@@ -200,9 +200,13 @@ def test_emulated_combine_merges_many_splits(emulated):
     merged = iq.split_plan(p, iq.TC_RB, 32, merged=True)
     assert merged["nspc"] == merged["ncb"] == plan["nspc"] // iq.NW
     ref = iq.attention_reference(q, k, v, _scale(128), None, sk)
-    for variant in ("scalar", "tc"):
-        out = iq.fused_attention(q, k, v, _scale(128), None, sk, variant=variant, split_len=32)
-        assert iq.rel_error(out, ref) < TOL, variant
+    for variant, fold in (("scalar", False), ("tc", False), ("tc", True)):
+        iq.TC_FOLD = fold  # tc: its combine folded in (the last threadgroup merges) or separate
+        try:
+            out = iq.fused_attention(q, k, v, _scale(128), None, sk, variant=variant, split_len=32)
+        finally:
+            iq.TC_FOLD = True
+        assert iq.rel_error(out, ref) < TOL, (variant, fold)
 
 
 def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):

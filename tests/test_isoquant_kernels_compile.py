@@ -17,9 +17,9 @@ from app.engine.kvcache_kernels import isoquant as iq
 NVCC = shutil.which("nvcc")
 CONFIGS = {
     "iq_fused_tc": [
-        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16"),
-        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=True, TO="bfloat16"),
-        dict(D=64, KIND=2, CAUSAL=True, QLO=False, PLO=True, QS=True, TO="float32"),
+        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16", FOLD=False),
+        dict(D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=True, TO="bfloat16", FOLD=True),
+        dict(D=64, KIND=2, CAUSAL=True, QLO=False, PLO=True, QS=True, TO="float32", FOLD=True),
     ],
     "iq_fused_scalar": [dict(D=128, RB=8, KB=3, VB=3, KIND=0, CAUSAL=False)],
     "iq_combine": [dict(D=128, KIND=0, TO="bfloat16")],

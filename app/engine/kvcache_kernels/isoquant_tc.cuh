@@ -501,8 +501,9 @@ __device__ __forceinline__ void iq_tc_fold(
 // Same grid and inputs as iq_fused_scalar with RB = 8 rows per threadgroup, plus sinks and
 // counters (B*Hkv*row blocks int32 zeros, a fresh slot range per call: iq_tc_fold); partials:
 // one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
-// float ones; out: the attention output, written by the last threadgroup of each row block.
-// template: D, KIND, CAUSAL, QLO, PLO, QS, TO (codes are 3-bit; QLO adds the fp16 rounding remainder of
+// float ones; out: the attention output, written by the last threadgroup of each row block
+// (FOLD; without it, out is left unwritten and iq_combine merges the partials).
+// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD (codes are 3-bit; QLO adds the fp16 rounding remainder of
 // the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a second mma). Float
 // splits use the scalar warp walk.
 {
@@ -591,8 +592,10 @@ __device__ __forceinline__ void iq_tc_fold(
   }
   // threadgroup scratch for the fold: iq_qs (the query rows are no longer needed) and iq_buf
   float* iq_fx = reinterpret_cast<float*>(iq_buf);
-  iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, sinks, out,
-                          const_cast<int*>(counters) + (bh * int(gridDim.y) + iq_by), iq_qs,
-                          iq_fx, iq_fx + 16 * D, iparams, fparams[2], bh, r0);
+  if (FOLD) {
+    iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, sinks, out,
+                            const_cast<int*>(counters) + (bh * int(gridDim.y) + iq_by), iq_qs,
+                            iq_fx, iq_fx + 16 * D, iparams, fparams[2], bh, r0);
+  }
 }
 // @end
