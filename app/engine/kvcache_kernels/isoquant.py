@@ -147,9 +147,12 @@ TC_PRECISION = tuple(
 # instead of registers (134, 3): 2-14% faster on the H200 at 9 of 11 shapes (attention_decode.json)
 TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # tensor-core kernel: the combine folded into the split kernel's last threadgroup per row block
-# (one launch per call: ~15 µs less host time per call on the H200's host, measured by parts)
-# instead of a separate iq_combine launch (4-9 µs less GPU time at B 1-8, T 2K-32K by ncu)
-TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "1") == "1"
+# (one launch per call instead of two: a kernel call costs ~9 µs of host time on the H200's
+# host) or a separate iq_combine launch (default: the fold's one-threadgroup merge added 4-9 µs
+# of GPU time at B 1-8, T 2K-32K by ncu, and in the same-session attention table the fold was
+# ahead at B 8-32, T 2K-8K but behind at every B = 1 shape; results/isoquant_ncu.json,
+# attention_decode.json)
+TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
 # warps the default split plan aims for (enough to fill the GPU a few times over)
 SPLIT_WARPS = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS", "3072"))
 NW = 4  # warps per threadgroup (IQ_NW)
