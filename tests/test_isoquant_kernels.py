@@ -259,6 +259,24 @@ def test_emulated_encoder_matches_the_mlx_encoder(emulated, case):
 
 
 @pytest.mark.slow
+def test_emulated_encoder_splits_long_inputs_into_launches(emulated, monkeypatch):
+    """A bulk compression longer than one launch's rows (grid y) goes in chunks, concatenated
+    in order: the same codes as one launch."""
+    from app.engine.kvcache.quantizer import Quantizer
+    from app.engine.kvcache.rotation import Rotation
+
+    rot = Rotation.make("v3", 64, 2, seed=4, layer=0)
+    q3, q4 = Quantizer.make(64, 3), Quantizer.make(64, 4)
+    mx.random.seed(9)
+    xk, xv = (mx.random.normal((1, 2, 23, 64)) for _ in "kv")
+    whole = emulated.encode_pair(xk, xv, rot, q3, q4)
+    monkeypatch.setattr(emulated, "ENCODE_MAX_ROWS", 8)  # 23 rows: launches of 8, 8, 7
+    parts = emulated.encode_pair(xk, xv, rot, q3, q4)
+    for a, b in zip(whole, parts, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@pytest.mark.slow
 def test_emulated_encoder_clamps_norms_and_declines_what_it_cannot_take(emulated):
     from app.engine.kvcache.quantizer import Quantizer
     from app.engine.kvcache.rotation import Rotation
