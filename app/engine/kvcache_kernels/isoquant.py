@@ -9,8 +9,9 @@ metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
     iq_value_dim       the same, dimension-parallel over token splits (T >= 512)
   D iq_rotate_inverse  o = Rᵀ õ (+ the float segment's output)
   iq_fused_scalar      A+B+C in one launch: split-K with an online softmax per warp
-  iq_fused_tc          its CUDA tensor-core twin (3-bit, D 64/128; isoquant_tc.cuh), with the
-                       combine folded in (the last threadgroup of a row block merges): one launch
+  iq_fused_tc          its CUDA tensor-core twin (3-bit, D 64/128; isoquant_tc.cuh); its
+                       threadgroups merge their warps' partials, and with TC_FOLD the last
+                       threadgroup of a row block also does the combine (one launch)
   iq_combine           log-sum-exp merge of the splits, Rᵀ once per row, float segment added
   iq_encode            the cache's decode-time compression of K and V rows (one launch)
 Shapes: q [B, Hq, L, D]; codes [B, Hkv, Tc, D*bits/8] uint8; norms [B, Hkv, Tc] fp16;
@@ -553,7 +554,7 @@ def fused_attention(
     q, keys, values, scale, mask=None, sinks=None, lens=None, variant=None, split_len=None
 ):
     """Single-pass split-K attention (A+B+C in one launch) + combine (folded into the same launch
-    by the tensor-core kernel). variant: "tc" (CUDA tensor cores, 3-bit, D 64/128) or "scalar"
+    by the tensor-core kernel with TC_FOLD). variant: "tc" (CUDA tensor cores, 3-bit, D 64/128) or "scalar"
     (every backend); default picks tc where it applies."""
     p = Problem.of(q, keys, values, mask)
     variant = variant or _variant(p)
