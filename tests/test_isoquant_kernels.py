@@ -123,6 +123,27 @@ def test_split_plan_covers_every_token():
         assert plan["sl"] % 32 == 0 and plan["slf"] % 32 == 0
 
 
+def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
+    """fused_attention's per-call plan (Problem, variant, launch) is looked up by shapes, dtypes
+    and the module's settings: a changed setting or a grown cache gets a new plan."""
+    q, k, v = iq.random_problem(1, 2, 4, 1, 64, 40, 3, dtype=mx.float32, seed=1)
+    monkeypatch.setattr(iq, "_PLANS", {})
+    a = iq._plan(q, k, v, 0.125, None, None, "tc", None)
+    assert iq._plan(q, k, v, 0.125, None, None, "tc", None) is a and len(iq._PLANS) == 1
+    slots = 1 * 2 * 1  # folded combine: one counter per batch x KV head x row block
+    assert a[0] == iq.Problem.of(q, k, v, None) and a[2].slots == (slots if iq.TC_FOLD else 0)
+    monkeypatch.setattr(iq, "TC_FOLD", not iq.TC_FOLD)
+    b = iq._plan(q, k, v, 0.125, None, None, "tc", None)
+    assert b is not a and b[2].slots == (slots if iq.TC_FOLD else 0)
+    q2, k2, v2 = iq.random_problem(1, 2, 4, 1, 64, 41, 3, dtype=mx.float32, seed=1)
+    assert iq._plan(q2, k2, v2, 0.125, None, None, "tc", None)[0].tc == 41
+    with pytest.raises(iq.Unsupported):
+        iq._plan(*iq.random_problem(1, 2, 4, 1, 64, 8, 0, kb=4), 0.125, None, None, "tc", None)
+    monkeypatch.setattr(iq, "_PLANS_MAX", 3)
+    iq._plan(*iq.random_problem(1, 2, 4, 1, 64, 9, 0), 0.125, None, None, "tc", None)
+    assert len(iq._PLANS) <= 3  # bounded: cleared when full
+
+
 def test_fp16_level_scale_tightens_the_table():
     from app.engine.kvcache.quantizer import Quantizer
 
@@ -346,8 +367,8 @@ def test_emulated_kernels_one_by_one(emulated):
 def test_emulated_dispatch_uses_the_kernel_and_falls_back(emulated, monkeypatch):
     q, k, v = iq.random_problem(1, 1, 2, 1, 64, 20, 2, dtype=mx.float32, seed=8)
     calls = []
-    real = iq._fused_partials  # reached only once the inputs are accepted
-    monkeypatch.setattr(iq, "_fused_partials", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = iq._fused_call  # reached only once the inputs are accepted
+    monkeypatch.setattr(iq, "_fused_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = kk.isoquant_attention(q, k, v, 0.125)
     assert calls and iq.rel_error(out, iq.attention_reference(q, k, v, 0.125)) < TOL
     calls.clear()

@@ -29,10 +29,17 @@ SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
 SETTINGS = ("auto", "kernel", "reference")
 
 
+_parsed: dict = {}  # raw value of the setting -> parsed (read on every attention call)
+
+
 def setting() -> str:
-    value = os.environ.get(SETTING_ENV, "auto").strip().lower() or "auto"
-    if value not in SETTINGS:
-        raise ValueError(f"{SETTING_ENV}={value!r}: expected one of {SETTINGS}")
+    raw = os.environ.get(SETTING_ENV, "auto")
+    value = _parsed.get(raw)
+    if value is None:
+        value = raw.strip().lower() or "auto"
+        if value not in SETTINGS:
+            raise ValueError(f"{SETTING_ENV}={value!r}: expected one of {SETTINGS}")
+        _parsed[raw] = value
     return value
 
 

@@ -508,11 +508,15 @@ def _launch(
 def _fused_partials(
     q, keys, values, scale, p: Problem, lens, variant: str, split_len=None, sinks=None
 ):
-    dt = q.dtype
     run = _launch(
         p, variant, split_len, sinks is not None, float(scale), (*TC_PRECISION, TC_QS, TC_FOLD),
-        SPLIT_WARPS, dt,
+        SPLIT_WARPS, q.dtype,
     )  # fmt: skip
+    return _fused_call(q, keys, values, p, run, variant, lens, sinks), run
+
+
+def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, sinks):
+    dt = q.dtype
     fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
     fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
     fpk = fpk if fpk.dtype == dt else fpk.astype(dt)
@@ -526,7 +530,7 @@ def _fused_partials(
     if variant == "tc":
         inputs += [_sinks(p, sinks), _counters(run.slots) if run.slots else _no_counters()]
         out_dtypes.append(dt)
-    part = _kernel(run.kern, dt)(
+    return _kernel(run.kern, dt)(
         inputs=inputs,
         template=run.template,
         grid=run.grid,
@@ -534,7 +538,6 @@ def _fused_partials(
         output_shapes=run.out_shapes,
         output_dtypes=out_dtypes,
     )
-    return part, run
 
 
 def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, split_len=None):
@@ -550,17 +553,46 @@ def _variant(p: Problem) -> str:
     return "scalar"
 
 
+# (shapes, dtypes, settings) of a call -> (Problem, variant, launch): a decode step's host work
+# is then one dict lookup instead of building and hashing a Problem (the key changes as the
+# cache grows, so the table is bounded by clearing it when full)
+_PLANS: dict = {}
+_PLANS_MAX = 1024
+
+
+def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
+    kf, vf = keys.fp, values.fp
+    key = (
+        q.shape, q.dtype, keys.codes.shape, values.codes.shape,
+        None if kf is None else kf.shape, None if vf is None else vf.shape,
+        keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
+        keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
+        TC_PRECISION, TC_QS, TC_FOLD, SPLIT_WARPS, BACKEND,
+    )  # fmt: skip
+    hit = _PLANS.get(key)
+    if hit is None:
+        p = Problem.of(q, keys, values, mask)
+        v = variant or _variant(p)
+        if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
+            raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
+        opts = (*TC_PRECISION, TC_QS, TC_FOLD)
+        run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        hit = _PLANS[key] = (p, v, run)
+    return hit
+
+
 def fused_attention(
     q, keys, values, scale, mask=None, sinks=None, lens=None, variant=None, split_len=None
 ):
-    """Single-pass split-K attention (A+B+C in one launch) + combine (folded into the same launch
-    by the tensor-core kernel with TC_FOLD). variant: "tc" (CUDA tensor cores, 3-bit, D 64/128) or "scalar"
-    (every backend); default picks tc where it applies."""
-    p = Problem.of(q, keys, values, mask)
-    variant = variant or _variant(p)
-    if variant == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
-        raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-    part, run = _fused_partials(q, keys, values, scale, p, lens, variant, split_len, sinks)
+    """Single-pass split-K attention (A+B+C in one launch) + combine (folded into the same
+    launch by the tensor-core kernel with TC_FOLD). variant: "tc" (CUDA tensor cores, 3-bit,
+    D 64/128) or "scalar" (every backend); default picks tc where it applies."""
+    if mask is not None and not isinstance(mask, str):
+        Problem.of(q, keys, values, mask)  # raises: array masks are the reference's
+    p, variant, run = _plan(q, keys, values, scale, mask, sinks, variant, split_len)
+    part = _fused_call(q, keys, values, p, run, variant, lens, sinks)
     if run.slots:  # the tensor-core kernel merged its splits itself
         return part[3]
     return combine(part[:3], keys.rotation, p, run, q.dtype, sinks)
