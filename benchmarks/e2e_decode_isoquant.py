@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import kvcache  # noqa: E402
 from app.engine import kvcache_kernels as kk  # noqa: E402  (registers the kernels)
+from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
 
 CFG = {
     "model_type": "llama",
@@ -142,6 +143,9 @@ def main() -> None:
     ap.add_argument(
         "--compare-encoder", action="store_true", help="also the MLX-ops encoder (no fused one)"
     )
+    ap.add_argument(
+        "--compare-fold", action="store_true", help="also the combine folded into the kernel"
+    )
     ap.add_argument("--tiny", action="store_true", help="2 layers, small vocab: a smoke test")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "e2e_decode_isoquant.json")
@@ -154,6 +158,9 @@ def main() -> None:
     modes = ["fp16", "isoquant_fused"] + (["isoquant_reference"] if args.reference else [])
     if args.compare_encoder:  # the MLX-ops encoder in the cache's compression, side by side
         modes.insert(2, "isoquant_fused_mlx_encoder")
+    if args.compare_fold:  # the tensor-core kernel with its combine folded in, side by side
+        modes.insert(2, "isoquant_fused_fold")
+    fold_default = iq.TC_FOLD
     if args.compare_compile:  # the compiled decode-time encoders, side by side
         modes.insert(2, "isoquant_fused_compiled_encoder")
     for ctx in args.contexts:
@@ -164,6 +171,7 @@ def main() -> None:
                 kvcache.register_encoder(None)
             if mode == "isoquant_fused_mlx_encoder":  # fused attention, MLX-ops compression
                 kvcache.register_encoder(None)
+            iq.TC_FOLD = fold_default if mode != "isoquant_fused_fold" else True
             os.environ.pop(kvcache.cache.COMPILE_ENV, None)
             if mode == "isoquant_fused_compiled_encoder":
                 os.environ[kvcache.cache.COMPILE_ENV] = "1"
@@ -183,6 +191,7 @@ def main() -> None:
             )
             del caches
             mx.clear_cache()
+    iq.TC_FOLD = fold_default
     kk.install()
     info = {}
     try:
@@ -198,7 +207,8 @@ def main() -> None:
         "tok_s: mlx-lm generate_step (next step built while the GPU runs this one, as the app "
         "decodes); tok_s_unpipelined: each step evaluated before the next is built; build_ms / eval_ms: "
         "median host time to build one step's graph / to evaluate it, in that mode; "
-        "isoquant_fused_mlx_encoder: fused attention, compression by MLX ops (no fused encoder)",
+        "isoquant_fused_mlx_encoder: fused attention, compression by MLX ops (no fused encoder); "
+        "isoquant_fused_fold: the tensor-core kernel with its combine folded in (one launch)",
         kv_compile=kvcache.cache.compile_encoders(),
         records=rows,
     )

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 timeout ${BENCH_S:-230} python3 benchmarks/attention_decode.py --out "$OUT/attention_decode.json" 2>&1 | tee "$OUT/attention.txt"
 MLX_ENABLE_TF32=0 timeout ${TESTS_S:-170} python3 -m pytest tests/gpu/test_isoquant_gpu.py -q -n 8 -p no:cacheprovider -p no:benchmark \
   -o addopts="" 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
-timeout ${E2E_S:-140} python3 benchmarks/e2e_decode_isoquant.py --reference --compare-encoder --steps 32 \
+timeout ${E2E_S:-140} python3 benchmarks/e2e_decode_isoquant.py --reference --compare-encoder --compare-fold --steps 32 \
   --out "$OUT/e2e_decode_isoquant.json" 2>&1 | tee "$OUT/e2e.txt"
 # GPU-only kernel durations (warm caches, boost clocks), when Nsight Compute is there
 if command -v ncu >/dev/null; then
