@@ -109,6 +109,8 @@ inline int atomicAdd(int* p, int v) {
   return old;
 }
 inline void __threadfence() {}
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_blk->warps[emu_tid / 32]->arrive_and_wait(); }
 
 template <typename T>

@@ -437,7 +437,7 @@ __device__ __forceinline__ void iq_tc_fold(
   }
   __syncthreads();
   if (!iq_last) return;
-  __threadfence();  // the other threadgroups' partials are visible
+  __threadfence();  // the other threadgroups' partials are visible (read past L1: __ldcg)
   constexpr int V = D / 32;
   const float NEG_INF = __int_as_float(0xff800000);
   const int R = ip[IQ_P_R], L = ip[IQ_P_L], G = ip[IQ_P_G], Hkv = ip[IQ_P_HKV];
@@ -453,7 +453,7 @@ __device__ __forceinline__ void iq_tc_fold(
     if (r < nrow) {
       const long base = long(bh) * nsp * R + r0 + r;
       float M = NEG_INF;
-      for (int s = lane; s < nsp; s += 32) M = fmaxf(M, pm[base + long(s) * R]);
+      for (int s = lane; s < nsp; s += 32) M = fmaxf(M, __ldcg(pm + base + long(s) * R));
       for (int m = 16; m > 0; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
       float sink = NEG_INF;
       if (ip[IQ_P_SINKS] != 0) {
@@ -465,17 +465,17 @@ __device__ __forceinline__ void iq_tc_fold(
 #pragma unroll 4
       for (int s = 0; s < nspc; ++s) {
         const long row = base + long(s) * R;
-        const float w = exp2f(pm[row] - mb);
-        t += w * pl[row];
+        const float w = exp2f(__ldcg(pm + row) - mb);
+        t += w * __ldcg(pl + row);
 #pragma unroll
-        for (int i = 0; i < V; ++i) oc[i] += w * po[row * D + lane + 32 * i];
+        for (int i = 0; i < V; ++i) oc[i] += w * __ldcg(po + row * D + lane + 32 * i);
       }
       for (int s = nspc; s < nsp; ++s) {
         const long row = base + long(s) * R;
-        const float w = exp2f(pm[row] - mb);
-        t += w * pl[row];
+        const float w = exp2f(__ldcg(pm + row) - mb);
+        t += w * __ldcg(pl + row);
 #pragma unroll
-        for (int i = 0; i < V; ++i) of[i] += w * po[row * D + lane + 32 * i];
+        for (int i = 0; i < V; ++i) of[i] += w * __ldcg(po + row * D + lane + 32 * i);
       }
     }
 #pragma unroll
