@@ -81,20 +81,27 @@ def make_caches(mode: str, ctx: int):
             k = mx.random.normal((1, hkv, ctx, d)).astype(mx.bfloat16)
             c.update_and_fetch(k, mx.random.normal((1, hkv, ctx, d)).astype(mx.bfloat16))
         else:
-            c = kvcache.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=layer)
-            c._setup(hkv, d, d)
-            tc = ctx - WINDOW
-            c.state = (
-                mx.random.randint(0, 256, (1, hkv, tc, 48)).astype(mx.uint8),
-                mx.random.uniform(10, 30, (1, hkv, tc)).astype(mx.float16),
-                mx.random.randint(0, 256, (1, hkv, tc, 48)).astype(mx.uint8),
-                mx.random.uniform(5, 15, (1, hkv, tc)).astype(mx.float16),
-                mx.random.normal((1, hkv, WINDOW, d)).astype(mx.bfloat16),
-                mx.random.normal((1, hkv, WINDOW, d)).astype(mx.bfloat16),
-            )
+            c = random_isoquant_cache(ctx, hkv, d, layer)
         mx.eval([a for a in c.state if a is not None])
         caches.append(c)
     return caches
+
+
+def random_isoquant_cache(ctx: int, hkv: int = 8, d: int = 128, layer: int = 0):
+    """A 3-bit IsoQuant cache holding ctx tokens: random code bytes and norms for all but the
+    WINDOW newest, which are random bf16 (not evaluated)."""
+    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=layer)
+    c._setup(hkv, d, d)
+    tc, row = ctx - WINDOW, 3 * d // 8
+    c.state = (
+        mx.random.randint(0, 256, (1, hkv, tc, row)).astype(mx.uint8),
+        mx.random.uniform(10, 30, (1, hkv, tc)).astype(mx.float16),
+        mx.random.randint(0, 256, (1, hkv, tc, row)).astype(mx.uint8),
+        mx.random.uniform(5, 15, (1, hkv, tc)).astype(mx.float16),
+        mx.random.normal((1, hkv, WINDOW, d)).astype(mx.bfloat16),
+        mx.random.normal((1, hkv, WINDOW, d)).astype(mx.bfloat16),
+    )
+    return c
 
 
 def decode_tok_s_pipelined(model, caches, steps: int, warmup: int = WARMUP) -> float:

@@ -64,14 +64,14 @@ def shape(b: int, t: int, warps: list[int]) -> list[dict]:
     rows = []
     for w in warps:
         iq.SPLIT_WARPS = w
-        part, run = iq._fused_partials(q, k, v, scale, p, None, iq._variant(p))
-        part = part[:3]  # the tensor-core kernel also writes the output (its combine folded in)
+        _, variant, run = iq._plan(q, k, v, scale, None, None, None, None)
+        part = iq._fused_call(q, k, v, p, run, variant, None, None)[:3]  # tc: + the output
         mx.eval(part)
         plan = iq.split_plan(p, iq.TC_RB, None, w)
         r = dict(B=b, T=t, warps=w, nsp=plan["nsp"], split_len=plan["sl"])
         r["noop_us"] = time_calls(lambda: q * 2)
         r["partials_us"] = time_calls(
-            lambda: iq._fused_partials(q, k, v, scale, p, None, iq._variant(p))[0][0]
+            lambda run=run, variant=variant: iq._fused_call(q, k, v, p, run, variant, None, None)[0]
         )
         r["combine_us"] = time_calls(
             lambda part=part, run=run: iq.combine(part, k.rotation, p, run, q.dtype)

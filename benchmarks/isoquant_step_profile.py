@@ -27,24 +27,16 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from e2e_decode_isoquant import random_isoquant_cache  # noqa: E402  (same folder)
+
 from app.engine import kvcache  # noqa: E402
 from app.engine import kvcache_kernels as kk  # noqa: E402
 
-HQ, HKV, D, WINDOW = 32, 8, 128, 64
+HQ, HKV, D = 32, 8, 128
 
 
 def make_cache(ctx: int):
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=0)
-    c._setup(HKV, D, D)
-    tc = ctx - WINDOW
-    c.state = (
-        mx.random.randint(0, 256, (1, HKV, tc, 48)).astype(mx.uint8),
-        mx.random.uniform(10, 30, (1, HKV, tc)).astype(mx.float16),
-        mx.random.randint(0, 256, (1, HKV, tc, 48)).astype(mx.uint8),
-        mx.random.uniform(5, 15, (1, HKV, tc)).astype(mx.float16),
-        mx.random.normal((1, HKV, WINDOW, D)).astype(mx.bfloat16),
-        mx.random.normal((1, HKV, WINDOW, D)).astype(mx.bfloat16),
-    )
+    c = random_isoquant_cache(ctx, HKV, D)
     mx.eval([a for a in c.state if a is not None])
     return c
 

@@ -53,7 +53,6 @@ EMU_PTX = r"""
 #include <vector>
 // uint4 comes from emu.h.
 struct alignas(8) uint2 { uint32_t x, y; };
-inline emu_uint3 gridDim;
 inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
 inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
 inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
@@ -150,7 +149,6 @@ class EmuKernel:
             "  std::string dir = argv[1];",
             '  std::ifstream pf(dir + "/params.txt");',
             "  unsigned gx, gy, gz; int nt; pf >> gx >> gy >> gz >> nt;",
-            "  gridDim = {gx, gy, gz};",
         ]
         main += [f'  auto in{i} = rd(dir + "/in{i}.bin");' for i in range(len(in_t))]
         for i in range(len(out_t)):
@@ -169,7 +167,9 @@ class EmuKernel:
             + f"void k_{self.name}(\n" + ",\n".join(params) + ") {\n" + consts + self.body
             + "\n}\n}  // namespace mlx::core::cu\n" + "\n".join(main)
         )  # fmt: skip
-        exe = _CACHE / f"{self.name}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
+        # the binary's name covers emu.h too: a changed emulator must rebuild it
+        digest = hashlib.sha256(src.encode() + (EMU_DIR / "emu.h").read_bytes()).hexdigest()
+        exe = _CACHE / f"{self.name}_{digest[:16]}"
         if not exe.exists():
             _CACHE.mkdir(parents=True, exist_ok=True)
             exe.with_suffix(".cpp").write_text(src)

@@ -77,7 +77,8 @@ class EmuKernel:
             self.body, self.header, standin='#include "emu.h"\n', prologue=_PROLOGUE,
         )  # fmt: skip
         src = tu + self._main(in_dt, out_dt)
-        key = hashlib.sha256(src.encode()).hexdigest()[:20]
+        # the binary's name covers emu.h too: a changed emulator must rebuild it
+        key = hashlib.sha256(src.encode() + (EMU_DIR / "emu.h").read_bytes()).hexdigest()[:20]
         exe = _CACHE / f"{self.name}_{key}"
         if not exe.exists():
             _CACHE.mkdir(parents=True, exist_ok=True)

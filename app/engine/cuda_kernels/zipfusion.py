@@ -452,8 +452,8 @@ HEADER = HEADER_PTX + HEADER_COMMON
 # Shared prologue of both attention variants. Template constants: D (head dim), G (query heads
 # per KV head, <= 16), NW (warps per CTA), MW (metadata words per page/head/K-or-V).
 # Runtime params: layer, n_ids, maxp, n_splits.
-_ATTN_PROLOGUE = r"""
-  constexpr int NB = D / 32;
+# Which split, head and sequence this CTA is, its parameters and its range of pages.
+_SPLIT_PROLOGUE = r"""
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int split = blockIdx.x;
@@ -471,6 +471,14 @@ _ATTN_PROLOGUE = r"""
   const int per = (n_pages + n_splits - 1) / n_splits;
   const int p_begin = split * per;
   const int p_end = min(n_pages, p_begin + per);
+"""
+
+_ATTN_PROLOGUE = (
+    r"""
+  constexpr int NB = D / 32;
+"""
+    + _SPLIT_PROLOGUE
+    + r"""
   uint32_t qa[D / 16][4];
   zf_load_q<D, G>(q, b, h, n_kv, lane, qa);
   float o[D / 8][4];
@@ -480,6 +488,7 @@ _ATTN_PROLOGUE = r"""
   const uint8_t* pool_b = reinterpret_cast<const uint8_t*>(pool);
   const size_t part = ((size_t)b * n_kv + h) * n_splits * NW + (size_t)split * NW + warp;
 """
+)
 
 ATTN_SOURCE = (
     _ATTN_PROLOGUE
@@ -593,26 +602,13 @@ PIPE_SOURCE = (
 # per warp in shared memory. A compressed page takes 75% of a raw page's bytes in the ring, so
 # more pages (bytes) are in flight per warp than with the pipe variant's raw-sized slots, and
 # the copy of a page is two contiguous spans (no per-block loop). MAXQ bounds the queued pages.
-RING_SOURCE = r"""
+RING_SOURCE = (
+    r"""
   constexpr int NB = D / 32;
   constexpr int MS = 2 * MW + 1;  // words per queued page in the table: K meta, V meta, ring pos
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int split = blockIdx.x;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int n_kv = gridDim.y;
-  const int layer = params[0];
-  const int n_ids = params[1];
-  const int maxp = params[2];
-  const int n_splits = params[3];
-  const float sl2 = scale[0];
-  const float NEG_INF = __int_as_float(0xff800000);
-  const int len = seq_len[b];
-  const int n_pages = (len + 15) >> 4;
-  const int per = (n_pages + n_splits - 1) / n_splits;
-  const int p_begin = split * per;
-  const int p_end = min(n_pages, p_begin + per);
+"""
+    + _SPLIT_PROLOGUE
+    + r"""
   uint32_t qb[D / 16][2];
   zf_load_qt<D, G>(q, b, h, n_kv, lane, qb);
   float o[D / 16][4];
@@ -703,6 +699,7 @@ RING_SOURCE = r"""
   zf_cp_wait<0>();
   zf_store_partial_t<D, G>(o_part, ml_part, part, lane, o, m0, m1, l0, l1);
 """
+)
 
 # Merge the partials of one (sequence, query head) with the token of this step. One thread per
 # dim; template D, G. params: n_parts (= n_splits * NW).

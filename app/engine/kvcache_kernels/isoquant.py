@@ -505,16 +505,6 @@ def _launch(
     )
 
 
-def _fused_partials(
-    q, keys, values, scale, p: Problem, lens, variant: str, split_len=None, sinks=None
-):
-    run = _launch(
-        p, variant, split_len, sinks is not None, float(scale), (*TC_PRECISION, TC_QS, TC_FOLD),
-        SPLIT_WARPS, q.dtype,
-    )  # fmt: skip
-    return _fused_call(q, keys, values, p, run, variant, lens, sinks), run
-
-
 def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, sinks):
     dt = q.dtype
     fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
@@ -542,9 +532,8 @@ def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, s
 
 def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, split_len=None):
     """The split partials (o [B*Hkv, NSP, R, D], m, l [B*Hkv, NSP, R]; log2 domain) — for tests."""
-    p = Problem.of(q, keys, values, mask)
-    part, _ = _fused_partials(q, keys, values, scale, p, lens, variant or _variant(p), split_len)
-    return part[:3]
+    p, variant, run = _plan(q, keys, values, scale, mask, None, variant, split_len)
+    return _fused_call(q, keys, values, p, run, variant, lens, None)[:3]
 
 
 def _variant(p: Problem) -> str:
@@ -751,8 +740,7 @@ ENCODE_MAX_ROWS = 16384  # rows per launch (grid y); longer inputs go in chunks
 @functools.lru_cache(maxsize=32)
 def _thresholds(dim: int, bits: int) -> mx.array:
     """The codebook's thresholds (quantizer.thresholds' values), padded to 8+ entries."""
-    t = list(lloyd_max(dim, bits).thresholds)
-    return mx.array(t + [0.0] * max(0, 8 - len(t)), mx.float32)
+    return _pad8(mx.array(list(lloyd_max(dim, bits).thresholds), mx.float32))
 
 
 @functools.lru_cache(maxsize=256)
