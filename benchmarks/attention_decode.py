@@ -4,8 +4,10 @@ One query token, 32 query heads, 8 KV heads, d = 128, B in {1, 8, 32}, T in {2K,
 128K}. IsoQuant reads 3-bit packed K and V (48 B + a 2-byte norm per token, head and tensor);
 bf16 reads 256 B each. Effective GB/s = bytes of KV (plus q and out) / time, against the card's
 ~4.3 TB/s. Every method rotates over enough input sets that its KV is several times the L2, and
-is timed as a queue of calls evaluated at once (MLX) or between CUDA events (torch); median of
-trials after warm-up. Also: the split-K variants side by side (tensor-core, scalar, the
+is timed as a queue of calls evaluated at once (MLX, host time included: `time_us`) or between
+CUDA events (torch); median of trials after warm-up. MLX calls are also timed on the GPU's own
+clock (`gpu_us`, benchmarks/gpu_clock.py: each call bracketed by %globaltimer stamps), the
+like-for-like figure against torch's events. Also: the split-K variants side by side (tensor-core, scalar, the
 four-kernel path) and the tensor-core precision options, on a few shapes.
 
     python benchmarks/attention_decode.py [--quick] [--out FILE]
@@ -23,9 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_clock  # noqa: E402  (first: it sets MLX's graph size before MLX evaluates)
+import mlx.core as mx  # noqa: E402
 
 from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
 
@@ -85,13 +89,28 @@ def isoquant_sets(b: int, t: int, dtype=mx.bfloat16):
     return sets, per
 
 
-def record(rows, backend, kernel, b, t, us, nbytes, **extra):
+def record(rows, backend, kernel, b, t, us, nbytes, gpu_us=None, **extra):
     gbs = nbytes / (us * 1e-6) / 1e9
+    if gpu_us is not None:
+        extra.update(gpu_us=round(gpu_us, 2), gpu_gb_s=round(nbytes / (gpu_us * 1e-6) / 1e9, 1))
     rows.append(dict(backend=backend, kernel=kernel, B=b, T=t, d=D, time_us=round(us, 2),
                      gb_s=round(gbs, 1), bytes=nbytes, **extra))  # fmt: skip
+    g = f"  gpu {gpu_us:8.1f} us" if gpu_us is not None else ""
     print(
-        f"  {kernel:28s} B={b:<3d} T={t:<7d} {us:9.1f} us  {gbs:7.0f} GB/s ({gbs / CARD_GB_S:4.0%})"
+        f"  {kernel:28s} B={b:<3d} T={t:<7d} {us:9.1f} us  {gbs:7.0f} GB/s ({gbs / CARD_GB_S:4.0%}){g}"
     )
+
+
+def time_gpu(fn, sets) -> float | None:
+    """GPU µs per call (gpu_clock): fn(q, k, v) with q made to wait for the bracket's stamp."""
+    if not gpu_clock.available():
+        return None
+
+    def call(i, dep):
+        q, k, v = sets[i % len(sets)]
+        return fn(gpu_clock.depend(q, dep), k, v)
+
+    return gpu_clock.gpu_us(call, n=max(24, len(sets)))
 
 
 def bench_shape(rows, b, t, with_torch, variants):
@@ -100,7 +119,8 @@ def bench_shape(rows, b, t, with_torch, variants):
     sets, per = isoquant_sets(b, t)
     for name, fn in variants.items():
         us = time_mlx(lambda q, k, v, fn=fn: fn(q, k, v, scale), sets)
-        record(rows, "mlx-cuda", name, b, t, us, per + qo)
+        gus = time_gpu(lambda q, k, v, fn=fn: fn(q, k, v, scale), sets)
+        record(rows, "mlx-cuda", name, b, t, us, per + qo, gpu_us=gus)
     del sets
     mx.clear_cache()
     per = b * HKV * t * D * 2 * 2
@@ -113,10 +133,12 @@ def bench_shape(rows, b, t, with_torch, variants):
             v = mx.random.normal((b, HKV, t, D)).astype(mx.bfloat16)
             mx.eval(q, k, v)
             sets.append((q, k, v))
-        us = time_mlx(
-            lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), sets
-        )
-        record(rows, "mlx-cuda", "mx_sdpa_bf16", b, t, us, per + qo)
+
+        def sdpa(q, k, v):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+        us = time_mlx(sdpa, sets)
+        record(rows, "mlx-cuda", "mx_sdpa_bf16", b, t, us, per + qo, gpu_us=time_gpu(sdpa, sets))
     except RuntimeError as e:  # seen at B=32, T=128K (17 GB of KV): a CUDA-graph launch error
         rows.append(
             dict(backend="mlx-cuda", kernel="mx_sdpa_bf16", B=b, T=t, d=D, error=str(e)[:200])
@@ -171,6 +193,7 @@ def main() -> None:
     )
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="only the variant sweep")
+    ap.add_argument("--no-sweep", action="store_true", help="only the table")
     args = ap.parse_args()
     if not iq.kernels_available():
         sys.exit("needs MLX's CUDA or Metal backend")
@@ -178,10 +201,12 @@ def main() -> None:
     acc = check_accuracy()
 
     def with_opts(
-        qs: bool, warps: int | None = None, variant=None, split_len=None, fold: bool = True
+        qs: bool | None = None, warps: int | None = None, variant=None, split_len=None, fold=None
     ):
         def fn(q, k, v, s):
-            iq.TC_QS, iq.SPLIT_WARPS, iq.TC_FOLD = qs, warps or default_warps, fold
+            iq.TC_QS = default_qs if qs is None else qs
+            iq.TC_FOLD = default_fold if fold is None else fold
+            iq.SPLIT_WARPS = warps or default_warps
             try:
                 return iq.fused_attention(q, k, v, s, variant=variant, split_len=split_len)
             finally:
@@ -190,12 +215,12 @@ def main() -> None:
         return fn
 
     default_qs, default_warps, default_fold = iq.TC_QS, iq.SPLIT_WARPS, iq.TC_FOLD
-    # both tensor-core register layouts on every shape, and the combine folded into the split
-    # kernel or launched on its own: the defaults are chosen from this table
+    # the defaults, then each option flipped: Q fragments in registers instead of shared
+    # memory, and the combine folded into the split kernel instead of its own launch
     fused = {
-        "isoquant_fused": with_opts(False),
-        "isoquant_fused_qsmem": with_opts(True),
-        "isoquant_fused_qsmem_combine_launch": with_opts(True, fold=False),
+        "isoquant_fused": with_opts(),
+        "isoquant_fused_qregs": with_opts(qs=not default_qs),
+        "isoquant_fused_fold": with_opts(fold=not default_fold),
     }
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
     shapes = [] if args.sweep_only else shapes
@@ -213,11 +238,17 @@ def main() -> None:
                 mlx=mx.__version__,
             ),
             shape=dict(hq=HQ, hkv=HKV, d=D, query_tokens=1, isoquant_bits=3, dtype="bfloat16"),
-            method="median of 7 trials; each trial queues >= 20 calls over rotating input sets "
-            "(KV >= 4x the 60 MB L2 where memory allows) and evaluates them at once (MLX) or "
-            "times them with CUDA events (torch)",
+            method="time_us: median of 7 trials; each trial queues >= 20 calls over rotating "
+            "input sets (KV >= 4x the 60 MB L2 where memory allows) and evaluates them at once "
+            "(MLX: host time included) or times them with CUDA events (torch: GPU stream time). "
+            "gpu_us (MLX only): GPU time per call from %globaltimer stamps around each call "
+            "(benchmarks/gpu_clock.py), median of 3 runs of >= 24 calls, the empty bracket "
+            "subtracted; like torch's events it includes launch gaps, not host time",
             kernel_options=dict(
-                qsmem=iq.TC_QS, split_warps=iq.SPLIT_WARPS, precision=list(iq.TC_PRECISION)
+                qsmem=iq.TC_QS,
+                fold=iq.TC_FOLD,
+                split_warps=iq.SPLIT_WARPS,
+                precision=list(iq.TC_PRECISION),
             ),  # fmt: skip
             accuracy_rel_error=acc,
             records=rows,
@@ -230,7 +261,7 @@ def main() -> None:
         bench_shape(rows, b, t, not args.no_torch, fused)
         save()
     # variants side by side on a few shapes: which path and split plan wins where
-    sweep = [] if args.quick else [(1, 2048), (8, 8192), (8, 32768), (32, 32768)]
+    sweep = [] if args.quick or args.no_sweep else [(1, 2048), (8, 8192), (8, 32768), (32, 32768)]
     for b, t in sweep:
         variants = {}
         if t <= 8192:
@@ -241,8 +272,9 @@ def main() -> None:
                 variants[f"isoquant_fused_qs{int(qs)}_warps{w}"] = with_opts(qs, w)
         sets, per = isoquant_sets(b, t)
         for name, fn in variants.items():
-            us = time_mlx(lambda q, k, v, fn=fn: fn(q, k, v, 1 / math.sqrt(D)), sets)
-            record(rows, "mlx-cuda", name, b, t, us, per + 4 * b * HQ * D)
+            f = lambda q, k, v, fn=fn: fn(q, k, v, 1 / math.sqrt(D))  # noqa: E731
+            record(rows, "mlx-cuda", name, b, t, time_mlx(f, sets), per + 4 * b * HQ * D,
+                   gpu_us=time_gpu(f, sets))  # fmt: skip
         del sets
         mx.clear_cache()
         save()
@@ -251,30 +283,33 @@ def main() -> None:
 
 
 def print_summary(rows) -> None:
-    by = {(r["kernel"], r["B"], r["T"]): r["time_us"] for r in rows if "time_us" in r}
+    def by(field):
+        return {(r["kernel"], r["B"], r["T"]): r.get(field) for r in rows if "time_us" in r}
+
+    host, gpu = by("time_us"), by("gpu_us")
+    names = ("isoquant_fused", "isoquant_fused_qregs", "isoquant_fused_fold", "mx_sdpa_bf16")
+    print("\n GPU time per call (µs; torch: CUDA events); host-inclusive queued time in brackets")
     print(
-        "\n B    T      iq(reg)  iq(smem)  iq(2 launches)  mx_sdpa  torch   default vs mx  vs torch"
+        " B    T       iq default      iq qregs       iq fold        mx_sdpa         torch"
+        "    vs mx (gpu/host)  vs torch (gpu/host)"
     )
     for b in BS:
         for t in TS:
-            a, c, u, mxt, tt = (
-                by.get((k, b, t))
-                for k in (
-                    "isoquant_fused",
-                    "isoquant_fused_qsmem",
-                    "isoquant_fused_qsmem_combine_launch",
-                    "mx_sdpa_bf16",
-                    "torch_sdpa_bf16",
-                )
-            )
-            if a is None:
+            if host.get(("isoquant_fused", b, t)) is None:
                 continue
-            dflt = c or a  # the default: Q fragments in shared memory, combine folded in
-            vm = f"{mxt / dflt:5.2f}x" if mxt else "   -  "
-            vt = f"{tt / dflt:5.2f}x" if tt else "   -  "
+            cells = [
+                f"{gpu.get((k, b, t)) or 0:6.1f} ({host.get((k, b, t)) or 0:6.1f})" for k in names
+            ]
+            tt = host.get(("torch_sdpa_bf16", b, t))
+            d_g, d_h = gpu.get(("isoquant_fused", b, t)), host[("isoquant_fused", b, t)]
+            m_g, m_h = gpu.get(("mx_sdpa_bf16", b, t)), host.get(("mx_sdpa_bf16", b, t))
+
+            def ratio(x, y):
+                return f"{x / y:5.2f}" if x and y else "  -  "
+
             print(
-                f" {b:<4d} {t:<7d}{a:9.1f}{c or 0:9.1f}{u or 0:14.1f}{mxt or 0:11.1f}{tt or 0:8.1f}"
-                f"      {vm}      {vt}"
+                f" {b:<4d} {t:<7d}" + "".join(f"{c:>16s}" for c in cells) + f"{tt or 0:9.1f}"
+                f"     {ratio(m_g, d_g)}/{ratio(m_h, d_h)}      {ratio(tt, d_g)}/{ratio(tt, d_h)}"
             )
 
 

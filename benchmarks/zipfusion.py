@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results"
 
 # Llama-3.1-8B (../shared/configs/llama-3.1-8b.json). Qwen3-8B's attention has the same shape
@@ -393,18 +394,23 @@ SWEEP = [
 ]
 
 
-def _mx_sdpa_us(qs, b, n_kv, ctx, d) -> float:
+def _mx_sdpa_us(qs, b, n_kv, ctx, d) -> tuple[float, float | None]:
+    """bf16 mx.fast SDPA on dense KV: (queued µs per call, GPU-clock µs per call or None)."""
+    import gpu_clock
     import mlx.core as mx
 
     kd = mx.random.normal((b, n_kv, ctx, d)).astype(mx.bfloat16)
     vd = mx.random.normal((b, n_kv, ctx, d)).astype(mx.bfloat16)
     mx.eval(kd, vd)
-    t = time_mlx(
-        lambda: [
-            mx.fast.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=d**-0.5) for q in qs
-        ]
-    )
-    return round(t * 1e6, 1)
+
+    def sdpa(q):
+        return mx.fast.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=d**-0.5)
+
+    t = time_mlx(lambda: [sdpa(q) for q in qs])
+    g = None
+    if gpu_clock.available():
+        g = gpu_clock.gpu_us(lambda i, dep: sdpa(gpu_clock.depend(qs[i % len(qs)], dep)))
+    return round(t * 1e6, 1), (None if g is None else round(g, 1))
 
 
 def _torch_sdpa_us(b, n_q, n_kv, ctx, d) -> float:
@@ -450,6 +456,22 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
         t = time_mlx(lambda a=a: _paged_calls(*a))
         st.staged = [None]
         return round(t * 1e6, 1)
+
+    def gpu_cfg(st, b, cfg, ins):
+        """GPU-clock µs per call (benchmarks/gpu_clock.py), or None off CUDA."""
+        import gpu_clock
+
+        if not gpu_clock.available():
+            return None
+        st.begin(list(range(b)))
+
+        def call(i, dep):
+            q = gpu_clock.depend(ins[0][i % len(ins[0])], dep)
+            return _paged_calls(zk, st, [q], ins[1], ins[2], d, cfg)[0]
+
+        t = gpu_clock.gpu_us(call)
+        st.staged = [None]
+        return round(t, 1)
 
     def check_cfg(b, cfg, ins):
         """Compressed == raw pages bit for bit, and close to the reference, for this setting."""
@@ -535,9 +557,15 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
             else time_cfg(rst, b, best_raw, ins)
         )
         row["raw_pages_us"] = min(row["raw_pages_us"], row["raw_pages_same_config_us"])
+        row["compressed_gpu_us"] = gpu_cfg(zst, b, best_zip, ins)
+        row["raw_pages_gpu_us"] = gpu_cfg(rst, b, best_zip, ins)
+        if best_raw != best_zip:
+            other = gpu_cfg(rst, b, best_raw, ins)
+            if other is not None and row["raw_pages_gpu_us"] is not None:
+                row["raw_pages_gpu_us"] = min(row["raw_pages_gpu_us"], other)
         for st, tag in ((zst, "compressed"), (rst, "raw_pages")):
             row[f"{tag}_kv_bytes"] = sum(st.seq_kv_bytes(s) for s in range(b))
-        row["mx_sdpa_us"] = _mx_sdpa_us(ins[0], b, n_kv, ctx, d)
+        row["mx_sdpa_us"], row["mx_sdpa_gpu_us"] = _mx_sdpa_us(ins[0], b, n_kv, ctx, d)
         mx.clear_cache()
         try:
             row["torch_sdpa_us"] = _torch_sdpa_us(b, n_q, n_kv, ctx, d)
@@ -555,6 +583,13 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
         if "torch_sdpa_us" in row:
             row["speedup_vs_torch"] = round(row["torch_sdpa_us"] / zt, 3)
         row["speedup_vs_mx_sdpa"] = round(row["mx_sdpa_us"] / zt, 3)
+        zg, rg, mg = row["compressed_gpu_us"], row["raw_pages_gpu_us"], row["mx_sdpa_gpu_us"]
+        if zg:  # GPU clock: like torch's CUDA events, no host time
+            row["speedup_vs_raw_gpu"] = round(rg / zg, 3) if rg else None
+            row["speedup_vs_mx_sdpa_gpu"] = round(mg / zg, 3) if mg else None
+            row["compressed_gpu_gbps"] = round(row["compressed_kv_bytes"] / zg / 1e3, 1)
+            if "torch_sdpa_us" in row:
+                row["speedup_vs_torch_gpu"] = round(row["torch_sdpa_us"] / zg, 3)
         res.append(row)
         if "baseline_compressed_us" in row:
             row["speedup_vs_baseline"] = round(row["baseline_compressed_us"] / zt, 3)
@@ -564,7 +599,10 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
             f"raw {row.get('baseline_raw_pages_us', float('nan')):7.1f}  "
             f"mx {row['mx_sdpa_us']:7.1f}  torch {row.get('torch_sdpa_us', float('nan')):7.1f} us  "
             f"x{row['speedup_vs_raw']:.2f} vs raw (bytes x{row['byte_ratio']:.2f})  "
-            f"{row['compressed_gbps']:.0f} / {row['raw_pages_gbps']:.0f} GB/s"
+            f"{row['compressed_gbps']:.0f} / {row['raw_pages_gbps']:.0f} GB/s\n"
+            f"         GPU clock: zip {zg or float('nan'):7.1f}  raw {rg or float('nan'):7.1f}  "
+            f"mx {mg or float('nan'):7.1f} us  x{row.get('speedup_vs_raw_gpu') or float('nan'):.2f} "
+            f"vs raw  x{row.get('speedup_vs_torch_gpu') or float('nan'):.2f} vs torch"
         )
     out["kernel_sweep"] = sweep
     out["kernel_times"] = res
@@ -693,6 +731,7 @@ def device_main(args) -> dict:
     def save():
         (outdir / "zipfusion.json").write_text(json.dumps(out, indent=2, default=str))
 
+    import gpu_clock  # noqa: F401  (first: it sets MLX's graph size before anything evaluates)
     import mlx.core as mx
 
     out["machine"] = machine()
@@ -720,6 +759,7 @@ def device_main(args) -> dict:
         out["generation_check"] = generation_check()
         log("generation check:", out["generation_check"])
         save()
+
     def run_tests():
         t0 = time.perf_counter()
         cmd = [
@@ -966,6 +1006,10 @@ def headline(out) -> None:
         tv = [r["speedup_vs_torch"] for r in rows if "speedup_vs_torch" in r]
         if tv:
             out["speedup_vs_torch"] = round(statistics.median(tv), 3)
+        for k in ("speedup_vs_raw_gpu", "speedup_vs_torch_gpu"):
+            v = [r[k] for r in rows if r.get(k)]
+            if v:
+                out[k] = round(statistics.median(v), 3)
     adm = out.get("admission") or {}
     for k in ("admission_gain_pct", "decode_tok_s_gain_pct"):
         if k in adm:
@@ -995,7 +1039,14 @@ def merge_main(args) -> None:
         merged[label] = json.loads(Path(path).read_text())
     if args.note:
         merged["notes"] = args.note
-    for k in ("speedup_vs_raw", "speedup_vs_torch", "admission_gain_pct", "decode_tok_s_gain_pct"):
+    for k in (
+        "speedup_vs_raw",
+        "speedup_vs_torch",
+        "speedup_vs_raw_gpu",
+        "speedup_vs_torch_gpu",
+        "admission_gain_pct",
+        "decode_tok_s_gain_pct",
+    ):
         if k in dev:
             merged[k] = dev[k]
     merged["compressible_fraction"] = {
