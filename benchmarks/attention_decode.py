@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_clock  # noqa: E402  (first: it sets MLX's graph size before MLX evaluates)
+import gpu_clock  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
@@ -106,11 +106,11 @@ def time_gpu(fn, sets) -> float | None:
     if not gpu_clock.available():
         return None
 
-    def call(i, dep):
-        q, k, v = sets[i % len(sets)]
-        return fn(gpu_clock.depend(q, dep), k, v)
+    def call(i, q):
+        _, k, v = sets[i % len(sets)]
+        return fn(q, k, v)
 
-    return gpu_clock.gpu_us(call, n=max(24, len(sets)))
+    return gpu_clock.gpu_us(call, [s[0] for s in sets], n=max(24, len(sets)))
 
 
 def bench_shape(rows, b, t, with_torch, variants):
