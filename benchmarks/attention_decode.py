@@ -261,7 +261,11 @@ def main() -> None:
         bench_shape(rows, b, t, not args.no_torch, fused)
         save()
     # variants side by side on a few shapes: which path and split plan wins where
-    sweep = [] if args.quick or args.no_sweep else [(1, 2048), (8, 8192), (8, 32768), (32, 32768)]
+    sweep = (
+        []
+        if args.quick or args.no_sweep
+        else [(1, 2048), (1, 32768), (8, 8192), (8, 32768), (32, 32768)]
+    )
     for b, t in sweep:
         variants = {}
         if t <= 8192:

@@ -53,6 +53,8 @@ EMU_PTX = r"""
 #include <vector>
 // uint4 comes from emu.h.
 struct alignas(8) uint2 { uint32_t x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
 inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
 inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
 inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
@@ -321,6 +323,49 @@ def test_emulated_attention_is_lossless_and_matches_reference(emulated, d, n_q, 
         assert err < 1e-2, err
         err = float(mx.linalg.norm(z.astype(mx.float32) - ref) / mx.linalg.norm(ref))
         assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("d,g,n_parts", [(128, 4, 1), (128, 4, 37), (64, 3, 6), (256, 2, 9)])
+def test_emulated_reduce_merges_partials(emulated, d, g, n_parts):
+    """The partials' merge (warps share the partials, online softmax) against the same merge in
+    numpy: random partials, some of them empty (m = -inf, as a split without tokens), one
+    (sequence, KV head) with every partial empty (the output is then the new token's V)."""
+    rng = np.random.default_rng(n_parts)
+    b, n_kv = 2, 2
+    hq = n_kv * g
+    m = (rng.standard_normal((b, n_kv, n_parts, g)) * 4).astype(np.float32)
+    m[rng.random(m.shape) < 0.3] = -np.inf
+    m[1, 0] = -np.inf
+    lsum = np.where(np.isinf(m), 0, rng.uniform(0.5, 20, m.shape)).astype(np.float32)
+    o = np.where(np.isinf(m)[..., None], 0, rng.standard_normal((*m.shape, d))).astype(np.float32)
+    q, kn, vn = (_bf16(rng, sh) for sh in ((b, hq, d), (b, n_kv, d), (b, n_kv, d)))
+    sl2 = np.float32(d**-0.5 * np.log2(np.e))
+    (out,) = zk._KERNELS["zipfusion_reduce"](
+        inputs=[
+            mx.array(o), mx.array(np.stack([m, lsum], -1)), q, kn, vn,
+            mx.array([n_parts], dtype=mx.int32), mx.array([float(sl2)]),
+        ],
+        template=[("D", d), ("G", g), ("RW", zk.REDUCE_WARPS)],
+        grid=(32 * zk.REDUCE_WARPS, hq, b),
+        threadgroup=(32 * zk.REDUCE_WARPS, 1, 1),
+        output_shapes=[(b, hq, d)],
+        output_dtypes=[mx.bfloat16],
+    )  # fmt: skip
+    qf, kf, vf = (np.array(x.astype(mx.float32)) for x in (q, kn, vn))
+    want = np.zeros((b, hq, d), np.float64)
+    for bi in range(b):
+        for h in range(hq):
+            kv, r = h // g, h % g
+            s_new = float(qf[bi, h] @ kf[bi, kv]) * sl2
+            ms = np.append(m[bi, kv, :, r], s_new)
+            top = ms.max()
+            w = np.exp2(ms - top)
+            num = (w[:-1, None] * o[bi, kv, :, r]).sum(0) + w[-1] * vf[bi, kv]
+            want[bi, h] = num / ((w[:-1] * lsum[bi, kv, :, r]).sum() + w[-1])
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    # every partial of (sequence 1, KV head 0) empty: the new token alone
+    np.testing.assert_allclose(got[1, :g], np.repeat(vf[1, :1], g, 0), rtol=1e-2, atol=1e-3)
 
 
 def _mixed_stores(lengths, n_kv, d, rng):

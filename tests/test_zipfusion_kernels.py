@@ -57,7 +57,12 @@ ATTN_TYPES = ["__nv_bfloat16", "uint16_t", "uint32_t", "int32_t", "int32_t", "in
         ),
         (
             "zipfusion_reduce",
-            dict(D=128, G=4),
+            dict(D=128, G=4, RW=4),
+            (["float", "float"] + ["__nv_bfloat16"] * 3 + ["int32_t", "float"], ["__nv_bfloat16"]),
+        ),
+        (
+            "zipfusion_reduce",
+            dict(D=64, G=3, RW=4),
             (["float", "float"] + ["__nv_bfloat16"] * 3 + ["int32_t", "float"], ["__nv_bfloat16"]),
         ),
         ("zipfusion_compress", {}, (["uint16_t"], ["uint8_t", "uint16_t"])),

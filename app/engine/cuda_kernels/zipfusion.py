@@ -75,6 +75,27 @@ __device__ __forceinline__ float zf_exp2(float x) {
 HEADER_COMMON = r"""
 #define ZF_RAW 0xFFu
 
+// N consecutive floats from p (16-byte aligned where N % 4 == 0, 8-byte where N % 2 == 0).
+template <int N>
+__device__ __forceinline__ void zf_load_f(const float* p, float v[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(p + j);
+      v[j] = x.x; v[j + 1] = x.y; v[j + 2] = x.z; v[j + 3] = x.w;
+    }
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < N; j += 2) {
+      const float2 x = *reinterpret_cast<const float2*>(p + j);
+      v[j] = x.x; v[j + 1] = x.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = p[j];
+  }
+}
+
 // One lane's 8 values of a compressed block -> 4 bf16x2 registers (values 0-1, 2-3, 4-5, 6-7).
 // High byte = sign*128 + b/2 + d for four values at once; no carries since b/2 + d <= 127.
 __device__ __forceinline__ void zf_decode8(
@@ -701,10 +722,14 @@ RING_SOURCE = (
 """
 )
 
-# Merge the partials of one (sequence, query head) with the token of this step. One thread per
-# dim; template D, G. params: n_parts (= n_splits * NW).
+# Merge the partials of one (sequence, query head) with the token of this step. Template D, G,
+# RW (warps). Each warp merges every RW-th partial with an online softmax (lane: D/32
+# consecutive coordinates, vector loads, several partials' loads in flight), the warps' states
+# meet in shared memory and warp 0 adds the new token. params: n_parts (= n_splits * NW).
 REDUCE_SOURCE = r"""
-  const int d = threadIdx.x;
+  constexpr int VPL = D / 32;
+  const int lane = threadIdx.x & 31;
+  const int w = threadIdx.x >> 5;
   const int hq = blockIdx.y;
   const int b = blockIdx.z;
   const int n_q = gridDim.y;
@@ -713,34 +738,61 @@ REDUCE_SOURCE = r"""
   const int r = hq - h * G;
   const int n_parts = params[0];
   const float sl2 = scale[0];
-  __shared__ float red[D / 32];
-
-  const size_t qi = ((size_t)b * n_q + hq) * D + d;
-  const size_t ki = ((size_t)b * n_kv + h) * D + d;
-  float dot = __bfloat162float(q[qi]) * __bfloat162float(k_new[ki]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-  if ((d & 31) == 0) red[d >> 5] = dot;
-  __syncthreads();
-  dot = 0.f;
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) dot += red[i];
-  const float s_new = dot * sl2;
+  const float NEG_INF = __int_as_float(0xff800000);
+  __shared__ float red_m[RW], red_l[RW];
+  __shared__ __align__(16) float red_o[RW][D];
 
   const size_t base = ((size_t)b * n_kv + h) * n_parts;
-  float m = s_new;
-  for (int i = 0; i < n_parts; ++i) m = fmaxf(m, ml_part[((base + i) * G + r) * 2]);
-  const float w_new = exp2f(s_new - m);
-  float l = w_new;
-  float acc = w_new * __bfloat162float(v_new[ki]);
-  for (int i = 0; i < n_parts; ++i) {
+  float m = NEG_INF, l = 0.f, acc[VPL];
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) acc[j] = 0.f;
+#pragma unroll 4
+  for (int i = w; i < n_parts; i += RW) {
     const size_t pi = (base + i) * G + r;
-    const float w = exp2f(ml_part[pi * 2] - m);
-    l += w * ml_part[pi * 2 + 1];
-    acc += w * o_part[pi * D + d];
+    const float mi = ml_part[pi * 2], li = ml_part[pi * 2 + 1];
+    float oi[VPL];
+    zf_load_f<VPL>(o_part + pi * D + lane * VPL, oi);
+    if (mi == NEG_INF) continue;  // a split that held no tokens
+    const float mn = fmaxf(m, mi);
+    const float a = exp2f(m - mn), c = exp2f(mi - mn);
+    l = l * a + li * c;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) acc[j] = acc[j] * a + oi[j] * c;
+    m = mn;
   }
-  out[qi] = __float2bfloat16(acc / l);
+  if (RW > 1) {
+    if (lane == 0) { red_m[w] = m; red_l[w] = l; }
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) red_o[w][lane * VPL + j] = acc[j];
+    __syncthreads();
+    if (w != 0) return;
+    for (int x = 1; x < RW; ++x) {
+      const float mi = red_m[x];
+      if (mi == NEG_INF) continue;
+      const float mn = fmaxf(m, mi);
+      const float a = exp2f(m - mn), c = exp2f(mi - mn);
+      l = l * a + red_l[x] * c;
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) acc[j] = acc[j] * a + red_o[x][lane * VPL + j] * c;
+      m = mn;
+    }
+  }
+  const size_t qi = ((size_t)b * n_q + hq) * D + lane * VPL;
+  const size_t ki = ((size_t)b * n_kv + h) * D + lane * VPL;
+  float dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) dot += __bfloat162float(q[qi + j]) * __bfloat162float(k_new[ki + j]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  const float s_new = dot * sl2;
+  const float mn = fmaxf(m, s_new);
+  const float a = exp2f(m - mn), c = exp2f(s_new - mn);
+  l = l * a + c;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j)
+    out[qi + j] = __float2bfloat16((acc[j] * a + c * __bfloat162float(v_new[ki + j])) / l);
 """
+REDUCE_WARPS = 4
 
 # Compress blocks of 512 values (fragment order): one thread per group of 8, 64 per block.
 COMPRESS_SOURCE = r"""
@@ -1154,9 +1206,9 @@ def paged_decode_attention(
     )
     (out,) = _KERNELS["zipfusion_reduce"](
         inputs=[o_part, ml_part, q, k_new, v_new, mx.array([s * nw], dtype=mx.int32), sl2],
-        template=[("D", d), ("G", g)],
-        grid=(d, hq, b),
-        threadgroup=(d, 1, 1),
+        template=[("D", d), ("G", g), ("RW", REDUCE_WARPS)],
+        grid=(32 * REDUCE_WARPS, hq, b),
+        threadgroup=(32 * REDUCE_WARPS, 1, 1),
         output_shapes=[(b, hq, d)],
         output_dtypes=[mx.bfloat16],
     )
