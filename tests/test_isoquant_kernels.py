@@ -123,6 +123,20 @@ def test_split_plan_covers_every_token():
         assert plan["sl"] % 32 == 0 and plan["slf"] % 32 == 0
 
 
+def test_split_plan_aims_by_rows(monkeypatch):
+    """Few (sequence, KV head) rows get longer splits (fewer threadgroups, less set-up), many
+    rows keep enough threadgroups to fill the GPU; a set SPLIT_WARPS applies to every shape."""
+    monkeypatch.setattr(iq, "SPLIT_WARPS", None)
+    b1 = iq.Problem(1, 32, 8, 1, 128, 32768, 0, 3, 3, 0, False)  # 8 rows
+    b32 = iq.Problem(32, 32, 8, 1, 128, 32768, 0, 3, 3, 0, False)  # 256 rows
+    few, many = iq.split_plan(b1, iq.TC_RB), iq.split_plan(b32, iq.TC_RB)
+    assert iq.split_warps(8) == 1536 and iq.split_warps(256) == 3072
+    assert few["sl"] == 192 and 8 * few["ncb"] * iq.NW >= 1536 // 2
+    assert 256 * many["ncb"] * iq.NW >= 3072 // 2
+    monkeypatch.setattr(iq, "SPLIT_WARPS", 3072)
+    assert iq.split_warps(8) == 3072 and iq.split_plan(b1, iq.TC_RB)["sl"] == 96
+
+
 def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     """fused_attention's per-call plan (Problem, variant, launch) is looked up by shapes, dtypes
     and the module's settings: a changed setting or a grown cache gets a new plan."""

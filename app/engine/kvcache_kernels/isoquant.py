@@ -154,8 +154,21 @@ TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # ahead at B 8-32, T 2K-8K but behind at every B = 1 shape; results/isoquant_ncu.json,
 # attention_decode.json)
 TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
-# warps the default split plan aims for (enough to fill the GPU a few times over)
-SPLIT_WARPS = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS", "3072"))
+# Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
+# row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep
+# on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
+# 48.3 µs at 3072: longer splits, less per-threadgroup set-up; B8 T32K 167.7 vs 172.5), with
+# more rows 3072 (B32 T32K 603 vs 800 µs at 1536: too few threadgroups). A set value
+# (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
+_SPLIT_WARPS_ENV = os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS")
+SPLIT_WARPS: int | None = int(_SPLIT_WARPS_ENV) if _SPLIT_WARPS_ENV else None
+
+
+def split_warps(rows: int) -> int:
+    """Warps the default split plan aims for with `rows` (sequence, KV head, row block) rows."""
+    return SPLIT_WARPS or (1536 if rows <= 64 else 3072)
+
+
 NW = 4  # warps per threadgroup (IQ_NW)
 COMBINE_THREADS = 256  # threads of iq_combine's threadgroup (CT in its body)
 TC_RB = 8  # query rows per threadgroup of the tensor-core kernel
@@ -434,7 +447,7 @@ def split_plan(
     if split_len is None:
         small = p.tc * p.b * p.hkv <= 1 << 18
         min_len = 64 if small else 256
-        split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or SPLIT_WARPS, heads)))
+        split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or split_warps(heads), heads)))
     sl = max(32, _cdiv(split_len, 32) * 32)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
     slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))
