@@ -88,8 +88,8 @@ IQ_FN void iq_load_q_rows(
     const int d = i % D;
     float v = 0.0f;
     if (r < R) {
-      const int g = r / L;
-      const int l = r % L;
+      const int g = L == 1 ? r : r / L;  // decode (one query per head): no divide
+      const int l = L == 1 ? 0 : r % L;
       v = float(q[b * qst[0] + (h * G + g) * qst[1] + l * qst[2] + d * qst[3]]);
     }
     x[i] = v;
@@ -98,13 +98,16 @@ IQ_FN void iq_load_q_rows(
 
 // Normalized Walsh–Hadamard transform (Sylvester order, = mx.hadamard_transform(x, 1/sqrt(D)))
 // of RB rows of D in place. All threads call it; it ends with a barrier.
+// Stage s pairs coordinates 2^s apart; shifts and masks by s (a runtime divide per element
+// was ~30 instructions: most of the set-up's arithmetic).
 template <int D, int RB, int NTH>
 IQ_FN void iq_wht_rows(IQ_TG float* x, int tid) {
-  for (int hs = 1; hs < D; hs <<= 1) {
+  for (int s = 0; (1 << s) < D; ++s) {
+    const int hs = 1 << s;
     for (int i = tid; i < RB * D / 2; i += NTH) {
       const int r = i / (D / 2);
       const int p = i % (D / 2);
-      const int a = r * D + (p / hs) * 2 * hs + (p % hs);
+      const int a = r * D + ((p >> s) << (s + 1)) + (p & (hs - 1));
       const float u = x[a];
       const float w = x[a + hs];
       x[a] = u + w;
