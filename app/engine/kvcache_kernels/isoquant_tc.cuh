@@ -539,13 +539,24 @@ __device__ __forceinline__ void iq_tc_fold(
   const int r0 = iq_by * RB;
   const long qst[4] = {long(q_strides[0]), long(q_strides[1]), long(q_strides[2]), long(q_strides[3])};
   iq_load_q_rows<D, RB, IQ_NT>(iq_qs, q, qst, b, h, r0, R, G, L, iq_tid);
+  // KIND 0/1: head h's SO(4) blocks ([D/4][4][4]) staged in shared memory alongside the query
+  // (one coalesced round trip, instead of 16 strided loads per block after the WHT)
+  __shared__ float iq_rot[KIND == 2 ? 1 : D * 4];
+  if (KIND != 2) {
+    for (int i = iq_tid; i < D * 4; i += IQ_NT) iq_rot[i] = float(rot[long(h) * D * 4 + i]);
+  }
   if (iq_tid < 8) {
     iq_lk[iq_tid] = float(lv_k[iq_tid]);
     iq_lv[iq_tid] = float(lv_v[iq_tid]);
   }
   __syncthreads();
   if (!is_fp) {
-    iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
+    if constexpr (KIND == 2) {
+      iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
+    } else {
+      iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, static_cast<const float*>(iq_rot), 0,
+                                         false, iq_tid);
+    }
   }
   const float qscale = fparams[1] * (is_fp ? 1.0f : rsqrtf(float(D)));
   for (int i = iq_tid; i < RB * D; i += IQ_NT) {
