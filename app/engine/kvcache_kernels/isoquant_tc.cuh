@@ -158,78 +158,16 @@ IQ_FN bool iq_aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// Whether a warp's segment [t0, t1) streams through shared memory (contiguous, aligned rows).
-template <int D>
-__device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_t* kc, long ks,
-                                              const __half* kn, long kns, const uint8_t* vc,
-                                              long vs, const __half* vn, long vns, int t0) {
-  constexpr int KROW = IqStage<D>::KROW;
-  return stage != nullptr && ks == KROW && vs == KROW && kns == 1 && vns == 1 &&
-         iq_aligned16(kc + long(t0) * KROW) && iq_aligned16(vc + long(t0) * KROW) &&
-         iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
-}
-
-// Tile i of the segment [t0, t1) -> stage i % IQ_STAGES: lane copies 16-byte chunks lane,
-// lane + 32, ... of the tile's K then V codes (straight-line), lanes 0-3 the norms; bytes past
-// the segment's end are not read (zero-filled), so the last row of a buffer is safe.
-template <int D>
-__device__ __forceinline__ void iq_tc_issue(uint8_t* stage, int i, int t0, int t1,
-                                            const uint8_t* kc, const __half* kn,
-                                            const uint8_t* vc, const __half* vn, int lane) {
-  constexpr int KROW = IqStage<D>::KROW;
-  constexpr int TK = IqStage<D>::TK;
-  constexpr int SB = IqStage<D>::BYTES;
-  uint8_t* st = stage + (i % IQ_STAGES) * SB;
-  const int tok0 = t0 + 16 * i;
-  const long base = long(tok0) * KROW;
-  const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
-#pragma unroll
-  for (int r = 0; r < (2 * KROW + 31) / 32; ++r) {
-    const int c = lane + 32 * r;  // chunk: K codes [0, KROW), V codes [KROW, 2 KROW)
-    if ((2 * KROW) % 32 == 0 || c < 2 * KROW) {
-      const bool isv = c >= KROW;
-      const int cc = isv ? c - KROW : c;
-      const long left = kend - base - 16 * cc;
-      const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-      const uint8_t* src = (isv ? vc : kc) + base + 16 * cc;
-      iq_cp_async16(st + (isv ? TK : 0) + 16 * cc, bytes > 0 ? src : kc, bytes);
-    }
-  }
-  if (lane < 4) {  // 0, 1: K norms; 2, 3: V norms (8 tokens a chunk)
-    const long tok = tok0 + 8 * (lane & 1);
-    const long left = 2 * (long(t1) - tok);
-    const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-    const __half* src = ((lane < 2) ? kn : vn) + tok;
-    iq_cp_async16(st + 2 * TK + 16 * lane, bytes > 0 ? static_cast<const void*>(src)
-                                                     : static_cast<const void*>(kc), bytes);
-  }
-}
-
-// The first IQ_STAGES - 1 tiles of a streaming segment, one cp.async group each (empty groups
-// past the end): issued before the query's set-up so their latency hides behind it.
-template <int D>
-__device__ __forceinline__ void iq_tc_prefetch(uint8_t* stage, int t0, int t1, const uint8_t* kc,
-                                               const __half* kn, const uint8_t* vc,
-                                               const __half* vn, int lane) {
-  const int ntiles = (t1 - t0 + 15) / 16;
-#pragma unroll
-  for (int i = 0; i < IQ_STAGES - 1; ++i) {
-    if (i < ntiles) iq_tc_issue<D>(stage, i, t0, t1, kc, kn, vc, vn, lane);
-    iq_cp_commit();
-  }
-}
-
 // One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
 // zero); then the threadgroup's warps (all of them call this) merge and write one partial.
 // stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory. Contiguous, aligned rows
 // stream through it with cp.async; other layouts (views with odd strides) are read directly.
-// prefetched: iq_tc_prefetch has issued the first tiles already (streaming segments only).
 template <int D, bool QLO, bool PLO, bool QS>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
     int t1, int lane, float kinv, float vinv, uint8_t* stage, float* red, float* po, float* pm,
-    float* pl, long prow, int r0, int R, bool prefetched) {
+    float* pl, long prow, int r0, int R) {
   constexpr int KT = D / 16;  // k-steps of QK
   constexpr int MT = D / 16;  // m-tiles of PV (16 coordinates each)
   constexpr int NKS = D / 32;  // nibble words of the lane's K codes
@@ -364,7 +302,9 @@ __device__ __forceinline__ void iq_tc_warp(
     }
   };
 
-  const bool stream = iq_tc_streams<D>(stage, kc, ks, kn, kns, vc, vs, vn, vns, t0);
+  const bool stream = stage != nullptr && ks == KROW && vs == KROW && kns == 1 && vns == 1 &&
+                      iq_aligned16(kc + long(t0) * KROW) && iq_aligned16(vc + long(t0) * KROW) &&
+                      iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
   if (!stream) {
     for (int tile = t0; tile < t1; tile += 16) {
       step(IqBool<false>(), kc + tile * ks, ks, kn + tile * kns, kns, vc + tile * vs, vs,
@@ -372,9 +312,42 @@ __device__ __forceinline__ void iq_tc_warp(
     }
   } else {
     const int ntiles = (t1 - t0 + 15) / 16;
-    if (!prefetched) iq_tc_prefetch<D>(stage, t0, t1, kc, kn, vc, vn, lane);
+    const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
+    // tile i -> stage i % IQ_STAGES: lane copies 16-byte chunks lane, lane + 32, ... of the
+    // tile's K then V codes (straight-line), lanes 0-3 the norms; bytes past the segment's end
+    // are not read (zero-filled), so the last row of a buffer is safe
+    auto issue = [&](int i) {
+      uint8_t* st = stage + (i % IQ_STAGES) * SB;
+      const int tok0 = t0 + 16 * i;
+      const long base = long(tok0) * KROW;
+#pragma unroll
+      for (int r = 0; r < (2 * KROW + 31) / 32; ++r) {
+        const int c = lane + 32 * r;  // chunk: K codes [0, KROW), V codes [KROW, 2 KROW)
+        if ((2 * KROW) % 32 == 0 || c < 2 * KROW) {
+          const bool isv = c >= KROW;
+          const int cc = isv ? c - KROW : c;
+          const long left = kend - base - 16 * cc;
+          const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
+          const uint8_t* src = (isv ? vc : kc) + base + 16 * cc;
+          iq_cp_async16(st + (isv ? TK : 0) + 16 * cc, bytes > 0 ? src : kc, bytes);
+        }
+      }
+      if (lane < 4) {  // 0, 1: K norms; 2, 3: V norms (8 tokens a chunk)
+        const long tok = tok0 + 8 * (lane & 1);
+        const long left = 2 * (long(t1) - tok);
+        const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
+        const __half* src = ((lane < 2) ? kn : vn) + tok;
+        iq_cp_async16(st + 2 * TK + 16 * lane, bytes > 0 ? static_cast<const void*>(src)
+                                                         : static_cast<const void*>(kc), bytes);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < IQ_STAGES - 1; ++i) {
+      if (i < ntiles) issue(i);
+      iq_cp_commit();
+    }
     for (int i = 0; i < ntiles; ++i) {
-      if (i + IQ_STAGES - 1 < ntiles) iq_tc_issue<D>(stage, i + IQ_STAGES - 1, t0, t1, kc, kn, vc, vn, lane);
+      if (i + IQ_STAGES - 1 < ntiles) issue(i + IQ_STAGES - 1);
       iq_cp_commit();
       iq_cp_wait_all_but<IQ_STAGES - 1>();
       __syncwarp();
@@ -564,27 +537,6 @@ __device__ __forceinline__ void iq_tc_fold(
   const int h = bh % Hkv;
   const bool is_fp = iq_bx >= NCB;
   const int r0 = iq_by * RB;
-  const int warp = iq_tid / 32;
-  const int lane = iq_tid % 32;
-  // This warp's compressed segment; where it streams (and the rotation needs no scratch, i.e.
-  // KIND != 2: iq_buf is free until then), its first tiles are in flight during the set-up.
-  const uint8_t* kc = k_codes + b * k_codes_strides[0] + h * k_codes_strides[1];
-  const uint8_t* vc = v_codes + b * v_codes_strides[0] + h * v_codes_strides[1];
-  const __half* kn = k_norms + b * k_norms_strides[0] + h * k_norms_strides[1];
-  const __half* vn = v_norms + b * v_norms_strides[0] + h * v_norms_strides[1];
-  int t0 = 0, t1 = 0;
-  bool prefetched = false;
-  uint8_t* stage = iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES;
-  if (!is_fp) {
-    const int SL = iparams[IQ_P_SL];
-    const int len = min(iparams[IQ_P_TC], int(lens[b]));
-    t0 = (iq_bx * IQ_NW + warp) * SL;
-    t1 = min(t0 + SL, len);
-    prefetched = KIND != 2 &&
-                 iq_tc_streams<D>(stage, kc, long(k_codes_strides[2]), kn, long(k_norms_strides[2]),
-                                  vc, long(v_codes_strides[2]), vn, long(v_norms_strides[2]), t0);
-    if (prefetched) iq_tc_prefetch<D>(stage, t0, t1, kc, kn, vc, vn, lane);
-  }
   const long qst[4] = {long(q_strides[0]), long(q_strides[1]), long(q_strides[2]), long(q_strides[3])};
   iq_load_q_rows<D, RB, IQ_NT>(iq_qs, q, qst, b, h, r0, R, G, L, iq_tid);
   // KIND 0/1: head h's SO(4) blocks ([D/4][4][4]) staged in shared memory alongside the query
@@ -611,6 +563,8 @@ __device__ __forceinline__ void iq_tc_fold(
     iq_qs[i] *= qscale;
   }
   __syncthreads();
+  const int warp = iq_tid / 32;
+  const int lane = iq_tid % 32;
   if (QS && !is_fp) {
     for (int i = iq_tid; i < (D / 16) * 32; i += IQ_NT) {
       iq_qf[i] = iq_tc_qfrag<D, QLO>(iq_qs, i / 32, (i % 32) >> 2, i & 3);
@@ -618,11 +572,19 @@ __device__ __forceinline__ void iq_tc_fold(
     __syncthreads();
   }
   if (!is_fp) {
+    const int sp = iq_bx * IQ_NW + warp;
+    const int SL = iparams[IQ_P_SL];
+    const int len = min(iparams[IQ_P_TC], int(lens[b]));
+    const int t0 = sp * SL;
+    const int t1 = min(t0 + SL, len);
     iq_tc_warp<D, QLO, PLO, QS>(
-        iq_qs, iq_qf, iq_lk, iq_lv, kc, long(k_codes_strides[2]), kn, long(k_norms_strides[2]),
-        vc, long(v_codes_strides[2]), vn, long(v_norms_strides[2]), t0, t1, lane, fparams[3],
-        fparams[4], stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
-        (long(bh) * nsp + iq_bx) * R, r0, R, prefetched);
+        iq_qs, iq_qf, iq_lk, iq_lv, k_codes + b * k_codes_strides[0] + h * k_codes_strides[1],
+        long(k_codes_strides[2]), k_norms + b * k_norms_strides[0] + h * k_norms_strides[1],
+        long(k_norms_strides[2]), v_codes + b * v_codes_strides[0] + h * v_codes_strides[1],
+        long(v_codes_strides[2]), v_norms + b * v_norms_strides[0] + h * v_norms_strides[1],
+        long(v_norms_strides[2]), t0, t1, lane, fparams[3], fparams[4],
+        iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES, reinterpret_cast<float*>(iq_buf), part_o,
+        part_m, part_l, (long(bh) * nsp + iq_bx) * R, r0, R);
   } else {
     float m[RB];
     float l[RB];
