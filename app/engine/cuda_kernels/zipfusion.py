@@ -723,9 +723,9 @@ RING_SOURCE = (
 )
 
 # Merge the partials of one (sequence, query head) with the token of this step. Template D, G,
-# RW (warps). Each warp merges every RW-th partial with an online softmax (lane: D/32
-# consecutive coordinates, vector loads, several partials' loads in flight), the warps' states
-# meet in shared memory and warp 0 adds the new token. params: n_parts (= n_splits * NW).
+# RW (warps). Each warp merges every RW-th partial (lane: D/32 consecutive coordinates, vector
+# loads, several partials' loads in flight), the warps' states meet in shared memory and warp 0
+# adds the new token. params: n_parts (= n_splits * NW).
 REDUCE_SOURCE = r"""
   constexpr int VPL = D / 32;
   const int lane = threadIdx.x & 31;
@@ -743,22 +743,25 @@ REDUCE_SOURCE = r"""
   __shared__ __align__(16) float red_o[RW][D];
 
   const size_t base = ((size_t)b * n_kv + h) * n_parts;
+  // Two passes without branches, so each pass's loads are independent and in flight together
+  // (a skip of empty partials between the loads made every partial two dependent round trips):
+  // this warp's maximum, then its partials weighted against it (an empty partial, m = -inf
+  // with o = 0 and l = 0, weighs 0).
   float m = NEG_INF, l = 0.f, acc[VPL];
+#pragma unroll 4
+  for (int i = w; i < n_parts; i += RW) m = fmaxf(m, ml_part[((base + i) * G + r) * 2]);
+  const float mb = m == NEG_INF ? 0.f : m;
 #pragma unroll
   for (int j = 0; j < VPL; ++j) acc[j] = 0.f;
 #pragma unroll 4
   for (int i = w; i < n_parts; i += RW) {
     const size_t pi = (base + i) * G + r;
-    const float mi = ml_part[pi * 2], li = ml_part[pi * 2 + 1];
     float oi[VPL];
     zf_load_f<VPL>(o_part + pi * D + lane * VPL, oi);
-    if (mi == NEG_INF) continue;  // a split that held no tokens
-    const float mn = fmaxf(m, mi);
-    const float a = exp2f(m - mn), c = exp2f(mi - mn);
-    l = l * a + li * c;
+    const float c = exp2f(ml_part[pi * 2] - mb);
+    l += c * ml_part[pi * 2 + 1];
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) acc[j] = acc[j] * a + oi[j] * c;
-    m = mn;
+    for (int j = 0; j < VPL; ++j) acc[j] += c * oi[j];
   }
   if (RW > 1) {
     if (lane == 0) { red_m[w] = m; red_l[w] = l; }
