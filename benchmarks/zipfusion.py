@@ -546,7 +546,7 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
             break
         ins = inputs(b)
         # the library's own settings for this batch (what the engine launches)
-        cfg = ("ring", zk.ring_warps(b * n_kv), zk.RING_KB, 1.0)
+        cfg = ("ring", zk.RING_NUM_WARPS, zk.RING_KB, 1.0)
         row = {"shape": name, "batch": b, "context": ctx, "config": list(cfg)}
         row["compressed_us"] = time_cfg(zst, b, cfg, ins)
         row["raw_pages_same_config_us"] = time_cfg(rst, b, cfg, ins)

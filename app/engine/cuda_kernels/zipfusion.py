@@ -866,16 +866,10 @@ NUM_WARPS = 4  # warps per CTA of the attention kernel; each keeps its own softm
 PIPE_STAGES = 3  # pages in flight per warp in the "pipe" variant (STAGES - 1 copies + 1 in use)
 PIPE_HEAD_DIMS = (64, 128, 256)
 RING_KB = 16  # ring bytes per warp in the "ring" variant (KiB; at least one raw page)
-RING_NUM_WARPS = 4
-
-
-def ring_warps(rows: int) -> int:
-    """Warps per CTA of the ring kernel for `rows` (sequence, KV head) rows. By GPU time on the
-    H200 (benchmarks/zipfusion.py sweep, 8K context, 16 KiB rings): 4 warps at 64 rows (B8:
-    75.4 vs 77.0 µs with 2), 2 warps at 512 rows (B64: 430 vs 532 µs with 4: twice the CTAs
-    resident per multiprocessor)."""
-    return 4 if rows <= 64 else 2
-
+# Warps per CTA of the ring kernel. On GPU time (benchmarks/zipfusion.py sweeps, H200, 8K
+# context, three runs): 2 warps at every batch -- B64 430-440 µs vs 527-532 with 4 (twice the
+# CTAs resident per multiprocessor), B8 77.0 / 78.9 vs 75.4 / 78.6 / 84.0 with 4 (a wash).
+RING_NUM_WARPS = 2
 RING_MAX_G = 8  # the ring variant puts the query heads of a group in the 8 columns of the mma
 # Which attention variant runs by default ("ring", "pipe" or "simple"); the benchmark times all.
 DEFAULT_VARIANT = os.environ.get("ROTARYQUANT_ZIPFUSION_VARIANT", "ring")
@@ -1185,7 +1179,7 @@ def paged_decode_attention(
     if variant == "ring" and g > RING_MAX_G:
         variant = "pipe"  # more than 8 query heads per KV head: Q-as-rows layout
     if variant == "ring":
-        nw = num_warps or ring_warps(b * n_kv)
+        nw = num_warps or RING_NUM_WARPS
         rk = ring_kb or RING_KB
         s = n_splits or ring_splits(b, n_kv, maxp, d, nw, rk)
     else:

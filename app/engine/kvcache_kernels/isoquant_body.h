@@ -98,8 +98,8 @@ IQ_FN void iq_load_q_rows(
 
 // Normalized Walsh–Hadamard transform (Sylvester order, = mx.hadamard_transform(x, 1/sqrt(D)))
 // of RB rows of D in place. All threads call it; it ends with a barrier.
-// Stage s pairs coordinates 2^s apart; shifts and masks by s (a runtime divide per element
-// was ~30 instructions: most of the set-up's arithmetic).
+// Stage s pairs coordinates 2^s apart, indexed by shifts and masks (the loop is not unrolled:
+// a divide and a modulo by 2^s per element compiled to runtime integer division).
 template <int D, int RB, int NTH>
 IQ_FN void iq_wht_rows(IQ_TG float* x, int tid) {
   for (int s = 0; (1 << s) < D; ++s) {
