@@ -113,14 +113,18 @@ def time_gpu(fn, sets) -> float | None:
     return gpu_clock.gpu_us(call, [s[0] for s in sets], n=max(24, len(sets)))
 
 
+def time_both(fn, sets) -> dict:
+    """record()'s timings of fn(q, k, v): host-inclusive queued `us` and GPU-clock `gpu_us`."""
+    return dict(us=time_mlx(fn, sets), gpu_us=time_gpu(fn, sets))
+
+
 def bench_shape(rows, b, t, with_torch, variants):
     scale = 1 / math.sqrt(D)
     qo = 2 * b * HQ * D * 2  # q in, out back (bf16)
     sets, per = isoquant_sets(b, t)
     for name, fn in variants.items():
-        us = time_mlx(lambda q, k, v, fn=fn: fn(q, k, v, scale), sets)
-        gus = time_gpu(lambda q, k, v, fn=fn: fn(q, k, v, scale), sets)
-        record(rows, "mlx-cuda", name, b, t, us, per + qo, gpu_us=gus)
+        f = lambda q, k, v, fn=fn: fn(q, k, v, scale)  # noqa: E731
+        record(rows, "mlx-cuda", name, b, t, nbytes=per + qo, **time_both(f, sets))
     del sets
     mx.clear_cache()
     per = b * HKV * t * D * 2 * 2
@@ -137,8 +141,7 @@ def bench_shape(rows, b, t, with_torch, variants):
         def sdpa(q, k, v):
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
-        us = time_mlx(sdpa, sets)
-        record(rows, "mlx-cuda", "mx_sdpa_bf16", b, t, us, per + qo, gpu_us=time_gpu(sdpa, sets))
+        record(rows, "mlx-cuda", "mx_sdpa_bf16", b, t, nbytes=per + qo, **time_both(sdpa, sets))
     except RuntimeError as e:  # seen at B=32, T=128K (17 GB of KV): a CUDA-graph launch error
         rows.append(
             dict(backend="mlx-cuda", kernel="mx_sdpa_bf16", B=b, T=t, d=D, error=str(e)[:200])
@@ -277,8 +280,7 @@ def main() -> None:
         sets, per = isoquant_sets(b, t)
         for name, fn in variants.items():
             f = lambda q, k, v, fn=fn: fn(q, k, v, 1 / math.sqrt(D))  # noqa: E731
-            record(rows, "mlx-cuda", name, b, t, time_mlx(f, sets), per + 4 * b * HQ * D,
-                   gpu_us=time_gpu(f, sets))  # fmt: skip
+            record(rows, "mlx-cuda", name, b, t, nbytes=per + 4 * b * HQ * D, **time_both(f, sets))
         del sets
         mx.clear_cache()
         save()

@@ -24,22 +24,22 @@ import statistics
 
 import mlx.core as mx
 
-_PASS = r"""
-  const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i == 0) {
+_READ = r"""
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     stamp[0] = (uint32_t)(t & 0xffffffffull);
     stamp[1] = (uint32_t)(t >> 32);
-  }
+"""
+_PASS = (
+    r"""
+  const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i == 0) {"""
+    + _READ
+    + r"""  }
   if (i < N) y[i] = x[i];
 """
-_END = r"""
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  stamp[0] = (uint32_t)(t & 0xffffffffull);
-  stamp[1] = (uint32_t)(t >> 32);
-"""
+)
+_END = "  {" + _READ + "  }\n"
 _KERNELS: dict = {}
 
 

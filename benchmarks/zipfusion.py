@@ -450,12 +450,17 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
         qs = [bf16((b, n_q, d)) for _ in range(16)]  # 16 independent calls per timed graph
         return qs, bf16((b, n_kv, d)), bf16((b, n_kv, d))
 
-    def time_cfg(st, b, cfg, ins):
+    def on_store(st, b, timer):
+        """timer() with the store's `b` sequences begun for a decode step, then reset."""
         st.begin(list(range(b)))
+        try:
+            return timer()
+        finally:
+            st.staged = [None]
+
+    def time_cfg(st, b, cfg, ins):
         a = (zk, st, ins[0], ins[1], ins[2], d, cfg)
-        t = time_mlx(lambda a=a: _paged_calls(*a))
-        st.staged = [None]
-        return round(t * 1e6, 1)
+        return round(on_store(st, b, lambda: time_mlx(lambda: _paged_calls(*a))) * 1e6, 1)
 
     def gpu_cfg(st, b, cfg, ins):
         """GPU-clock µs per call (benchmarks/gpu_clock.py), or None off CUDA."""
@@ -463,13 +468,11 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
 
         if not gpu_clock.available():
             return None
-        st.begin(list(range(b)))
 
-        t = gpu_clock.gpu_us(
-            lambda i, q: _paged_calls(zk, st, [q], ins[1], ins[2], d, cfg)[0], ins[0]
-        )
-        st.staged = [None]
-        return round(t, 1)
+        def call(i, q):
+            return _paged_calls(zk, st, [q], ins[1], ins[2], d, cfg)[0]
+
+        return round(on_store(st, b, lambda: gpu_clock.gpu_us(call, ins[0])), 1)
 
     def check_cfg(b, cfg, ins):
         """Compressed == raw pages bit for bit, and close to the reference, for this setting."""

@@ -1,8 +1,8 @@
 """Run a few ZipFusion decode-attention calls for Nsight Compute (kernel-level profile):
 
-    ncu --cache-control none --clock-control none -k regex:zipfusion_ --launch-skip 4 \
-        --launch-count 4 --section SpeedOfLight --section WarpStateStats \
-        python benchmarks/zipfusion_ncu.py 8 64
+    ncu --cache-control none --clock-control none -k regex:"zipfusion_(attn|reduce)" \
+        --launch-skip 2 --launch-count 14 --section SpeedOfLight --section WarpStateStats \
+        --section Occupancy --section LaunchStats python benchmarks/zipfusion_ncu.py 8
 
 Arguments: batch sizes (Llama-3.1-8B attention: 32 q / 8 KV heads, d 128, 8K context, random
 bf16 KV with the random-weight model's scale, compressed pages); each batch runs 4 calls of

@@ -160,8 +160,7 @@ TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
 # 48.3 µs at 3072: longer splits, less per-threadgroup set-up; B8 T32K 167.7 vs 172.5), with
 # more rows 3072 (B32 T32K 603 vs 800 µs at 1536: too few threadgroups). A set value
 # (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
-_SPLIT_WARPS_ENV = os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS")
-SPLIT_WARPS: int | None = int(_SPLIT_WARPS_ENV) if _SPLIT_WARPS_ENV else None
+SPLIT_WARPS: int | None = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS") or 0) or None
 
 
 def split_warps(rows: int) -> int:
