@@ -267,7 +267,7 @@ def main() -> None:
     sweep = (
         []
         if args.quick or args.no_sweep
-        else [(1, 2048), (1, 32768), (8, 8192), (8, 32768), (32, 32768)]
+        else [(1, 2048), (1, 32768), (8, 8192), (8, 32768), (8, 131072), (32, 8192), (32, 32768)]
     )
     for b, t in sweep:
         variants = {}
@@ -275,7 +275,8 @@ def main() -> None:
             variants["isoquant_fused_scalar"] = with_opts(False, variant="scalar")
             variants["isoquant_unfused"] = lambda q, k, v, s: iq.unfused_attention(q, k, v, s)
         for qs in (False, True):
-            for w in (512, 1536, 3072, 6144, 12288) if qs else (3072,):
+            # around one full wave (132 SMs x 4 threadgroups x 4 warps = 2112) and beyond
+            for w in (1024, 1536, 2112, 2640, 3072, 4224, 6144) if qs else (3072,):
                 variants[f"isoquant_fused_qs{int(qs)}_warps{w}"] = with_opts(qs, w)
         sets, per = isoquant_sets(b, t)
         for name, fn in variants.items():

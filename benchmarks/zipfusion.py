@@ -474,6 +474,36 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
 
         return round(on_store(st, b, lambda: gpu_clock.gpu_us(call, ins[0])), 1)
 
+    def reduce_gpu(st, b, cfg, ins):
+        """GPU-clock µs of the reduce kernel alone (the attention kernel's partials computed
+        and evaluated first), or None off CUDA."""
+        import gpu_clock
+
+        if not gpu_clock.available():
+            return None
+
+        def timer():
+            kw = dict(zip(("variant", "num_warps", "ring_kb"), cfg[:3], strict=True))
+            kw["n_splits"] = zk.launch_splits(
+                cfg[0], b, n_kv, st.page_table.shape[1], d, cfg[1], cfg[2], cfg[3]
+            )
+            parts = [
+                zk.paged_decode_attention(
+                    q, st.pool, st.meta, st.page_table, st.seq_len, ins[1], ins[2], layer=0,
+                    n_ids=st.n_ids, scale=d**-0.5, use_kernel=True, partials_only=True, **kw,
+                )
+                for q in ins[0]
+            ]  # fmt: skip
+            mx.eval(parts)
+
+            def call(i, q):
+                o, ml = parts[i % len(parts)]
+                return zk.reduce_partials(o, ml, q, ins[1], ins[2], scale=d**-0.5)
+
+            return gpu_clock.gpu_us(call, ins[0])
+
+        return round(on_store(st, b, timer), 1)
+
     def check_cfg(b, cfg, ins):
         """Compressed == raw pages bit for bit, and close to the reference, for this setting."""
         outs = []
@@ -566,6 +596,14 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
         row["raw_pages_us"] = min(row["raw_pages_us"], row["raw_pages_same_config_us"])
         row["compressed_gpu_us"] = gpu_cfg(zst, b, cfg, ins)
         row["raw_pages_gpu_us"] = gpu_cfg(rst, b, cfg, ins)
+        row["reduce_gpu_us"] = reduce_gpu(zst, b, cfg, ins)  # inside both figures above
+        # side by side: the parameter arrays built per call (the previous library) vs cached
+        zk.CACHE_PARAMS = False
+        try:
+            row["compressed_fresh_params_gpu_us"] = gpu_cfg(zst, b, cfg, ins)
+            row["reduce_fresh_params_gpu_us"] = reduce_gpu(zst, b, cfg, ins)
+        finally:
+            zk.CACHE_PARAMS = True
         if tuple(best_zip) != cfg:  # the sweep's best setting over all batches, for reference
             row["sweep_best_config"] = list(best_zip)
             row["sweep_best_compressed_gpu_us"] = gpu_cfg(zst, b, best_zip, ins)
@@ -611,7 +649,10 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
             f"x{row['speedup_vs_raw']:.2f} vs raw (bytes x{row['byte_ratio']:.2f})  "
             f"{row['compressed_gbps']:.0f} / {row['raw_pages_gbps']:.0f} GB/s\n"
             f"         GPU clock: zip {zg or float('nan'):7.1f}  raw {rg or float('nan'):7.1f}  "
-            f"mx {mg or float('nan'):7.1f} us  x{row.get('speedup_vs_raw_gpu') or float('nan'):.2f} "
+            f"mx {mg or float('nan'):7.1f} us (reduce alone {row['reduce_gpu_us'] or float('nan'):.1f}; "
+            f"params per call: zip {row['compressed_fresh_params_gpu_us'] or float('nan'):.1f} "
+            f"reduce {row['reduce_fresh_params_gpu_us'] or float('nan'):.1f})  "
+            f"x{row.get('speedup_vs_raw_gpu') or float('nan'):.2f} "
             f"vs raw  x{row.get('speedup_vs_torch_gpu') or float('nan'):.2f} vs torch"
         )
     out["kernel_sweep"] = sweep

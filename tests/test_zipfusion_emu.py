@@ -318,7 +318,8 @@ def test_emulated_attention_is_lossless_and_matches_reference(emulated, d, n_q, 
         assert bool(mx.all(res["zip", "simple", splits] == res["raw", "simple", splits]))
         assert bool(mx.all(res["zip", "ring", splits] == res["raw", "ring", splits]))
         err = float(
-            mx.linalg.norm(res["zip", "ring", splits].astype(mx.float32) - ref) / mx.linalg.norm(ref)
+            mx.linalg.norm(res["zip", "ring", splits].astype(mx.float32) - ref)
+            / mx.linalg.norm(ref)
         )
         assert err < 1e-2, err
         err = float(mx.linalg.norm(z.astype(mx.float32) - ref) / mx.linalg.norm(ref))
@@ -404,6 +405,8 @@ def _mixed_stores(lengths, n_kv, d, rng):
         (128, 8, 1, 2, 8, [300, 21]),  # ring of one raw page: one page in flight at a time
         (128, 8, 1, 2, 16, [300, 21]),  # 2-3 pages queued, positions skip the ring's end
         (64, 3, 1, 1, 12, [200, 16]),  # head dim 64, G = 3, up to 4 pages queued
+        (128, 8, 1, 3, 16, [300, 21]),  # 3 warps per CTA: pages dealt round-robin by 3
+        (64, 3, 1, 3, 12, [33, 2, 200]),  # 3 warps, sequences shorter than the warps' share
     ],
 )
 def test_emulated_ring_variant_byte_packed_ring(emulated, d, n_q, n_kv, nw, ring_kb, lengths):
@@ -438,6 +441,27 @@ def test_emulated_ring_variant_byte_packed_ring(emulated, d, n_q, n_kv, nw, ring
         err = float(mx.linalg.norm(outs[0].astype(mx.float32) - ref) / mx.linalg.norm(ref))
         assert err < 1e-2, err
     EMU_MODE["eager"] = False
+
+
+def test_emulated_partials_then_reduce_equals_one_call(emulated):
+    """partials_only + reduce_partials (how the benchmark times the reduce alone) give the
+    same bits as one paged_decode_attention call, and that call matches the reference."""
+    rng = np.random.default_rng(5)
+    zst, _ = _stores([40, 17], 2, 64, rng)
+    q = _bf16(rng, (2, 6, 64))
+    kn, vn = _bf16(rng, (2, 2, 64)), _bf16(rng, (2, 2, 64))
+    zst.begin([0, 1])
+    args = (q, zst.pool, zst.meta, zst.page_table, zst.seq_len, kn, vn)
+    kw = dict(layer=0, n_ids=zst.n_ids, scale=0.125, n_splits=2, use_kernel=True, variant="ring")
+    whole = zk.paged_decode_attention(*args, **kw)
+    o, ml = zk.paged_decode_attention(*args, **kw, partials_only=True)
+    assert o.shape[2] == 2 * zk.RING_NUM_WARPS and ml.shape[-1] == 2
+    assert bool(mx.all(zk.reduce_partials(o, ml, q, kn, vn, scale=0.125) == whole))
+    ref = zk.paged_attention_reference(*args, 0, zst.n_ids, 0.125).astype(mx.float32)
+    err = float(mx.linalg.norm(whole.astype(mx.float32) - ref) / mx.linalg.norm(ref))
+    assert err < 1e-2, err
+    with pytest.raises(ValueError, match="partials_only"):
+        zk.paged_decode_attention(*args, **{**kw, "use_kernel": False}, partials_only=True)
 
 
 def test_ring_launch_settings():

@@ -232,3 +232,19 @@ def test_ring_kernel_launch_settings_compressed_equals_raw(num_warps, ring_kb):
     assert bool(mx.all(outs[0] == outs[1]))
     err = float(mx.linalg.norm(outs[0].astype(mx.float32) - ref) / mx.linalg.norm(ref))
     assert err < 1e-2, err
+
+
+def test_parameter_arrays_are_made_once_per_value(monkeypatch):
+    """The kernels' small parameter arrays: one array per distinct value (ints and floats
+    apart), 8 entries long, the values first; built per call when CACHE_PARAMS is off."""
+    monkeypatch.setattr(zk, "CACHE_PARAMS", True)
+    a = zk._params((1, 2, 3, 40000))
+    assert zk._params([1, 2, 3, 40000]) is a
+    assert a.shape == (8,) and a.dtype == mx.int32 and a.tolist() == [1, 2, 3, 40000, 0, 0, 0, 0]
+    f = zk._params((0.125,), floats=True)
+    assert f.dtype == mx.float32 and f.tolist()[0] == 0.125
+    assert zk._params((0.125,), floats=True) is f and zk._params((0.126,), floats=True) is not f
+    assert zk._params((1,)) is not zk._params((1,), floats=True)
+    monkeypatch.setattr(zk, "CACHE_PARAMS", False)
+    c = zk._params((1, 2, 3, 40000))
+    assert c is not a and c.tolist() == [1, 2, 3, 40000]

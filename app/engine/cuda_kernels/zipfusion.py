@@ -24,6 +24,7 @@ so a compressed page puts only its real bytes in the ring and more pages are in 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -867,9 +868,12 @@ PIPE_STAGES = 3  # pages in flight per warp in the "pipe" variant (STAGES - 1 co
 PIPE_HEAD_DIMS = (64, 128, 256)
 RING_KB = 16  # ring bytes per warp in the "ring" variant (KiB; at least one raw page)
 # Warps per CTA of the ring kernel. On GPU time (benchmarks/zipfusion.py sweeps, H200, 8K
-# context, three runs): 2 warps at every batch -- B64 430-440 µs vs 527-532 with 4 (twice the
-# CTAs resident per multiprocessor), B8 77.0 / 78.9 vs 75.4 / 78.6 / 84.0 with 4 (a wash).
-RING_NUM_WARPS = 2
+# context): 2 warps beat 4 at every batch (B64 430-440 µs vs 527-532, three runs). 3 warps were
+# faster at B64 (387 vs 409 µs: one 4-CTA wave of 512 CTAs instead of 0.65 of a 6-CTA wave) and
+# equal at B8, but the only GPU test run with 3 warps had NaN outputs from the ring kernel at
+# 3 of 4 test shapes (in a run whose process also ran a broken experiment, so the cause is
+# not isolated): 2 stays the default until 3 passes the tests (results/zipfusion.json).
+RING_NUM_WARPS = int(os.environ.get("ROTARYQUANT_ZIPFUSION_RING_WARPS", "2"))
 RING_MAX_G = 8  # the ring variant puts the query heads of a group in the 8 columns of the mma
 # Which attention variant runs by default ("ring", "pipe" or "simple"); the benchmark times all.
 DEFAULT_VARIANT = os.environ.get("ROTARYQUANT_ZIPFUSION_VARIANT", "ring")
@@ -1097,6 +1101,32 @@ def compress_blocks(blocks: mx.array, use_kernel: bool | None = None) -> tuple[m
     return flags, payload
 
 
+# The kernels' small parameter arrays are made once per distinct value and reused, 8 entries
+# (32 bytes) each. MLX gives an array made from host data unified memory (8 bytes or less: a pool
+# shared by every such scalar, which the GPU reads remotely; more: managed pages the CPU writes
+# and the GPU then reads), and each kernel here reads its parameters before anything else.
+# Measured on the H200 (benchmarks/zipfusion.py, GPU clock, two runs): building them per call
+# cost the reduce 8.6-14.9 µs instead of 4.4-5.8 and a whole B8 call 74-75 µs instead of 64-66.
+# A lone kernel reading one fresh array pays far less (results/host_arrays.json: +0.5 µs for
+# 4 bytes, +0.06 µs for 32), so the cost comes from the calls' traffic on those pages (CPU
+# writes while GPU reads), not the read itself; not isolated further.
+# ROTARYQUANT_ZIPFUSION_FRESH_PARAMS=1 builds them per call (the benchmark's side by side).
+CACHE_PARAMS = os.environ.get("ROTARYQUANT_ZIPFUSION_FRESH_PARAMS", "0") != "1"
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_params(values: tuple, floats: bool) -> mx.array:
+    return mx.array(list(values) + [0] * (8 - len(values)), mx.float32 if floats else mx.int32)
+
+
+def _params(values, floats: bool = False) -> mx.array:
+    """Parameter array holding `values` (at most 8): cached unless CACHE_PARAMS is off."""
+    values = tuple(float(v) if floats else int(v) for v in values)
+    if CACHE_PARAMS:
+        return _cached_params(values, floats)
+    return mx.array(list(values), mx.float32 if floats else mx.int32)
+
+
 CTA_TARGET = 4 * 132  # CTAs per launch: 4 per H100/H200 multiprocessor (the sweep may retune)
 
 
@@ -1157,11 +1187,14 @@ def paged_decode_attention(
     num_warps: int | None = None,
     stages: int | None = None,
     ring_kb: int | None = None,
+    partials_only: bool = False,
 ) -> mx.array:
     """Attention of one new token per sequence over its pages (compressed or raw) and itself.
 
     q: [B, Hq, D] bf16; pool: [rows, 128] uint16; meta: [L*n_ids, Hkv*2*MW] uint32;
-    page_table: [B, maxp] int32; seq_len: [B] int32; k_new, v_new: [B, Hkv, D] bf16 -> [B, Hq, D]."""
+    page_table: [B, maxp] int32; seq_len: [B] int32; k_new, v_new: [B, Hkv, D] bf16 -> [B, Hq, D].
+    partials_only (kernels only): return the attention kernel's (o_part, ml_part) without the
+    reduce (reduce_partials finishes them; the benchmark times the two apart)."""
     b, hq, d = q.shape
     n_kv = k_new.shape[1]
     g = hq // n_kv
@@ -1170,6 +1203,8 @@ def paged_decode_attention(
             f"ZipFusion attention needs 1..16 query heads per KV head, got {hq}/{n_kv}"
         )
     if not _use_kernel(use_kernel):
+        if partials_only:
+            raise ValueError("partials_only needs the CUDA kernels")
         return paged_attention_reference(
             q, pool, meta, page_table, seq_len, k_new, v_new, layer, n_ids, scale
         )
@@ -1186,8 +1221,8 @@ def paged_decode_attention(
         nw = num_warps or NUM_WARPS
         st = stages or PIPE_STAGES
         s = n_splits or default_splits(b, n_kv, maxp, nw)
-    params = mx.array([layer, n_ids, maxp, s], dtype=mx.int32)
-    sl2 = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
+    params = _params((layer, n_ids, maxp, s))
+    sl2 = _params((scale * math.log2(math.e),), floats=True)
     if variant == "ring":
         kernel = _ring_kernel(d, nw, rk)
         template = [
@@ -1210,8 +1245,27 @@ def paged_decode_attention(
         output_shapes=[(b, n_kv, s * nw, g, d), (b, n_kv, s * nw, g, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
+    if partials_only:
+        return o_part, ml_part
+    return reduce_partials(o_part, ml_part, q, k_new, v_new, scale=scale)
+
+
+def reduce_partials(
+    o_part: mx.array,
+    ml_part: mx.array,
+    q: mx.array,
+    k_new: mx.array,
+    v_new: mx.array,
+    *,
+    scale: float,
+) -> mx.array:
+    """The reduce kernel alone: merges the attention kernel's per-warp partials
+    (o_part [B, Hkv, P, G, D], ml_part [B, Hkv, P, G, 2]) with the new token -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    g = o_part.shape[3]
+    sl2 = _params((scale * math.log2(math.e),), floats=True)
     (out,) = _KERNELS["zipfusion_reduce"](
-        inputs=[o_part, ml_part, q, k_new, v_new, mx.array([s * nw], dtype=mx.int32), sl2],
+        inputs=[o_part, ml_part, q, k_new, v_new, _params((o_part.shape[2],)), sl2],
         template=[("D", d), ("G", g), ("RW", REDUCE_WARPS)],
         grid=(32 * REDUCE_WARPS, hq, b),
         threadgroup=(32 * REDUCE_WARPS, 1, 1),
