@@ -349,32 +349,34 @@ def build_timing_stores(kv_src, batch: int, ctx: int, n_kv: int, d: int):
     return stores
 
 
-def _paged_calls(zk, st, qs, kn, vn, d, cfg):
+def _launch_kw(zk, st, kn, d, cfg) -> dict:
+    """paged_decode_attention's keywords for a (variant, warps, depth, split scale) setting."""
     variant, nw, depth, split_scale = cfg
     splits = zk.launch_splits(
         variant, kn.shape[0], kn.shape[1], st.page_table.shape[1], d, nw, depth, split_scale
     )
+    return dict(
+        layer=0,
+        n_ids=st.n_ids,
+        scale=d**-0.5,
+        use_kernel=True,
+        variant=variant,
+        num_warps=nw,
+        stages=(depth or None) if variant == "pipe" else None,
+        ring_kb=(depth or None) if variant == "ring" else None,
+        n_splits=splits,
+    )
+
+
+def _paged_calls(zk, st, qs, kn, vn, d, cfg, partials_only=False):
+    kw = _launch_kw(zk, st, kn, d, cfg)
     return [
         zk.paged_decode_attention(
-            q,
-            st.pool,
-            st.meta,
-            st.page_table,
-            st.seq_len,
-            kn,
-            vn,
-            layer=0,
-            n_ids=st.n_ids,
-            scale=d**-0.5,
-            use_kernel=True,
-            variant=variant,
-            num_warps=nw,
-            stages=(depth or None) if variant == "pipe" else None,
-            ring_kb=(depth or None) if variant == "ring" else None,
-            n_splits=splits,
+            q, st.pool, st.meta, st.page_table, st.seq_len, kn, vn, partials_only=partials_only,
+            **kw,
         )
         for q in qs
-    ]
+    ]  # fmt: skip
 
 
 # (variant, warps per CTA, depth, split scale) tried at batch 8 and 64 before the table; depth
@@ -483,17 +485,7 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
             return None
 
         def timer():
-            kw = dict(zip(("variant", "num_warps", "ring_kb"), cfg[:3], strict=True))
-            kw["n_splits"] = zk.launch_splits(
-                cfg[0], b, n_kv, st.page_table.shape[1], d, cfg[1], cfg[2], cfg[3]
-            )
-            parts = [
-                zk.paged_decode_attention(
-                    q, st.pool, st.meta, st.page_table, st.seq_len, ins[1], ins[2], layer=0,
-                    n_ids=st.n_ids, scale=d**-0.5, use_kernel=True, partials_only=True, **kw,
-                )
-                for q in ins[0]
-            ]  # fmt: skip
+            parts = _paged_calls(zk, st, ins[0], ins[1], ins[2], d, cfg, partials_only=True)
             mx.eval(parts)
 
             def call(i, q):
@@ -598,12 +590,12 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
         row["raw_pages_gpu_us"] = gpu_cfg(rst, b, cfg, ins)
         row["reduce_gpu_us"] = reduce_gpu(zst, b, cfg, ins)  # inside both figures above
         # side by side: the parameter arrays built per call (the previous library) vs cached
-        zk.CACHE_PARAMS = False
+        cached, zk.CACHE_PARAMS = zk.CACHE_PARAMS, False
         try:
             row["compressed_fresh_params_gpu_us"] = gpu_cfg(zst, b, cfg, ins)
             row["reduce_fresh_params_gpu_us"] = reduce_gpu(zst, b, cfg, ins)
         finally:
-            zk.CACHE_PARAMS = True
+            zk.CACHE_PARAMS = cached
         if tuple(best_zip) != cfg:  # the sweep's best setting over all batches, for reference
             row["sweep_best_config"] = list(best_zip)
             row["sweep_best_compressed_gpu_us"] = gpu_cfg(zst, b, best_zip, ins)
