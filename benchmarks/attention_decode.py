@@ -197,6 +197,9 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="only the variant sweep")
     ap.add_argument("--no-sweep", action="store_true", help="only the table")
+    ap.add_argument(
+        "--shapes", nargs="*", metavar="BxT", help="table shapes (default: every B x T)"
+    )
     args = ap.parse_args()
     if not iq.kernels_available():
         sys.exit("needs MLX's CUDA or Metal backend")
@@ -204,28 +207,44 @@ def main() -> None:
     acc = check_accuracy()
 
     def with_opts(
-        qs: bool | None = None, warps: int | None = None, variant=None, split_len=None, fold=None
+        qs: bool | None = None,
+        warps: int | None = None,
+        variant=None,
+        split_len=None,
+        fold=None,
+        prefetch=None,
     ):
         def fn(q, k, v, s):
             iq.TC_QS = default_qs if qs is None else qs
             iq.TC_FOLD = default_fold if fold is None else fold
+            iq.TC_PREFETCH = default_pf if prefetch is None else prefetch
             iq.SPLIT_WARPS = warps or default_warps
             try:
                 return iq.fused_attention(q, k, v, s, variant=variant, split_len=split_len)
             finally:
                 iq.TC_QS, iq.SPLIT_WARPS, iq.TC_FOLD = default_qs, default_warps, default_fold
+                iq.TC_PREFETCH = default_pf
 
         return fn
 
     default_qs, default_warps, default_fold = iq.TC_QS, iq.SPLIT_WARPS, iq.TC_FOLD
+    default_pf = iq.TC_PREFETCH
     # the defaults, then each option flipped: Q fragments in registers instead of shared
-    # memory, and the combine folded into the split kernel instead of its own launch
+    # memory, the combine folded into the split kernel instead of its own launch, the first
+    # tiles' loads issued after the query rotation instead of before; at short contexts also
+    # splits of 32 tokens (2 tiles per warp) instead of the plan's
     fused = {
         "isoquant_fused": with_opts(),
         "isoquant_fused_qregs": with_opts(qs=not default_qs),
         "isoquant_fused_fold": with_opts(fold=not default_fold),
+        "isoquant_fused_prefetch" + ("_off" if default_pf else "_on"): with_opts(
+            prefetch=not default_pf
+        ),
     }
+    short = {"isoquant_fused_split32": with_opts(split_len=32)}
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
     shapes = [] if args.sweep_only else shapes
 
     def save():
@@ -250,6 +269,7 @@ def main() -> None:
             kernel_options=dict(
                 qsmem=iq.TC_QS,
                 fold=iq.TC_FOLD,
+                prefetch=iq.TC_PREFETCH,
                 split_warps=iq.SPLIT_WARPS,
                 precision=list(iq.TC_PRECISION),
             ),  # fmt: skip
@@ -261,7 +281,7 @@ def main() -> None:
 
     for b, t in shapes:
         print(f"B={b} T={t}", flush=True)
-        bench_shape(rows, b, t, not args.no_torch, fused)
+        bench_shape(rows, b, t, not args.no_torch, {**fused, **(short if t <= 8192 else {})})
         save()
     # variants side by side on a few shapes: which path and split plan wins where
     sweep = (

@@ -93,6 +93,13 @@ inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   return r;
 }
 
+// the CUDA prologue's PTX helpers
+inline uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
+inline float iq_ex2(float x) {
+  const float r = std::exp2(x);
+  return r < 1.17549435e-38f ? 0.0f : r;  // ftz
+}
+
 struct EmuBlock {
   std::unique_ptr<std::barrier<>> block;
   std::vector<std::unique_ptr<std::barrier<>>> warps;

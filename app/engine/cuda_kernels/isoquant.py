@@ -35,6 +35,20 @@ __device__ __forceinline__ void iq_mma(float c[4], uint32_t a0, uint32_t a1, uin
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// byte permute with PTX semantics: selector nibbles' bit 3 is the sign-replicate mode, not masked
+// off (__byte_perm masks every selector with 0x7777: one more instruction per call); callers
+// pass selectors whose nibbles are < 8
+__device__ __forceinline__ uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+}
+// 2^x without exp2f's subnormal-result path (4 more instructions): results below 2^-126 are 0
+__device__ __forceinline__ float iq_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 // 16-byte global -> shared copy that completes asynchronously; bytes < 16 zero-fill the rest
 __device__ __forceinline__ void iq_cp_async16(void* dst, const void* src, int bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));

@@ -154,6 +154,9 @@ TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # ahead at B 8-32, T 2K-8K but behind at every B = 1 shape; results/isoquant_ncu.json,
 # attention_decode.json)
 TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
+# tensor-core kernel: each warp issues its first tiles' loads before the threadgroup rotates the
+# query (their DRAM latency overlaps the rotation's barriers) instead of after
+TC_PREFETCH = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PREFETCH", "1") == "1"
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
 # row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep
 # on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
@@ -481,7 +484,7 @@ def _launch(
     warps: int,
     dtype=mx.float32,
 ):
-    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD) template switches; dtype: the
+    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF) template switches; dtype: the
     output's (the tensor-core kernel writes it when it folds the combine in)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
@@ -496,7 +499,7 @@ def _launch(
         levels = (lvk, lvv)
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
-        tmpl += [("FOLD", opts[3])]
+        tmpl += [("FOLD", opts[3]), ("PF", opts[4])]
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
@@ -568,7 +571,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         None if kf is None else kf.shape, None if vf is None else vf.shape,
         keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
         keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
-        TC_PRECISION, TC_QS, TC_FOLD, SPLIT_WARPS, BACKEND,
+        TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, SPLIT_WARPS, BACKEND,
     )  # fmt: skip
     hit = _PLANS.get(key)
     if hit is None:
@@ -576,7 +579,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = (*TC_PRECISION, TC_QS, TC_FOLD)
+        opts = (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH)
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

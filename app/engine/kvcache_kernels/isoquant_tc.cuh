@@ -46,12 +46,13 @@ __device__ __forceinline__ uint32_t iq_spread8(uint32_t x) {
   return x + (x & 0x38383838u);  // 3-bit codes -> nibbles
 }
 
-// Levels of 4 codes (selector nibbles c0..c3) as two half2 registers: (c0, c1) and (c2, c3).
+// Levels of 4 codes (selector nibbles c0..c3 in the low 16 bits, each < 8) as two half2
+// registers: (c0, c1) and (c2, c3).
 __device__ __forceinline__ void iq_lut4(uint32_t sel, const uint32_t tab[4], uint32_t& b0, uint32_t& b1) {
-  const uint32_t lo = __byte_perm(tab[0], tab[1], sel);
-  const uint32_t hi = __byte_perm(tab[2], tab[3], sel);
-  b0 = __byte_perm(lo, hi, 0x5140);
-  b1 = __byte_perm(lo, hi, 0x7362);
+  const uint32_t lo = iq_prmt(tab[0], tab[1], sel);
+  const uint32_t hi = iq_prmt(tab[2], tab[3], sel);
+  b0 = iq_prmt(lo, hi, 0x5140);
+  b1 = iq_prmt(lo, hi, 0x7362);
 }
 
 // fp16 level table as byte planes: tab[0..1] low bytes of levels 0-7, tab[2..3] high bytes.
@@ -158,16 +159,116 @@ IQ_FN bool iq_aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
+// Whether a warp's compressed tokens from t0 on stream through its cp.async stages: contiguous
+// rows and norms, 16-byte aligned at t0 (other layouts, e.g. views with odd strides, are read
+// directly by the tile loop).
+template <int D>
+__device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_t* kc, long ks,
+                                              const __half* kn, long kns, const uint8_t* vc,
+                                              long vs, const __half* vn, long vns, int t0) {
+  constexpr int KROW = IqStage<D>::KROW;
+  return stage != nullptr && ks == KROW && vs == KROW && kns == 1 && vns == 1 &&
+         iq_aligned16(kc + long(t0) * KROW) && iq_aligned16(vc + long(t0) * KROW) &&
+         iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
+}
+
+// The cp.async stream of one warp's compressed tokens [t0, t1): tile i (tokens t0 + 16i ..)
+// goes to stage i % IQ_STAGES, tiles issued in order. Lane copies 16-byte chunks lane,
+// lane + 32, ... of a tile's K then V codes, lanes 0-3 its norms. Full tiles copy from per-lane
+// source pointers set up once and advanced a tile at a time (a few instructions per chunk);
+// the last, partial tile clamps every chunk to the segment's end and zero-fills the rest, so
+// the last row of a buffer is safe.
+template <int D>
+struct IqStream {
+  static constexpr int KROW = IqStage<D>::KROW;
+  static constexpr int TK = IqStage<D>::TK;
+  static constexpr int SB = IqStage<D>::BYTES;
+  static constexpr int NCH = (2 * KROW + 31) / 32;  // chunks per lane and tile (the last: lanes < 2 KROW % 32)
+  uint8_t* stage;
+  const uint8_t* kc;
+  const uint8_t* vc;
+  const __half* kn;
+  const __half* vn;
+  int t0, t1, lane, next;
+  const uint8_t* src[NCH];  // this lane's chunk sources in tile `next`
+  int dst[NCH];             // and their offsets in a stage
+  const __half* nsrc;       // lanes 0-3: 8 norms (0, 1: K; 2, 3: V)
+
+  __device__ __forceinline__ IqStream(uint8_t* stage_, const uint8_t* kc_, const __half* kn_,
+                                      const uint8_t* vc_, const __half* vn_, int t0_, int t1_,
+                                      int lane_)
+      : stage(stage_), kc(kc_), vc(vc_), kn(kn_), vn(vn_), t0(t0_), t1(t1_), lane(lane_), next(0) {
+#pragma unroll
+    for (int r = 0; r < NCH; ++r) {
+      const int c = lane + 32 * r;  // chunk: K codes [0, KROW), V codes [KROW, 2 KROW)
+      const bool isv = c >= KROW;
+      const int cc = isv ? c - KROW : c;
+      src[r] = (isv ? vc : kc) + long(t0) * KROW + 16 * cc;
+      dst[r] = (isv ? TK : 0) + 16 * cc;
+    }
+    nsrc = ((lane < 2) ? kn : vn) + t0 + 8 * (lane & 1);
+  }
+
+  __device__ __forceinline__ void issue() {
+    uint8_t* st = stage + (next % IQ_STAGES) * SB;
+    const int tok0 = t0 + 16 * next;
+    if (t1 - tok0 >= 16) {
+#pragma unroll
+      for (int r = 0; r < NCH; ++r) {
+        if ((2 * KROW) % 32 == 0 || lane + 32 * r < 2 * KROW) iq_cp_async16(st + dst[r], src[r], 16);
+      }
+      if (lane < 4) iq_cp_async16(st + 2 * TK + 16 * lane, nsrc, 16);
+    } else {
+      const long base = long(tok0) * KROW;
+      const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
+#pragma unroll
+      for (int r = 0; r < NCH; ++r) {
+        const int c = lane + 32 * r;
+        if ((2 * KROW) % 32 == 0 || c < 2 * KROW) {
+          const int cc = c >= KROW ? c - KROW : c;
+          const long left = kend - base - 16 * cc;
+          const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
+          iq_cp_async16(st + dst[r], bytes > 0 ? src[r] : kc, bytes);
+        }
+      }
+      if (lane < 4) {
+        const long left = 2 * (long(t1) - (tok0 + 8 * (lane & 1)));
+        const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
+        iq_cp_async16(st + 2 * TK + 16 * lane, bytes > 0 ? static_cast<const void*>(nsrc)
+                                                         : static_cast<const void*>(kc), bytes);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < NCH; ++r) src[r] += TK;
+    nsrc += 16;
+    ++next;
+  }
+
+  // The first IQ_STAGES - 1 tiles, one commit group each. The kernel calls it before the query
+  // rotation (KV bytes in flight while the threadgroup rotates), or iq_tc_warp does when its
+  // caller has not.
+  __device__ __forceinline__ void prologue() {
+    const int ntiles = (t1 - t0 + 15) / 16;
+#pragma unroll
+    for (int i = 0; i < IQ_STAGES - 1; ++i) {
+      if (next < ntiles) issue();
+      iq_cp_commit();
+    }
+  }
+};
+
 // One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
 // zero); then the threadgroup's warps (all of them call this) merge and write one partial.
-// stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory. Contiguous, aligned rows
-// stream through it with cp.async; other layouts (views with odd strides) are read directly.
+// stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory; stream: its cp.async stream
+// into them, used when `streams` (contiguous, aligned rows: iq_tc_streams), else the rows are
+// read directly; prefetched: the stream's prologue was issued by the caller. (A reference, not
+// a pointer that may be null: the struct then stays in registers, not local memory.)
 template <int D, bool QLO, bool PLO, bool QS>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
     int t1, int lane, float kinv, float vinv, uint8_t* stage, float* red, float* po, float* pm,
-    float* pl, long prow, int r0, int R) {
+    float* pl, long prow, int r0, int R, IqStream<D>& stream, bool streams, bool prefetched) {
   constexpr int KT = D / 16;  // k-steps of QK
   constexpr int MT = D / 16;  // m-tiles of PV (16 coordinates each)
   constexpr int NKS = D / 32;  // nibble words of the lane's K codes
@@ -255,13 +356,13 @@ __device__ __forceinline__ void iq_tc_warp(
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float n = fmaxf(m, mx);
     const float base = n == NEG_INF ? 0.0f : n;
-    const float a = exp2f(m - base);
+    const float a = iq_ex2(m - base);
     m = n;
     float p[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      p[nt][0] = exp2f(s[nt][0] - base);
-      p[nt][1] = exp2f(s[nt][1] - base);
+      p[nt][0] = iq_ex2(s[nt][0] - base);
+      p[nt][1] = iq_ex2(s[nt][1] - base);
     }
     l = l * a + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
     // the accumulators hold query rows 2tig and 2tig+1: their factors live in lanes 8tig, 8tig+4
@@ -302,52 +403,16 @@ __device__ __forceinline__ void iq_tc_warp(
     }
   };
 
-  const bool stream = stage != nullptr && ks == KROW && vs == KROW && kns == 1 && vns == 1 &&
-                      iq_aligned16(kc + long(t0) * KROW) && iq_aligned16(vc + long(t0) * KROW) &&
-                      iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
-  if (!stream) {
+  if (!streams) {
     for (int tile = t0; tile < t1; tile += 16) {
       step(IqBool<false>(), kc + tile * ks, ks, kn + tile * kns, kns, vc + tile * vs, vs,
            vn + tile * vns, vns, min(16, t1 - tile));
     }
   } else {
     const int ntiles = (t1 - t0 + 15) / 16;
-    const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
-    // tile i -> stage i % IQ_STAGES: lane copies 16-byte chunks lane, lane + 32, ... of the
-    // tile's K then V codes (straight-line), lanes 0-3 the norms; bytes past the segment's end
-    // are not read (zero-filled), so the last row of a buffer is safe
-    auto issue = [&](int i) {
-      uint8_t* st = stage + (i % IQ_STAGES) * SB;
-      const int tok0 = t0 + 16 * i;
-      const long base = long(tok0) * KROW;
-#pragma unroll
-      for (int r = 0; r < (2 * KROW + 31) / 32; ++r) {
-        const int c = lane + 32 * r;  // chunk: K codes [0, KROW), V codes [KROW, 2 KROW)
-        if ((2 * KROW) % 32 == 0 || c < 2 * KROW) {
-          const bool isv = c >= KROW;
-          const int cc = isv ? c - KROW : c;
-          const long left = kend - base - 16 * cc;
-          const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-          const uint8_t* src = (isv ? vc : kc) + base + 16 * cc;
-          iq_cp_async16(st + (isv ? TK : 0) + 16 * cc, bytes > 0 ? src : kc, bytes);
-        }
-      }
-      if (lane < 4) {  // 0, 1: K norms; 2, 3: V norms (8 tokens a chunk)
-        const long tok = tok0 + 8 * (lane & 1);
-        const long left = 2 * (long(t1) - tok);
-        const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-        const __half* src = ((lane < 2) ? kn : vn) + tok;
-        iq_cp_async16(st + 2 * TK + 16 * lane, bytes > 0 ? static_cast<const void*>(src)
-                                                         : static_cast<const void*>(kc), bytes);
-      }
-    };
-#pragma unroll
-    for (int i = 0; i < IQ_STAGES - 1; ++i) {
-      if (i < ntiles) issue(i);
-      iq_cp_commit();
-    }
+    if (!prefetched) stream.prologue();
     for (int i = 0; i < ntiles; ++i) {
-      if (i + IQ_STAGES - 1 < ntiles) issue(i + IQ_STAGES - 1);
+      if (stream.next < ntiles) stream.issue();
       iq_cp_commit();
       iq_cp_wait_all_but<IQ_STAGES - 1>();
       __syncwarp();
@@ -503,7 +568,7 @@ __device__ __forceinline__ void iq_tc_fold(
 // one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
 // float ones; out: the attention output, written by the last threadgroup of each row block
 // (FOLD; without it, out is left unwritten and iq_combine merges the partials).
-// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD (codes are 3-bit; QLO adds the fp16 rounding remainder of
+// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF (codes are 3-bit; QLO adds the fp16 rounding remainder of
 // the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a second mma). Float
 // splits use the scalar warp walk.
 {
@@ -549,6 +614,26 @@ __device__ __forceinline__ void iq_tc_fold(
     iq_lk[iq_tid] = float(lv_k[iq_tid]);
     iq_lv[iq_tid] = float(lv_v[iq_tid]);
   }
+  // This warp's compressed split and its head's code and norm rows.
+  const int warp = iq_tid / 32;
+  const int lane = iq_tid % 32;
+  const int t0 = (iq_bx * IQ_NW + warp) * iparams[IQ_P_SL];
+  const int t1 = min(t0 + iparams[IQ_P_SL], min(iparams[IQ_P_TC], int(lens[b])));
+  const uint8_t* kc = k_codes + b * k_codes_strides[0] + h * k_codes_strides[1];
+  const __half* kn = k_norms + b * k_norms_strides[0] + h * k_norms_strides[1];
+  const uint8_t* vc = v_codes + b * v_codes_strides[0] + h * v_codes_strides[1];
+  const __half* vn = v_norms + b * v_norms_strides[0] + h * v_norms_strides[1];
+  const long ks = long(k_codes_strides[2]), kns = long(k_norms_strides[2]);
+  const long vs = long(v_codes_strides[2]), vns = long(v_norms_strides[2]);
+  uint8_t* stage = iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES;
+  // PF: the first tiles' loads are issued before the query rotation, whose barriers and shared
+  // memory round trips then overlap their DRAM latency (the dense rotation's scratch overlays
+  // the stages: not with KIND 2)
+  const bool streams =
+      !is_fp && t0 < t1 && iq_tc_streams<D>(stage, kc, ks, kn, kns, vc, vs, vn, vns, t0);
+  IqStream<D> stream(stage, kc, kn, vc, vn, t0, t1, lane);
+  const bool pre = PF && KIND != 2 && streams;
+  if (pre) stream.prologue();
   __syncthreads();
   if (!is_fp) {
     if constexpr (KIND == 2) {
@@ -563,8 +648,6 @@ __device__ __forceinline__ void iq_tc_fold(
     iq_qs[i] *= qscale;
   }
   __syncthreads();
-  const int warp = iq_tid / 32;
-  const int lane = iq_tid % 32;
   if (QS && !is_fp) {
     for (int i = iq_tid; i < (D / 16) * 32; i += IQ_NT) {
       iq_qf[i] = iq_tc_qfrag<D, QLO>(iq_qs, i / 32, (i % 32) >> 2, i & 3);
@@ -572,19 +655,10 @@ __device__ __forceinline__ void iq_tc_fold(
     __syncthreads();
   }
   if (!is_fp) {
-    const int sp = iq_bx * IQ_NW + warp;
-    const int SL = iparams[IQ_P_SL];
-    const int len = min(iparams[IQ_P_TC], int(lens[b]));
-    const int t0 = sp * SL;
-    const int t1 = min(t0 + SL, len);
     iq_tc_warp<D, QLO, PLO, QS>(
-        iq_qs, iq_qf, iq_lk, iq_lv, k_codes + b * k_codes_strides[0] + h * k_codes_strides[1],
-        long(k_codes_strides[2]), k_norms + b * k_norms_strides[0] + h * k_norms_strides[1],
-        long(k_norms_strides[2]), v_codes + b * v_codes_strides[0] + h * v_codes_strides[1],
-        long(v_codes_strides[2]), v_norms + b * v_norms_strides[0] + h * v_norms_strides[1],
-        long(v_norms_strides[2]), t0, t1, lane, fparams[3], fparams[4],
-        iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES, reinterpret_cast<float*>(iq_buf), part_o,
-        part_m, part_l, (long(bh) * nsp + iq_bx) * R, r0, R);
+        iq_qs, iq_qf, iq_lk, iq_lv, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fparams[3],
+        fparams[4], stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
+        (long(bh) * nsp + iq_bx) * R, r0, R, stream, streams, pre);
   } else {
     float m[RB];
     float l[RB];
