@@ -241,7 +241,10 @@ def main() -> None:
             prefetch=not default_pf
         ),
     }
-    short = {"isoquant_fused_split32": with_opts(split_len=32)}
+    short = {
+        "isoquant_fused_split16": with_opts(split_len=16),
+        "isoquant_fused_split32": with_opts(split_len=32),
+    }
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
     if args.shapes:
         shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]

@@ -135,6 +135,12 @@ def test_split_plan_aims_by_rows(monkeypatch):
     assert 256 * many["ncb"] * iq.NW >= 3072 // 2
     monkeypatch.setattr(iq, "SPLIT_WARPS", 3072)
     assert iq.split_warps(8) == 3072 and iq.split_plan(b1, iq.TC_RB)["sl"] == 96
+    # at most 16K compressed tokens in all: 32-token splits for the tensor-core kernel only
+    tiny = iq.Problem(1, 32, 8, 1, 128, 2048, 0, 3, 3, 0, False)
+    more = iq.Problem(1, 32, 8, 1, 128, 8192, 0, 3, 3, 0, False)
+    assert iq.split_plan(tiny, iq.TC_RB, merged=True)["sl"] == 32
+    assert iq.split_plan(tiny, iq.TC_RB)["sl"] == 64
+    assert iq.split_plan(more, iq.TC_RB, merged=True)["sl"] == 64
 
 
 def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
@@ -194,6 +200,7 @@ EMU_CASES = [
     ("tc", 3, 2, 4, 1, 64, 100, 3, 3, 3, "v3", [100, 37, 1], True, mx.float16),
     ("tc", 1, 1, 16, 1, 128, 513, 64, 3, 3, "v3", None, False, mx.bfloat16),
     ("tc", 1, 1, 4, 3, 128, 15, 9, 3, 3, "dense", None, False, mx.float32),
+    ("tc", 1, 2, 2, 1, 64, 77, 0, 3, 3, "v2", None, False, mx.float16),  # SO(4) blocks only
     # full and partial streamed tiles, ragged: sequence 1 ends inside a split and a tile
     ("tc", 2, 2, 4, 1, 128, 1100, 0, 3, 3, "v3", [1100, 333], False, mx.float32),
     ("scalar", 2, 2, 8, 1, 128, 511, 1, 3, 3, "v3", [511, 200], False, mx.bfloat16),
@@ -244,6 +251,19 @@ def test_emulated_combine_merges_many_splits(emulated):
         finally:
             iq.TC_FOLD = default
         assert iq.rel_error(out, ref) < TOL, (variant, fold)
+
+
+@pytest.mark.slow
+def test_emulated_tc_one_tile_splits(emulated):
+    """Splits of 16 tokens (one tile per warp; short contexts): ragged lengths end inside a
+    split and inside a tile, a float tail and sinks, the merge and combine over many partials."""
+    q, k, v = iq.random_problem(2, 1, 4, 1, 128, 200, 3, dtype=mx.float32, seed=16)
+    p = iq.Problem.of(q, k, v, None)
+    assert iq.split_plan(p, iq.TC_RB, 16, merged=True)["sl"] == 16
+    sk = mx.random.normal((4,))
+    ref = iq.attention_reference(q, k, v, _scale(128), None, sk, [200, 71])
+    out = iq.fused_attention(q, k, v, _scale(128), None, sk, [200, 71], variant="tc", split_len=16)
+    assert iq.rel_error(out, ref) < TOL
 
 
 def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):

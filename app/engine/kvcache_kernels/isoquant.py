@@ -442,15 +442,20 @@ def split_plan(
 ) -> dict:
     """Token splits of the fused kernels: one warp per split, NW warps per threadgroup.
     Default: enough warps to fill a large GPU, splits no shorter than 64/256 tokens so the
-    partials stay small against the KV they summarize. merged: the threadgroup merges its
-    warps' compressed splits into one partial (the tensor-core kernel)."""
+    partials stay small against the KV they summarize; with at most 16K compressed tokens in
+    all, 32 for the tensor-core kernel (two tiles a warp: there the threadgroups' latency is
+    the call's time; H200, attention_decode.json: B1 T2K 12.3 vs 13.5 µs, while at B1 T8K and
+    B8 T2K, 4x and 8x the tokens, 32-token splits lost, 24.1 vs 17.4 and 30.2 vs 21.8 µs).
+    merged: the threadgroup merges its warps' compressed splits into one partial (the
+    tensor-core kernel)."""
     nrb = _cdiv(p.rows, rows_per_block)
     heads = p.b * p.hkv * nrb
     if split_len is None:
-        small = p.tc * p.b * p.hkv <= 1 << 18
-        min_len = 64 if small else 256
+        tokens = p.tc * p.b * p.hkv
+        min_len = 256 if tokens > 1 << 18 else (32 if merged and tokens <= 1 << 14 else 64)
         split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or split_warps(heads), heads)))
-    sl = max(32, _cdiv(split_len, 32) * 32)
+    g = 16 if merged else 32  # tokens: the tensor-core kernel's tile, the scalar kernel's warp
+    sl = max(g, _cdiv(split_len, g) * g)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
     slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))
     nfb = _cdiv(p.tf, NW * slf)

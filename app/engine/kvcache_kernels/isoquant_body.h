@@ -176,6 +176,49 @@ IQ_FN void iq_rotate_rows(IQ_TG float* x, IQ_TG float* tmp, PR rot, int h, bool 
   }
 }
 
+// R^T of one row of D <= 128 coordinates in place, by one warp (D/4 lanes, lane j holding
+// coordinates 4j..4j+3, i.e. SO(4) block j; the other lanes idle): block j transposed, then
+// (KIND 0) the normalized WHT with strides 1 and 2 in registers and 4 .. D/2 by xor shuffles.
+// Every lane of the warp calls it; no barrier inside (iq_rotate_rows takes ~10 for one row).
+// rot: blocks [Hkv, D/4, 4, 4]. KIND 0 or 1 only.
+template <int D, int KIND, typename PR>
+IQ_FN void iq_inverse_rotate_row_warp(IQ_TG float* x, PR rot, int h, int lane) {
+  const int j = lane % (D / 4);
+  const int mb = (h * (D / 4) + j) * 16;
+  float v[4];
+  for (int e = 0; e < 4; ++e) {
+    v[e] = x[4 * j + e];
+  }
+  float y[4];
+  for (int a = 0; a < 4; ++a) {
+    y[a] = float(rot[mb + a]) * v[0] + float(rot[mb + 4 + a]) * v[1] +
+           float(rot[mb + 8 + a]) * v[2] + float(rot[mb + 12 + a]) * v[3];
+  }
+  if (KIND == 0) {
+    const float a0 = y[0] + y[1], b0 = y[0] - y[1], c0 = y[2] + y[3], d0 = y[2] - y[3];
+    y[0] = a0 + c0;
+    y[1] = b0 + d0;
+    y[2] = a0 - c0;
+    y[3] = b0 - d0;
+    for (int m = 1; m < D / 4; m <<= 1) {
+      const bool upper = (j & m) != 0;
+      for (int e = 0; e < 4; ++e) {
+        const float p = IQ_SHFL_XOR(y[e], m);
+        y[e] = upper ? p - y[e] : y[e] + p;
+      }
+    }
+    const float s = 1.0f / sqrt(float(D));
+    for (int e = 0; e < 4; ++e) {
+      y[e] *= s;
+    }
+  }
+  if (lane < D / 4) {
+    for (int e = 0; e < 4; ++e) {
+      x[4 * j + e] = y[e];
+    }
+  }
+}
+
 // Token sources of a warp walk: packed codes (scores against the rotated query, values in
 // rotated space) or float K/V (plain query). Tag dispatch keeps each instantiation to one kind.
 struct IqPacked {};
@@ -515,7 +558,14 @@ IQ_FN void iq_store_partial(
   for (int i = 0; i < V; ++i) {
     iq_red[warp * D + lane + 32 * i] = of[i];
   }
-  iq_rotate_rows<D, 1, KIND, CT>(iq_x, iq_tmp, rot, h, true, iq_tid);  // ends with a barrier
+  if (KIND != 2 && D <= 128) {
+    if (warp == 0) {
+      iq_inverse_rotate_row_warp<D, KIND>(iq_x, rot, h, lane);
+    }
+    IQ_BARRIER();
+  } else {
+    iq_rotate_rows<D, 1, KIND, CT>(iq_x, iq_tmp, rot, h, true, iq_tid);  // ends with a barrier
+  }
   const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
   const long ob = ((long(b) * iparams[IQ_P_HQ] + h * G + g) * L + l) * D;
   for (int d = iq_tid; d < D; d += CT) {

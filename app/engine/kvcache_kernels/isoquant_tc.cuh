@@ -141,6 +141,53 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
   return f;
 }
 
+// The forward rotation of the threadgroup's RB query rows in place, by warps and shuffles: no
+// barriers (the threadgroup version, iq_rotate_rows, takes ~10). D/4 lanes per row, lane j holding
+// coordinates 4j..4j+3 (one SO(4) block): WHT strides 1 and 2 in registers, 4 .. D/2 by xor
+// shuffles (Sylvester order, = iq_wht_rows), then 1/sqrt(D), then block j (KIND 0; KIND 1:
+// blocks only). blocks: head h's [D/4][4][4] in shared memory. Rows are scaled by `post` on the
+// way out. The caller puts a barrier before the rows are read by other warps.
+template <int D, int RB, int KIND>
+__device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* blocks, float post,
+                                                    int warp, int lane) {
+  constexpr int LPR = D / 4;       // lanes per row
+  constexpr int RPW = 32 / LPR;    // rows per warp pass
+  const int sub = lane / LPR;      // row within the pass
+  const int j = lane % LPR;        // block of this lane
+  for (int r0 = warp * RPW; r0 < RB; r0 += IQ_NW * RPW) {
+    float* row = x + (r0 + sub) * D + 4 * j;
+    const float4 in = *reinterpret_cast<const float4*>(row);
+    float v[4] = {in.x, in.y, in.z, in.w};
+    if (KIND == 0) {
+      float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
+      v[0] = a + c;
+      v[1] = b + d;
+      v[2] = a - c;
+      v[3] = b - d;
+#pragma unroll
+      for (int m = 1; m < LPR; m <<= 1) {
+        const bool upper = (j & m) != 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = __shfl_xor_sync(0xffffffffu, v[e], m);
+          v[e] = upper ? p - v[e] : v[e] + p;
+        }
+      }
+      const float s = rsqrtf(float(D));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] *= s;
+    }
+    const float* mb = blocks + 16 * j;
+    float y[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      y[a] = (mb[4 * a] * v[0] + mb[4 * a + 1] * v[1] + mb[4 * a + 2] * v[2] + mb[4 * a + 3] * v[3]) *
+             post;
+    }
+    *reinterpret_cast<float4*>(row) = make_float4(y[0], y[1], y[2], y[3]);
+  }
+}
+
 template <bool B>
 struct IqBool {
   static constexpr bool value = B;
@@ -583,7 +630,7 @@ __device__ __forceinline__ void iq_tc_fold(
   constexpr int RED = IQ_NW * RB * (D + 2) * 4;  // the warps' merge (iq_tc_warp's end)
   constexpr int BUF0 = STAGES > SCRATCH ? (STAGES > PW ? STAGES : PW) : (SCRATCH > PW ? SCRATCH : PW);
   constexpr int BUF = BUF0 > RED ? BUF0 : RED;
-  __shared__ float iq_qs[RB * D];
+  __shared__ __align__(16) float iq_qs[RB * D];
   __shared__ __align__(16) uint8_t iq_buf[BUF];
   __shared__ float iq_lk[16];
   __shared__ float iq_lv[16];
@@ -635,17 +682,14 @@ __device__ __forceinline__ void iq_tc_fold(
   const bool pre = PF && KIND != 2 && streams;
   if (pre) stream.prologue();
   __syncthreads();
-  if (!is_fp) {
-    if constexpr (KIND == 2) {
-      iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
-    } else {
-      iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, static_cast<const float*>(iq_rot), 0,
-                                         false, iq_tid);
-    }
-  }
   const float qscale = fparams[1] * (is_fp ? 1.0f : rsqrtf(float(D)));
-  for (int i = iq_tid; i < RB * D; i += IQ_NT) {
-    iq_qs[i] *= qscale;
+  if (KIND != 2 && !is_fp) {
+    iq_rotate_rows_warp<D, RB, KIND>(iq_qs, iq_rot, qscale, warp, lane);
+  } else {
+    if (KIND == 2 && !is_fp) iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
+    for (int i = iq_tid; i < RB * D; i += IQ_NT) {
+      iq_qs[i] *= qscale;
+    }
   }
   __syncthreads();
   if (QS && !is_fp) {
