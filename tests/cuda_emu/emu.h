@@ -30,7 +30,7 @@ inline thread_local int emu_tid;
 struct uint4 {
   uint32_t x, y, z, w;
 };
-struct float4 {
+struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }

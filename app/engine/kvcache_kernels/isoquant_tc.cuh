@@ -292,8 +292,7 @@ struct IqStream {
   }
 
   // The first IQ_STAGES - 1 tiles, one commit group each. The kernel calls it before the query
-  // rotation (KV bytes in flight while the threadgroup rotates), or iq_tc_warp does when its
-  // caller has not.
+  // set-up (PF), or iq_tc_warp does when its caller has not.
   __device__ __forceinline__ void prologue() {
     const int ntiles = (t1 - t0 + 15) / 16;
 #pragma unroll
@@ -615,9 +614,10 @@ __device__ __forceinline__ void iq_tc_fold(
 // one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
 // float ones; out: the attention output, written by the last threadgroup of each row block
 // (FOLD; without it, out is left unwritten and iq_combine merges the partials).
-// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF (codes are 3-bit; QLO adds the fp16 rounding remainder of
-// the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a second mma). Float
-// splits use the scalar warp walk.
+// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF (codes are 3-bit; QLO adds the fp16
+// rounding remainder of the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a
+// second mma; PF issues the first tiles' loads before the query set-up). Float splits use the
+// scalar warp walk.
 {
   constexpr int RB = 8;
   constexpr int KB = 3;
@@ -673,9 +673,9 @@ __device__ __forceinline__ void iq_tc_fold(
   const long ks = long(k_codes_strides[2]), kns = long(k_norms_strides[2]);
   const long vs = long(v_codes_strides[2]), vns = long(v_norms_strides[2]);
   uint8_t* stage = iq_buf + warp * IQ_STAGES * IqStage<D>::BYTES;
-  // PF: the first tiles' loads are issued before the query rotation, whose barriers and shared
-  // memory round trips then overlap their DRAM latency (the dense rotation's scratch overlays
-  // the stages: not with KIND 2)
+  // PF: the first tiles' loads are issued before the query is loaded and rotated, so their DRAM
+  // latency overlaps that set-up (the dense rotation's scratch overlays the stages: not with
+  // KIND 2). Measured within noise on the H200 (attention_decode.json: prefetch_off column).
   const bool streams =
       !is_fp && t0 < t1 && iq_tc_streams<D>(stage, kc, ks, kn, kns, vc, vs, vn, vns, t0);
   IqStream<D> stream(stage, kc, kn, vc, vn, t0, t1, lane);
