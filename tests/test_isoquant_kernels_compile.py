@@ -15,42 +15,25 @@ from app.engine.cuda_kernels import jit
 from app.engine.kvcache_kernels import isoquant as iq
 
 NVCC = shutil.which("nvcc")
+_TC = dict(
+    D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16", FOLD=False, PF=True
+)
 CONFIGS = {
     "iq_fused_tc": [
-        dict(
-            D=128,
-            KIND=0,
-            CAUSAL=False,
-            QLO=True,
-            PLO=False,
-            QS=False,
-            TO="bfloat16",
-            FOLD=False,
-            PF=True,
-        ),
-        dict(
-            D=128,
-            KIND=0,
-            CAUSAL=False,
-            QLO=True,
-            PLO=False,
-            QS=True,
-            TO="bfloat16",
-            FOLD=True,
-            PF=False,
-        ),
-        dict(
-            D=64,
-            KIND=2,
-            CAUSAL=True,
-            QLO=False,
-            PLO=True,
-            QS=True,
-            TO="float32",
-            FOLD=True,
-            PF=True,
-        ),
-    ],
+        _TC,
+        {**_TC, "QS": True, "FOLD": True, "PF": False},
+        {
+            **_TC,
+            "D": 64,
+            "KIND": 2,
+            "CAUSAL": True,
+            "QLO": False,
+            "PLO": True,
+            "QS": True,
+            "TO": "float32",
+            "FOLD": True,
+        },
+    ],  # fmt: skip
     "iq_fused_scalar": [dict(D=128, RB=8, KB=3, VB=3, KIND=0, CAUSAL=False)],
     "iq_combine": [dict(D=128, KIND=0, TO="bfloat16")],
     "iq_qk_dot": [dict(D=128, RB=4, KB=3, KIND=0)],
