@@ -206,6 +206,9 @@ def main() -> None:
     rows: list[dict] = []
     acc = check_accuracy()
 
+    # the library's settings a variant may change, and their values as loaded
+    defaults = {k: getattr(iq, k) for k in ("TC_QS", "TC_FOLD", "TC_PREFETCH", "SPLIT_WARPS")}
+
     def with_opts(
         qs: bool | None = None,
         warps: int | None = None,
@@ -214,25 +217,24 @@ def main() -> None:
         fold=None,
         prefetch=None,
     ):
+        changed = dict(TC_QS=qs, TC_FOLD=fold, TC_PREFETCH=prefetch, SPLIT_WARPS=warps)
+
         def fn(q, k, v, s):
-            iq.TC_QS = default_qs if qs is None else qs
-            iq.TC_FOLD = default_fold if fold is None else fold
-            iq.TC_PREFETCH = default_pf if prefetch is None else prefetch
-            iq.SPLIT_WARPS = warps or default_warps
+            for name, value in changed.items():
+                setattr(iq, name, defaults[name] if value is None else value)
             try:
                 return iq.fused_attention(q, k, v, s, variant=variant, split_len=split_len)
             finally:
-                iq.TC_QS, iq.SPLIT_WARPS, iq.TC_FOLD = default_qs, default_warps, default_fold
-                iq.TC_PREFETCH = default_pf
+                for name, value in defaults.items():
+                    setattr(iq, name, value)
 
         return fn
 
-    default_qs, default_warps, default_fold = iq.TC_QS, iq.SPLIT_WARPS, iq.TC_FOLD
-    default_pf = iq.TC_PREFETCH
+    default_qs, default_fold, default_pf = iq.TC_QS, iq.TC_FOLD, iq.TC_PREFETCH
     # the defaults, then each option flipped: Q fragments in registers instead of shared
     # memory, the combine folded into the split kernel instead of its own launch, the first
     # tiles' loads issued after the query rotation instead of before; at short contexts also
-    # splits of 32 tokens (2 tiles per warp) instead of the plan's
+    # fixed splits of 16 and 32 tokens (1 and 2 tiles per warp) instead of the plan's
     fused = {
         "isoquant_fused": with_opts(),
         "isoquant_fused_qregs": with_opts(qs=not default_qs),

@@ -154,8 +154,9 @@ TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # ahead at B 8-32, T 2K-8K but behind at every B = 1 shape; results/isoquant_ncu.json,
 # attention_decode.json)
 TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
-# tensor-core kernel: each warp issues its first tiles' loads before the threadgroup rotates the
-# query (their DRAM latency overlaps the rotation's barriers) instead of after
+# tensor-core kernel: each warp issues its first tiles' loads before the threadgroup loads and
+# rotates the query (their DRAM latency overlaps that set-up) instead of after; within noise on
+# the H200 at every shape (attention_decode.json, the prefetch_off column)
 TC_PREFETCH = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PREFETCH", "1") == "1"
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
 # row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep

@@ -176,10 +176,33 @@ IQ_FN void iq_rotate_rows(IQ_TG float* x, IQ_TG float* tmp, PR rot, int h, bool 
   }
 }
 
+// The normalized WHT (Sylvester order, = iq_wht_rows) of a row of D <= 128 coordinates held by
+// D/4 lanes, lane j holding coordinates 4j..4j+3 in y: strides 1 and 2 in registers, 4 .. D/2
+// by xor shuffles, no barrier. Every lane of the warp calls it (with D < 128 the shuffles stay
+// within groups of D/4 lanes, so each group may hold its own row).
+template <int D>
+IQ_FN void iq_wht_row_warp(IQ_THREAD float* y, int j) {
+  const float a = y[0] + y[1], b = y[0] - y[1], c = y[2] + y[3], d = y[2] - y[3];
+  y[0] = a + c;
+  y[1] = b + d;
+  y[2] = a - c;
+  y[3] = b - d;
+  for (int m = 1; m < D / 4; m <<= 1) {
+    const bool upper = (j & m) != 0;
+    for (int e = 0; e < 4; ++e) {
+      const float p = IQ_SHFL_XOR(y[e], m);
+      y[e] = upper ? p - y[e] : y[e] + p;
+    }
+  }
+  const float s = 1.0f / sqrt(float(D));
+  for (int e = 0; e < 4; ++e) {
+    y[e] *= s;
+  }
+}
+
 // R^T of one row of D <= 128 coordinates in place, by one warp (D/4 lanes, lane j holding
 // coordinates 4j..4j+3, i.e. SO(4) block j; the other lanes idle): block j transposed, then
-// (KIND 0) the normalized WHT with strides 1 and 2 in registers and 4 .. D/2 by xor shuffles.
-// Every lane of the warp calls it; no barrier inside (iq_rotate_rows takes ~10 for one row).
+// (KIND 0) iq_wht_row_warp. No barrier inside (iq_rotate_rows takes ~10 for one row).
 // rot: blocks [Hkv, D/4, 4, 4]. KIND 0 or 1 only.
 template <int D, int KIND, typename PR>
 IQ_FN void iq_inverse_rotate_row_warp(IQ_TG float* x, PR rot, int h, int lane) {
@@ -195,22 +218,7 @@ IQ_FN void iq_inverse_rotate_row_warp(IQ_TG float* x, PR rot, int h, int lane) {
            float(rot[mb + 8 + a]) * v[2] + float(rot[mb + 12 + a]) * v[3];
   }
   if (KIND == 0) {
-    const float a0 = y[0] + y[1], b0 = y[0] - y[1], c0 = y[2] + y[3], d0 = y[2] - y[3];
-    y[0] = a0 + c0;
-    y[1] = b0 + d0;
-    y[2] = a0 - c0;
-    y[3] = b0 - d0;
-    for (int m = 1; m < D / 4; m <<= 1) {
-      const bool upper = (j & m) != 0;
-      for (int e = 0; e < 4; ++e) {
-        const float p = IQ_SHFL_XOR(y[e], m);
-        y[e] = upper ? p - y[e] : y[e] + p;
-      }
-    }
-    const float s = 1.0f / sqrt(float(D));
-    for (int e = 0; e < 4; ++e) {
-      y[e] *= s;
-    }
+    iq_wht_row_warp<D>(y, j);
   }
   if (lane < D / 4) {
     for (int e = 0; e < 4; ++e) {

@@ -143,9 +143,7 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
 
 // The forward rotation of the threadgroup's RB query rows in place, by warps and shuffles: no
 // barriers (the threadgroup version, iq_rotate_rows, takes ~10). D/4 lanes per row, lane j holding
-// coordinates 4j..4j+3 (one SO(4) block): WHT strides 1 and 2 in registers, 4 .. D/2 by xor
-// shuffles (Sylvester order, = iq_wht_rows), then 1/sqrt(D), then block j (KIND 0; KIND 1:
-// blocks only). blocks: head h's [D/4][4][4] in shared memory. Rows are scaled by `post` on the
+// coordinates 4j..4j+3 (one SO(4) block): iq_wht_row_warp (KIND 0), then block j (KIND 0 and 1). blocks: head h's [D/4][4][4] in shared memory. Rows are scaled by `post` on the
 // way out. The caller puts a barrier before the rows are read by other warps.
 template <int D, int RB, int KIND>
 __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* blocks, float post,
@@ -158,25 +156,7 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
     float* row = x + (r0 + sub) * D + 4 * j;
     const float4 in = *reinterpret_cast<const float4*>(row);
     float v[4] = {in.x, in.y, in.z, in.w};
-    if (KIND == 0) {
-      float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
-      v[0] = a + c;
-      v[1] = b + d;
-      v[2] = a - c;
-      v[3] = b - d;
-#pragma unroll
-      for (int m = 1; m < LPR; m <<= 1) {
-        const bool upper = (j & m) != 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = __shfl_xor_sync(0xffffffffu, v[e], m);
-          v[e] = upper ? p - v[e] : v[e] + p;
-        }
-      }
-      const float s = rsqrtf(float(D));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] *= s;
-    }
+    if (KIND == 0) iq_wht_row_warp<D>(v, j);
     const float* mb = blocks + 16 * j;
     float y[4];
 #pragma unroll
