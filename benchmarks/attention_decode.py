@@ -180,6 +180,13 @@ def check_accuracy() -> dict:
         res[variant] = iq.rel_error(
             iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant=variant), ref
         )
+    ki8 = iq.TC_KI8
+    iq.TC_KI8 = not ki8  # the tensor-core kernel's other Q K^T path
+    try:
+        other = iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant="tc")
+    finally:
+        iq.TC_KI8 = ki8
+    res["tc_qk_" + ("fp16" if ki8 else "int8")] = iq.rel_error(other, ref)
     res["unfused"] = iq.rel_error(iq.unfused_attention(q, k, v, 1 / math.sqrt(D)), ref)
     print(
         "  rel. error vs reference (B=2, T=4097+64, fp32 q):",
@@ -207,7 +214,9 @@ def main() -> None:
     acc = check_accuracy()
 
     # the library's settings a variant may change, and their values as loaded
-    defaults = {k: getattr(iq, k) for k in ("TC_QS", "TC_FOLD", "TC_PREFETCH", "SPLIT_WARPS")}
+    defaults = {
+        k: getattr(iq, k) for k in ("TC_QS", "TC_FOLD", "TC_PREFETCH", "TC_KI8", "SPLIT_WARPS")
+    }
 
     def with_opts(
         qs: bool | None = None,
@@ -216,8 +225,9 @@ def main() -> None:
         split_len=None,
         fold=None,
         prefetch=None,
+        ki8=None,
     ):
-        changed = dict(TC_QS=qs, TC_FOLD=fold, TC_PREFETCH=prefetch, SPLIT_WARPS=warps)
+        changed = dict(TC_QS=qs, TC_FOLD=fold, TC_PREFETCH=prefetch, TC_KI8=ki8, SPLIT_WARPS=warps)
 
         def fn(q, k, v, s):
             for name, value in changed.items():
@@ -233,7 +243,8 @@ def main() -> None:
     default_qs, default_fold, default_pf = iq.TC_QS, iq.TC_FOLD, iq.TC_PREFETCH
     # the defaults, then each option flipped: Q fragments in registers instead of shared
     # memory, the combine folded into the split kernel instead of its own launch, the first
-    # tiles' loads issued after the query rotation instead of before; at short contexts also
+    # tiles' loads issued after the query rotation instead of before, Q K^T on fp16 tensor cores
+    # instead of int8 ones (or the other way round); at short contexts also
     # fixed splits of 16 and 32 tokens (1 and 2 tiles per warp) instead of the plan's
     fused = {
         "isoquant_fused": with_opts(),
@@ -242,6 +253,7 @@ def main() -> None:
         "isoquant_fused_prefetch" + ("_off" if default_pf else "_on"): with_opts(
             prefetch=not default_pf
         ),
+        "isoquant_fused_qk_" + ("fp16" if iq.TC_KI8 else "int8"): with_opts(ki8=not iq.TC_KI8),
     }
     short = {
         "isoquant_fused_split16": with_opts(split_len=16),
@@ -275,6 +287,7 @@ def main() -> None:
                 qsmem=iq.TC_QS,
                 fold=iq.TC_FOLD,
                 prefetch=iq.TC_PREFETCH,
+                qk_int8=iq.TC_KI8,
                 split_warps=iq.SPLIT_WARPS,
                 precision=list(iq.TC_PRECISION),
             ),  # fmt: skip

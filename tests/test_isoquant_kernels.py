@@ -266,6 +266,27 @@ def test_emulated_tc_one_tile_splits(emulated):
     assert iq.rel_error(out, ref) < TOL
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("d", (64, 128))
+def test_emulated_tc_int8_and_fp16_qk_both_match_the_reference(emulated, d, monkeypatch):
+    """The tensor-core kernel's Q K^T on int8 tensor cores (exact table of the int8-grid
+    codebook, the query in two int8 parts with a per-row scale) and in fp16: both within the
+    bound, on query rows of very different sizes (x8: scores ~30 in the log2 domain, where a
+    coarse query part would show; a row of zeros, whose scale must not divide by zero; x1e-3),
+    with a ragged tail tile."""
+    q, k, v = iq.random_problem(1, 2, 4, 1, d, 333, 4, dtype=mx.float32, seed=d)
+    q = q * mx.array([8.0, 0.0, 1.0, 1e-3] * 2)[None, :, None, None]
+    ref = iq.attention_reference(q, k, v, _scale(d))
+    outs = {}
+    for ki8 in (True, False):
+        monkeypatch.setattr(iq, "TC_KI8", ki8)
+        _, variant, run = iq._plan(q, k, v, _scale(d), None, None, "tc", None)
+        assert dict(run.template)["KI8"] is ki8
+        outs[ki8] = iq.fused_attention(q, k, v, _scale(d), variant="tc")
+        assert iq.rel_error(outs[ki8], ref) < TOL, ki8
+    assert not mx.array_equal(outs[True], outs[False])  # two different paths ran
+
+
 def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):
     """Kernel codes equal the MLX-ops encoder's, except where float rounding puts the unit
     coordinate u within 1e-5 of a threshold (either side is then a right answer); norms equal

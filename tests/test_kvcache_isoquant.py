@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from app.engine import kvcache
-from app.engine.kvcache import IsoQuantKVCache, IsoQuantTensor
+from app.engine.kvcache import FORMAT_VERSION, IsoQuantKVCache, IsoQuantTensor
 from app.engine.kvcache.quantizer import decode
 from app.engine.random_models import TINY_CONFIGS
 
@@ -121,7 +121,8 @@ def test_state_round_trip_with_format_version(tmp_path):
     assert loaded[0].offset == c.offset and mx.array_equal(
         loaded[0]._fetch()[1].codes, c._fetch()[1].codes
     )
-    bad = c.meta_state.replace('"format_version": 1', '"format_version": 99')
+    assert f'"format_version": {FORMAT_VERSION}' in c.meta_state
+    bad = c.meta_state.replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 99')
     with pytest.raises(ValueError, match="version 99"):
         IsoQuantKVCache.from_state(c.state, bad)
 

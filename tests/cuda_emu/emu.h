@@ -98,6 +98,7 @@ inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 }
 
 // the CUDA prologue's PTX helpers
+inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // default: to nearest even
 inline uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
 inline float iq_ex2(float x) {
   const float r = std::exp2(x);
@@ -152,6 +153,37 @@ inline float emu_h(uint32_t reg, int hi) {
   __half h;
   h.x = uint16_t(hi ? reg >> 16 : reg & 0xFFFFu);
   return float(h);
+}
+
+// mma.sync.m16n8k32.row.col.s32.s8.s8.s32 with the PTX fragment layouts (8-bit elements, the
+// lowest k in the lowest byte).
+inline void iq_imma(int c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                    uint32_t b1) {
+  const int w = emu_tid / 32, l = emu_tid % 32;
+  uint32_t* m = emu_blk->mbuf[w][l];
+  m[0] = a0; m[1] = a1; m[2] = a2; m[3] = a3; m[4] = b0; m[5] = b1;
+  __syncwarp();
+  auto byte = [](uint32_t r, int i) { return int(int8_t(uint8_t(r >> (8 * i)))); };
+  auto A = [&](int row, int k) {  // a0: (g, k<16), a1: (g+8, k<16), a2: (g, k>=16), a3: (g+8, k>=16)
+    const int lane = (row % 8) * 4 + (k % 16) / 4;
+    const int reg = (row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0);
+    return byte(emu_blk->mbuf[w][lane][reg], k % 4);
+  };
+  auto B = [&](int k, int n) {  // b0: k<16, b1: k>=16; column n = groupID
+    const int lane = n * 4 + (k % 16) / 4;
+    return byte(emu_blk->mbuf[w][lane][4 + (k >= 16 ? 1 : 0)], k % 4);
+  };
+  const int gid = l / 4, tig = l % 4;
+  int out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0);
+    const int col = 2 * tig + (i % 2);
+    int acc = c[i];
+    for (int k = 0; k < 32; ++k) acc += A(row, k) * B(k, col);
+    out[i] = acc;
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) c[i] = out[i];
 }
 
 // mma.sync.m16n8k16.row.col.f32.f16.f16.f32 with the PTX fragment layouts.

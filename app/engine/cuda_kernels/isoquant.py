@@ -35,6 +35,17 @@ __device__ __forceinline__ void iq_mma(float c[4], uint32_t a0, uint32_t a1, uin
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// c += A (16x32) * B (32x8), int8 operands, int32 accumulators (PTX fragments: a0 row g, k
+// 4t..4t+3; a1 row g+8; a2, a3 the same at k + 16; b0 k 4t..4t+3, b1 k + 16, column g; bytes in
+// ascending k from the low byte)
+__device__ __forceinline__ void iq_imma(int c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 // byte permute with PTX semantics: selector nibbles' bit 3 is the sign-replicate mode, not masked
 // off (__byte_perm masks every selector with 0x7777: one more instruction per call); callers
 // pass selectors whose nibbles are < 8

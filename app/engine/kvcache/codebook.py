@@ -8,6 +8,11 @@ and fit the 2^bits-level Lloyd–Max quantizer (minimum MSE) to that density onc
 Levels are sorted ascending; code i means level i. Thresholds are the midpoints between
 consecutive levels (the Lloyd–Max optimality condition), so quantizing is counting how many
 thresholds a value exceeds.
+
+The cache's 3-bit codebook (`kv_codebook`) is Lloyd–Max restricted to levels scale·g with every
+g an integer in [-127, 127]: the tensor-core kernel then looks four K codes up with one byte
+permute into an exact int8 table and multiplies on the int8 tensor cores (the scale folds into
+the norms). The restriction costs under 0.01% of MSE at head dims 64–512 (`int8_lloyd_max`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class Codebook:
     bits: int
     levels: tuple[float, ...]  # ascending, len 2**bits
     thresholds: tuple[float, ...]  # midpoints, len 2**bits - 1
+    scale: float | None = None  # levels = scale · (integers in [-127, 127]), when on that grid
 
     def __post_init__(self):
         if len(self.levels) != 2**self.bits or len(self.thresholds) != 2**self.bits - 1:
@@ -77,3 +83,56 @@ def lloyd_max(dim: int, bits: int) -> Codebook:
             break
     thr = 0.5 * (levels[1:] + levels[:-1])
     return Codebook(dim, bits, tuple(float(v) for v in levels), tuple(float(v) for v in thr))
+
+
+def is_int8_grid(levels, scale: float) -> bool:
+    """Whether every level / scale is an integer in [-127, 127] (to float32 rounding)."""
+    g = np.asarray(levels, np.float64) / scale
+    return bool(np.all(np.abs(g - np.rint(g)) <= 1e-5 * np.maximum(1.0, np.abs(g)))) and bool(
+        np.all(np.abs(np.rint(g)) <= 127)
+    )
+
+
+@functools.cache
+def int8_lloyd_max(dim: int, bits: int) -> Codebook:
+    """The minimum-MSE codebook whose levels are scale · g, every g an integer in [-127, 127],
+    with thresholds at the midpoints (the nearest-level quantizer). Searched over the scale: each
+    candidate rounds the Lloyd–Max levels / scale to integers, and its MSE comes from prefix sums
+    of the density (exact for the discretized density, a few operations per cell)."""
+    base = lloyd_max(dim, bits)
+    t, w = _density(dim)
+    c0, c1, c2 = (np.concatenate([[0.0], np.cumsum(w * t**k)]) for k in (0, 1, 2))
+    pos = np.asarray(base.levels[len(base.levels) // 2 :])  # symmetric: the positive half
+    # the largest level lands on an integer in [64, 127]: finer grids are better, but a scale
+    # just past one that rounds well can still win; all candidates at once
+    scales = np.geomspace(pos[-1] / 127.49, pos[-1] / 63.5, 4001)
+    g = np.rint(pos[None, :] / scales[:, None])  # [S, n/2]
+    levels = scales[:, None] * np.concatenate([-g[:, ::-1], g], axis=1)  # [S, n]
+    thr = 0.5 * (levels[:, 1:] + levels[:, :-1])
+    edges = np.concatenate(
+        [
+            np.zeros((len(scales), 1), int),
+            np.searchsorted(t, thr),
+            np.full((len(scales), 1), len(t)),
+        ],
+        axis=1,
+    )
+
+    def seg(c):
+        return c[edges[:, 1:]] - c[edges[:, :-1]]
+
+    mse = np.sum(seg(c2) - 2 * levels * seg(c1) + levels**2 * seg(c0), axis=1)
+    bad = np.any(np.diff(g, axis=1) <= 0, axis=1) | (g[:, 0] <= 0) | (g[:, -1] > 127)
+    mse[bad] = np.inf  # two levels on one integer, a zero level, or past int8
+    k = int(np.argmin(mse))
+    lv = levels[k]
+    th = 0.5 * (lv[1:] + lv[:-1])
+    return Codebook(
+        dim, bits, tuple(float(v) for v in lv), tuple(float(v) for v in th), float(scales[k])
+    )
+
+
+def kv_codebook(dim: int, bits: int) -> Codebook:
+    """The codebook the cache encodes with: on the int8 grid for 3 bits (the tensor-core kernel's
+    codes), plain Lloyd–Max for 4 bits (no int8 path takes 4-bit codes)."""
+    return int8_lloyd_max(dim, bits) if bits == 3 else lloyd_max(dim, bits)

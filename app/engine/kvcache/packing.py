@@ -1,4 +1,4 @@
-"""IsoQuant packed KV format (version 1): the contract between the cache, the MLX reference
+"""IsoQuant packed KV format (version 2): the contract between the cache, the MLX reference
 attention and the fused Metal/CUDA kernels.
 
 Per layer, per K and per V, the compressed part of the cache holds two arrays:
@@ -16,7 +16,9 @@ Codes. A row is a little-endian bit stream of D codes of `bits` bits each: code 
 D must be a multiple of 8.
 
 Levels. code c of a K (V) row means levels[c] of the key (value) codebook, a float32 table of
-2**bits ascending values (codebook.lloyd_max(D, bits)), fitted for unit-variance coordinates.
+2**bits ascending values (codebook.kv_codebook(D, bits)), fitted for unit-variance coordinates:
+for 3 bits Lloyd–Max on the int8 grid (levels = scale · integers in [-127, 127]; version 2), for
+4 bits plain Lloyd–Max. Version 1 had plain Lloyd–Max levels for 3 bits too.
 
 Meaning. With R the layer's rotation for that KV head (rotation.py), the vector is represented as
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUPPORTED_BITS = (3, 4)
 
 

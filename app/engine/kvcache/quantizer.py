@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .codebook import lloyd_max
+from .codebook import kv_codebook
 from .packing import pack_codes, packed_row_bytes, unpack_codes
 from .rotation import Rotation
 
@@ -27,7 +27,7 @@ class Quantizer:
     @classmethod
     def make(cls, dim: int, bits: int) -> Quantizer:
         packed_row_bytes(dim, bits)  # validates dim and bits
-        cb = lloyd_max(dim, bits)
+        cb = kv_codebook(dim, bits)
         return cls(dim, bits, mx.array(cb.levels, mx.float32), mx.array(cb.thresholds, mx.float32))
 
     @property

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cuda_kernels import isoquant as cuda_prologue
-from ..kvcache.codebook import lloyd_max
+from ..kvcache.codebook import kv_codebook
 from ..kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
 from ..kvcache.packing import unpack_codes
 from ..kvcache.rotation import Rotation
@@ -158,6 +158,11 @@ TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
 # rotates the query (their DRAM latency overlaps that set-up) instead of after; within noise on
 # the H200 at every shape (attention_decode.json, the prefetch_off column)
 TC_PREFETCH = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PREFETCH", "1") == "1"
+# tensor-core kernel: Q K^T on the int8 tensor cores when the K codebook is on the int8 grid (the
+# cache's 3-bit codebook is: codebook.kv_codebook): four K codes per byte permute into an exact
+# int8 table instead of one per code into fp16, the query in two int8 parts (row-scaled), half
+# the mma of the fp16 path
+TC_KI8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_KI8", "1") == "1"
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
 # row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep
 # on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
@@ -334,14 +339,16 @@ def _fp16_level_scale(levels: tuple[float, ...]) -> float:
 
 
 @functools.lru_cache(maxsize=32)
-def _tc_levels_cached(dim: int, bits: int) -> tuple[mx.array, float]:
-    levels = lloyd_max(dim, bits).levels  # host copy of quantizer.levels: no device sync
-    s = _fp16_level_scale(levels)
-    return mx.array([v * s for v in levels], mx.float32), 1.0 / s
-
-
-def _tc_levels(q) -> tuple[mx.array, float]:
-    return _tc_levels_cached(q.dim, q.bits)
+def _tc_levels_cached(dim: int, bits: int) -> tuple[mx.array, float, bool]:
+    """The tensor-core kernel's level table, scaled by s, 1/s (which the kernel applies to the
+    norms) and whether the table holds int8 values. Codebooks on the int8 grid: s = 1/scale, so
+    the table holds the integers themselves (exact in int8 and fp16); others: the s in [1, 2)
+    that rounds best to fp16."""
+    cb = kv_codebook(dim, bits)  # host copy of quantizer.levels: no device sync
+    if cb.scale is not None:
+        return mx.array([v / cb.scale for v in cb.levels], mx.float32), cb.scale, True
+    s = _fp16_level_scale(cb.levels)
+    return mx.array([v * s for v in cb.levels], mx.float32), 1.0 / s, False
 
 
 def _use_kernel(use_kernel: bool | None) -> bool:
@@ -490,7 +497,7 @@ def _launch(
     warps: int,
     dtype=mx.float32,
 ):
-    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF) template switches; dtype: the
+    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8) template switches; dtype: the
     output's (the tensor-core kernel writes it when it folds the combine in)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
@@ -501,11 +508,14 @@ def _launch(
     nbh = p.b * p.hkv
     levels, kinv, vinv = None, 1.0, 1.0
     if variant == "tc":
-        (lvk, kinv), (lvv, vinv) = _tc_levels_cached(p.dim, p.kb), _tc_levels_cached(p.dim, p.vb)
+        (lvk, kinv, ki8), (lvv, vinv, _) = (
+            _tc_levels_cached(p.dim, p.kb),
+            _tc_levels_cached(p.dim, p.vb),
+        )
         levels = (lvk, lvv)
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
-        tmpl += [("FOLD", opts[3]), ("PF", opts[4])]
+        tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", opts[5] and ki8)]
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
@@ -577,7 +587,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         None if kf is None else kf.shape, None if vf is None else vf.shape,
         keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
         keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
-        TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, SPLIT_WARPS, BACKEND,
+        TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, SPLIT_WARPS, BACKEND,
     )  # fmt: skip
     hit = _PLANS.get(key)
     if hit is None:
@@ -585,7 +595,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH)
+        opts = (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8)
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
@@ -761,7 +771,7 @@ ENCODE_MAX_ROWS = 16384  # rows per launch (grid y); longer inputs go in chunks
 @functools.lru_cache(maxsize=32)
 def _thresholds(dim: int, bits: int) -> mx.array:
     """The codebook's thresholds (quantizer.thresholds' values), padded to 8+ entries."""
-    return _pad8(mx.array(list(lloyd_max(dim, bits).thresholds), mx.float32))
+    return _pad8(mx.array(list(kv_codebook(dim, bits).thresholds), mx.float32))
 
 
 @functools.lru_cache(maxsize=256)

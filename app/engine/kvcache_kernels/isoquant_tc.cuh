@@ -7,6 +7,9 @@
 //     8-15)], so one mma gives both halves of an ~fp32 product (the lane adds c0 + c2);
 //     B = K codes, n = 8 tokens: 4 codes of one token -> a nibble selector -> 2 byte permutes
 //     through the fp16 level table (low bytes, high bytes) -> 2 permutes into two half2.
+//     KI8 (the K codebook on the int8 grid): m16n8k32 int8 -> int32 instead, A = [int8 part 1
+//     of the query rows (row-scaled to +-127); int8 part 2 (the remainder, x254)], B = one byte
+//     permute per 4 K codes into the exact int8 table; score = 254 c0 + c2, then the scales.
 //   online softmax on the C fragment (one query row per lane, log2 domain); P' = p * |v|/sqrt(D)
 //     is already laid out as the B fragment of the next product.
 //   O^T += V^T P'^T: A = V codes (rows = 16 coordinates, k = the 16 tokens), one mma per 16
@@ -63,6 +66,45 @@ __device__ __forceinline__ void iq_level_table(const float* lv, uint32_t tab[4])
     tab[c >> 2] |= (hbits & 0xFFu) << (8 * (c & 3));
     tab[2 + (c >> 2)] |= (hbits >> 8) << (8 * (c & 3));
   }
+}
+
+// KI8: int8 level table, levels 0-3 in t[0] and 4-7 in t[1] (the host passes integers in
+// [-127, 127]: codebook.int8_lloyd_max divided by its scale)
+__device__ __forceinline__ void iq_level_table8(const float* lv, uint32_t t[2]) {
+  t[0] = t[1] = 0u;
+  for (int c = 0; c < 8; ++c) t[c >> 2] |= (uint32_t(__float2int_rn(lv[c])) & 0xFFu) << (8 * (c & 3));
+}
+
+// KI8: a query row's scale (its largest |value| / 127; 1 for a zero row)
+__device__ __forceinline__ float iq_i8_row_scale(float m) { return m > 0.0f ? m / 127.0f : 1.0f; }
+
+// KI8: 4 values x / sc as int8 bytes: part 1 = round(x / sc) (|.| <= 127), part 2 = round(254 *
+// what part 1 left) (|.| <= 127), so x = sc * (p1 + p2 / 254) + O(sc / 508).
+__device__ __forceinline__ void iq_i8_split4(const float* x, float inv, uint32_t& p1, uint32_t& p2) {
+  p1 = p2 = 0u;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float u = x[j] * inv;
+    const float h = fminf(fmaxf(rintf(u), -127.0f), 127.0f);
+    const float l = fminf(fmaxf(rintf((u - h) * 254.0f), -127.0f), 127.0f);
+    p1 |= (uint32_t(int(h)) & 0xFFu) << (8 * j);
+    p2 |= (uint32_t(int(l)) & 0xFFu) << (8 * j);
+  }
+}
+
+// KI8: A fragment for k-step ks (32 coordinates) of lane (gid, tig): rows gid = part 1 of query
+// row gid, gid + 8 = its part 2; columns 4tig..4tig+3 (a0, a1) are codes tig*D/4 + 8ks + 0..3,
+// 16 + 4tig.. (a2, a3) + 4..7: the coordinates of the K codes in the lane's b0, b1 (nibble word
+// ks of iq_tc_kcodes). qm: the rows' scales.
+template <int D>
+__device__ __forceinline__ uint4 iq_tc_qfrag_i8(const float* qs, const float* qm, int ks, int gid,
+                                                int tig) {
+  const float* x = qs + gid * D + tig * (D / 4) + 8 * ks;
+  const float inv = 1.0f / qm[gid];
+  uint4 f;
+  iq_i8_split4(x, inv, f.x, f.y);
+  iq_i8_split4(x + 4, inv, f.z, f.w);
+  return f;
 }
 
 __device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
@@ -289,9 +331,9 @@ struct IqStream {
 // into them, used when `streams` (contiguous, aligned rows: iq_tc_streams), else the rows are
 // read directly; prefetched: the stream's prologue was issued by the caller. (A reference, not
 // a pointer that may be null: the struct then stays in registers, not local memory.)
-template <int D, bool QLO, bool PLO, bool QS>
+template <int D, bool QLO, bool PLO, bool QS, bool KI8>
 __device__ __forceinline__ void iq_tc_warp(
-    const float* qs, const uint4* qf, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
+    const float* qs, const uint4* qf, const float* qm, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
     int t1, int lane, float kinv, float vinv, uint8_t* stage, float* red, float* po, float* pm,
     float* pl, long prow, int r0, int R, IqStream<D>& stream, bool streams, bool prefetched) {
@@ -305,13 +347,20 @@ __device__ __forceinline__ void iq_tc_warp(
   const int gid = lane >> 2;
   const int tig = lane & 3;
   const float NEG_INF = __int_as_float(0xff800000);
-  uint32_t ktab[4], vtab[4];
-  iq_level_table(lvk, ktab);
+  uint32_t ktab[4], vtab[4], k8[2];
+  if (KI8) {
+    iq_level_table8(lvk, k8);
+  } else {
+    iq_level_table(lvk, ktab);
+  }
   iq_level_table(lvv, vtab);
+  // KI8: the integer score is in units of the query row's scale / 254
+  const float kmul = KI8 ? kinv * qm[gid] * (1.0f / 254.0f) : kinv;
   // A fragments of Q: row gid = fp16 part of query row gid, row gid + 8 = its remainder.
-  // QS: read per k-step from the threadgroup's copy qf ([KT][32] uint4) instead of registers.
-  uint32_t qa[QS ? 1 : KT][4];
-  if (!QS) {
+  // QS: read per k-step from the threadgroup's copy qf ([KT][32] uint4) instead of registers
+  // (KI8: always, [D/32][32] int8 fragments).
+  uint32_t qa[QS || KI8 ? 1 : KT][4];
+  if (!QS && !KI8) {
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       const uint4 f = iq_tc_qfrag<D, QLO>(qs, kt, gid, tig);
@@ -340,6 +389,25 @@ __device__ __forceinline__ void iq_tc_warp(
     uint32_t S[2][NKS];
     iq_tc_kcodes<D, FULL>(kc_ + tok(gid) * ks_, tig, S[0]);
     iq_tc_kcodes<D, FULL>(kc_ + tok(8 + gid) * ks_, tig, S[1]);
+    if constexpr (KI8) {
+      // one int8 mma per 32 coordinates and 8 tokens; b0, b1 = codes 0-3, 4-7 of nibble word ks
+      int ci[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        const uint4 f = qf[ks * 32 + lane];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t b0 = iq_prmt(k8[0], k8[1], S[nt][ks]);
+          const uint32_t b1 = iq_prmt(k8[0], k8[1], S[nt][ks] >> 16);
+          iq_imma(ci[nt], f.x, f.y, f.z, f.w, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        c[nt][0] = float(254 * ci[nt][0] + ci[nt][2]);  // |.| < 2^31 for D <= 128
+        c[nt][1] = float(254 * ci[nt][1] + ci[nt][3]);
+      }
+    } else {
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       uint32_t a0_, a1_, a2_, a3_;
@@ -356,6 +424,7 @@ __device__ __forceinline__ void iq_tc_warp(
         iq_lut4(S[nt][kt >> 1] >> (16 * (kt & 1)), ktab, b0, b1);
         iq_mma(c[nt], a0_, a1_, a2_, a3_, b0, b1);
       }
+    }
     }
     float s[2][2];
 #pragma unroll
@@ -374,7 +443,7 @@ __device__ __forceinline__ void iq_tc_warp(
         const bool ok = FULL || t < nv;
         const int tc = tok(t);
         nvs[nt][e] = ok ? __half2float(vn_[tc * vns_]) * vsc : 0.0f;
-        s[nt][e] = ok ? s[nt][e] * (__half2float(kn_[tc * kns_]) * kinv) : NEG_INF;
+        s[nt][e] = ok ? s[nt][e] * (__half2float(kn_[tc * kns_]) * kmul) : NEG_INF;
         mx = fmaxf(mx, s[nt][e]);
       }
     }
@@ -594,10 +663,11 @@ __device__ __forceinline__ void iq_tc_fold(
 // one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
 // float ones; out: the attention output, written by the last threadgroup of each row block
 // (FOLD; without it, out is left unwritten and iq_combine merges the partials).
-// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF (codes are 3-bit; QLO adds the fp16
+// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF, KI8 (codes are 3-bit; QLO adds the fp16
 // rounding remainder of the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a
-// second mma; PF issues the first tiles' loads before the query set-up). Float splits use the
-// scalar warp walk.
+// second mma; PF issues the first tiles' loads before the query set-up; KI8 computes Q K^T on the
+// int8 tensor cores: the K table must hold integers in [-127, 127], QLO and QS are then moot).
+// Float splits use the scalar warp walk.
 {
   constexpr int RB = 8;
   constexpr int KB = 3;
@@ -614,7 +684,9 @@ __device__ __forceinline__ void iq_tc_fold(
   __shared__ __align__(16) uint8_t iq_buf[BUF];
   __shared__ float iq_lk[16];
   __shared__ float iq_lv[16];
-  __shared__ uint4 iq_qf[QS ? (D / 16) * 32 : 1];  // QS: the warps' shared Q fragments
+  // QS: the warps' shared Q fragments ([D/16][32]; KI8: [D/32][32] int8 ones)
+  __shared__ uint4 iq_qf[QS || KI8 ? (D / 16) * 32 : 1];
+  __shared__ float iq_qm[RB];  // KI8: the query rows' scales
   float* iq_tmp = reinterpret_cast<float*>(iq_buf);
   float* iq_pw = reinterpret_cast<float*>(iq_buf);
   const int Tf = iparams[IQ_P_TF];
@@ -672,15 +744,27 @@ __device__ __forceinline__ void iq_tc_fold(
     }
   }
   __syncthreads();
-  if (QS && !is_fp) {
+  if (KI8 && !is_fp) {
+    for (int r = warp; r < RB; r += IQ_NW) {
+      float m = 0.0f;
+      for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(iq_qs[r * D + d]));
+      m = iq_warp_max(m);
+      if (lane == 0) iq_qm[r] = iq_i8_row_scale(m);
+    }
+    __syncthreads();
+    for (int i = iq_tid; i < (D / 32) * 32; i += IQ_NT) {
+      iq_qf[i] = iq_tc_qfrag_i8<D>(iq_qs, iq_qm, i / 32, (i % 32) >> 2, i & 3);
+    }
+    __syncthreads();
+  } else if (QS && !is_fp) {
     for (int i = iq_tid; i < (D / 16) * 32; i += IQ_NT) {
       iq_qf[i] = iq_tc_qfrag<D, QLO>(iq_qs, i / 32, (i % 32) >> 2, i & 3);
     }
     __syncthreads();
   }
   if (!is_fp) {
-    iq_tc_warp<D, QLO, PLO, QS>(
-        iq_qs, iq_qf, iq_lk, iq_lv, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fparams[3],
+    iq_tc_warp<D, QLO, PLO, QS, KI8>(
+        iq_qs, iq_qf, iq_qm, iq_lk, iq_lv, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fparams[3],
         fparams[4], stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
         (long(bh) * nsp + iq_bx) * R, r0, R, stream, streams, pre);
   } else {
