@@ -199,6 +199,26 @@ def test_packed_bit_order_is_little_endian():
     assert packed_row_bytes(128, 3) == 48
 
 
+def test_3_bit_rows_of_32_code_blocks_are_nibble_words():
+    """D a multiple of 32: block b is three little-endian words whose nibbles hold codes 0-23 in
+    their low 3 bits and bit j of code 24+k in the top bit of nibble k of word j (packing.py)."""
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 8, (3, 64)).astype(np.uint8)
+    packed = np.array(pack_codes(mx.array(codes), 3))
+    assert packed.shape == (3, 24)
+    words = packed.reshape(3, 2, 3, 4).astype(np.uint32)
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
+    for r in range(3):
+        for b in range(2):
+            c = codes[r, 32 * b : 32 * b + 32].astype(np.uint32)
+            w0, w1, w2 = (int(x) for x in words[r, b])
+            for j, w in enumerate((w0, w1, w2)):
+                assert [(w >> 4 * k) & 7 for k in range(8)] == list(c[8 * j : 8 * j + 8])
+            top = ((w0 >> 3) & 0x11111111) | ((w1 >> 2) & 0x22222222) | ((w2 >> 1) & 0x44444444)
+            assert [(top >> 4 * k) & 15 for k in range(8)] == list(c[24:])
+    assert mx.array_equal(unpack_codes(mx.array(packed), 3), mx.array(codes))
+
+
 # ---- quantizer -------------------------------------------------------------------------------
 def test_encode_decode_error_is_lloyd_max_error():
     dim, rot = 128, Rotation.make("v3", 128, 2, seed=0, layer=0)

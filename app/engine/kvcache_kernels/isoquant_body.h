@@ -12,8 +12,9 @@
 //   IQ_EXP2(x)       IQ_NEG_INF       iq_u32 / iq_u64 unsigned integer types
 //   body prologue:   iq_tid (thread in group), iq_bx/iq_by/iq_bz (group position in grid)
 //
-// Packed format (kvcache/packing.py): a row of D codes of BITS bits is a little-endian bit stream;
-// code i means levels[i]; the vector in rotated space is (norm/√D)·levels[codes].
+// Packed format (kvcache/packing.py, version 2): 3-bit rows in blocks of 32 codes (three words of
+// nibbles, iq_group8), 4-bit rows a nibble a code; code c means levels[c]; the vector in rotated
+// space is (norm/√D)·levels[codes].
 // Shapes (legends): q [B, Hq, L, D]; codes [B, Hkv, T, D*BITS/8] uint8; norms [B, Hkv, T] fp16;
 // fp K/V [B, Hkv, Tf, D]; rows r = g*L + l of one KV head h are the query (head h*G+g, position l).
 // Scores are kept in the log2 domain (q pre-scaled by scale*log2(e)), so softmax uses exp2.
@@ -38,31 +39,51 @@
 #define IQ_P_SINKS 12 // 1 when the sinks input holds one logit per query head
 #define IQ_P_B 13     // batch
 
-// NBITS bits of a byte row starting at bit `bit0`, little-endian, as the low bits of a u64.
-// Bytes at or past ROWB are never read (the last row of a buffer may end there).
-template <int NBITS, int ROWB, typename P>
-IQ_FN iq_u64 iq_read_bits(P row, int bit0) {
-  constexpr int NB0 = (NBITS + 14) / 8;  // bytes that cover NBITS after a shift of up to 7
-  constexpr int NB = NB0 < 8 ? NB0 : 8;  // 64-bit reads only happen byte-aligned (4-bit codes)
-  const int b0 = bit0 >> 3;
-  iq_u64 v = 0;
-  for (int i = 0; i < NB; ++i) {
-    if (b0 + i < ROWB) {
-      v |= iq_u64(row[b0 + i]) << (8 * i);
-    }
-  }
-  return v >> (bit0 & 7);
+// Packed rows (packing.py, format 2). 3-bit rows come in blocks of 32 codes: three 32-bit
+// words whose nibbles hold codes 0-23 in their low 3 bits and codes 24-31 bit-sliced across
+// their top bits; 4-bit rows hold one code per nibble. Readers use byte loads: any alignment,
+// any address space, nothing read past the row.
+
+// 4 bytes at byte offset o of a row, little-endian.
+template <typename P>
+IQ_FN iq_u32 iq_word(P row, int o) {
+  return iq_u32(row[o]) | (iq_u32(row[o + 1]) << 8) | (iq_u32(row[o + 2]) << 16) |
+         (iq_u32(row[o + 3]) << 24);
 }
 
-// One row of 8 codes (24 or 32 bits) at group g of a packed row: byte-aligned by construction.
+// Codes 24-31 of a 3-bit block, one per nibble, from its three words.
+IQ_FN iq_u32 iq_top8(iq_u32 w0, iq_u32 w1, iq_u32 w2) {
+  return ((w0 >> 3) & 0x11111111u) | ((w1 >> 2) & 0x22222222u) | ((w2 >> 1) & 0x44444444u);
+}
+
+// Codes 8g..8g+7 of a packed row, code k in nibble k (bits 4k.., BITS of them).
 template <int BITS, typename P>
 IQ_FN iq_u32 iq_group8(P row, int g) {
-  const int o = BITS * g;  // bytes: a group of 8 codes is BITS bytes long
-  iq_u32 w = iq_u32(row[o]) | (iq_u32(row[o + 1]) << 8) | (iq_u32(row[o + 2]) << 16);
   if (BITS == 4) {
-    w |= iq_u32(row[o + 3]) << 24;
+    return iq_word(row, 4 * g);
   }
-  return w;
+  const int o = 12 * (g >> 2);
+  if ((g & 3) < 3) {
+    return iq_word(row, o + 4 * (g & 3)) & 0x77777777u;
+  }
+  return iq_top8(iq_word(row, o), iq_word(row, o + 4), iq_word(row, o + 8));
+}
+
+// Code c of a packed row.
+template <int BITS, typename P>
+IQ_FN int iq_code_at(P row, int c) {
+  if (BITS == 4) {
+    return int((iq_u32(row[c >> 1]) >> (4 * (c & 1))) & 15u);
+  }
+  const int o = 12 * (c >> 5);
+  const int r = c & 31;
+  if (r < 24) {
+    return int((iq_u32(row[o + 4 * (r >> 3) + ((r & 7) >> 1)]) >> (4 * (r & 1))) & 7u);
+  }
+  const int bo = o + ((r - 24) >> 1);
+  const int sh = 4 * (r & 1) + 3;
+  return int(((iq_u32(row[bo]) >> sh) & 1u) | (((iq_u32(row[bo + 4]) >> sh) & 1u) << 1) |
+             (((iq_u32(row[bo + 8]) >> sh) & 1u) << 2));
 }
 
 IQ_FN float iq_warp_max(float v) {
@@ -240,7 +261,7 @@ IQ_FN void iq_token_scores(IqPacked, IQ_THREAD float* s, IQ_TG const float* qs,
     const iq_u32 w = iq_group8<KB>(kc + j * ks, g);
     float lv[8];
     for (int k = 0; k < 8; ++k) {
-      lv[k] = lvk[(w >> (KB * k)) & ((1u << KB) - 1u)];
+      lv[k] = lvk[(w >> (4 * k)) & ((1u << KB) - 1u)];
     }
     for (int r = 0; r < RB; ++r) {
       IQ_TG const float* qr = qs + r * D + 8 * g;
@@ -288,9 +309,13 @@ template <int D, int VB, typename PVC>
 IQ_FN void iq_token_values(IqPacked, IQ_THREAD float* v, IQ_TG const float* lvv, PVC vc, long vs,
                            int j, int lane) {
   constexpr int CPL = D / 32;
-  const iq_u64 bits = iq_read_bits<CPL * VB, D * VB / 8>(vc + j * vs, lane * CPL * VB);
+  iq_u32 w = 0u;
   for (int k = 0; k < CPL; ++k) {
-    v[k] = lvv[(bits >> (VB * k)) & iq_u64((1u << VB) - 1u)];
+    const int c = lane * CPL + k;  // a group of 8 holds all CPL < 8 codes of a lane
+    if (k % 8 == 0) {
+      w = iq_group8<VB>(vc + j * vs, c >> 3) >> (4 * (c & 7));
+    }
+    v[k] = lvv[(w >> (4 * (k % 8))) & ((1u << VB) - 1u)];
   }
 }
 
@@ -731,7 +756,7 @@ IQ_FN void iq_store_partial(
     const float f = float(v_norms[nb + j * v_norms_strides[2]]) * inv_sqrt_d;
     float lv[8];
     for (int k = 0; k < 8; ++k) {
-      lv[k] = iq_lv[(w >> (VB * k)) & ((1u << VB) - 1u)];
+      lv[k] = iq_lv[(w >> (4 * k)) & ((1u << VB) - 1u)];
     }
     for (int r = 0; r < RB; ++r) {
       const int rr = min(r0 + r, R - 1);
@@ -765,7 +790,6 @@ IQ_FN void iq_store_partial(
 // group D. template: D, RB, VB. Output part [S, B*Hkv, R, D], rotated space.
 {
   IQ_SHARED float iq_lv[16];
-  constexpr int VROW = D * VB / 8;
   const int Tc = iparams[IQ_P_TC];
   const int R = iparams[IQ_P_R];
   const int Tp = iparams[IQ_P_SL];
@@ -794,8 +818,7 @@ IQ_FN void iq_store_partial(
   const long nb = b * v_norms_strides[0] + h * v_norms_strides[1];
   const int t1 = min(len, (sp + 1) * SLD);
   for (int j = sp * SLD; j < t1; ++j) {
-    const iq_u64 bits = iq_read_bits<VB, VROW>(v_codes + vb + j * v_codes_strides[2], d * VB);
-    const float lv = iq_lv[bits & iq_u64((1u << VB) - 1u)];
+    const float lv = iq_lv[iq_code_at<VB>(v_codes + vb + j * v_codes_strides[2], d)];
     const float f = float(v_norms[nb + j * v_norms_strides[2]]) * inv_sqrt_d * lv;
     for (int r = 0; r < RB; ++r) {
       const int rr = min(r0 + r, R - 1);
@@ -841,8 +864,8 @@ IQ_FN void iq_store_partial(
 // Decode-time compression of K and V rows into the cache's packed format (packing.py), one row
 // per threadgroup of D threads, both tensors in one launch: y = R x (float32, the rotation of
 // KV head h as iq_rotate_rows), norm = |y|, u = y * sqrt(D) / max(norm, 1e-30),
-// code = #{thresholds < u}, packed little-endian (3-bit: 8 codes in 3 bytes; 4-bit: two a
-// byte, low nibble first), norm stored as HT (fp16) clamped to 65504. The math of
+// code = #{thresholds < u}, packed (3-bit: blocks of 32 codes in 12 bytes, packing.py; 4-bit:
+// two a byte, low nibble first), norm stored as HT (fp16) clamped to 65504. The math of
 // quantizer.encode (the MLX-ops path); codes agree except where float rounding puts u within
 // ~1e-6 of a threshold. x_k, x_v: [B, Hkv, N, D] views (any strides).
 // grid (D, N, B*Hkv*2), z = (b*Hkv + h)*2 + (0: K, 1: V); group D. template: D, KIND, KB, VB, HT.
@@ -889,17 +912,20 @@ IQ_FN void iq_store_partial(
   IQ_BARRIER();
   const long row = long(bh) * N + n;
   if (bits == 3) {
-    if (d % 8 == 0) {
+    if (d % 32 < 3) {  // word j = d % 32 of block d / 32 (packing.py)
+      const int c0 = d - d % 32;
+      const int j = d % 32;
       iq_u32 w = 0u;
       for (int k = 0; k < 8; ++k) {
-        w |= iq_u32(iq_code[d + k]) << (3 * k);
+        const iq_u32 top = (iq_u32(iq_code[c0 + 24 + k]) >> j) & 1u;
+        w |= (iq_u32(iq_code[c0 + 8 * j + k]) | (top << 3)) << (4 * k);
       }
-      const long o = row * (3 * D / 8) + 3 * (d / 8);
-      for (int j = 0; j < 3; ++j) {
+      const long o = row * (3 * D / 8) + 12 * (c0 / 32) + 4 * j;
+      for (int i = 0; i < 4; ++i) {
         if (kv == 0) {
-          kc[o + j] = uint8_t((w >> (8 * j)) & 0xFFu);
+          kc[o + i] = uint8_t((w >> (8 * i)) & 0xFFu);
         } else {
-          vc[o + j] = uint8_t((w >> (8 * j)) & 0xFFu);
+          vc[o + i] = uint8_t((w >> (8 * i)) & 0xFFu);
         }
       }
     }

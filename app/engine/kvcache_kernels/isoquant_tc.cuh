@@ -14,8 +14,9 @@
 //     is already laid out as the B fragment of the next product.
 //   O^T += V^T P'^T: A = V codes (rows = 16 coordinates, k = the 16 tokens), one mma per 16
 //     coordinates: half as many mma and accumulators as O = P' V with 16 padded query rows.
-// Codes reach the selectors by spreading 8 codes of 3 bits into nibbles (3 and + 3 multiply-
-// adds), then, for V, pairing two tokens' nibbles into bytes (2 logic ops per 4 selectors).
+// Codes reach the selectors as the packed rows' nibble words (packing.py: codes 0-23 of a block
+// by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
+// nibbles into bytes (2 logic ops per 4 selectors).
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
 //   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid; k-step kt
 //       uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1).
@@ -38,15 +39,6 @@ __device__ __forceinline__ void iq_split_h2(float x, float y, uint32_t& hi, uint
   hi = iq_pack_h2(x, y);
   const __half2 h = *reinterpret_cast<const __half2*>(&hi);
   lo = iq_pack_h2(x - __low2float(h), y - __high2float(h));
-}
-
-// 8 codes of 3 bits (x = c0 | c1<<3 | ... | c7<<21, nothing above bit 23) -> c_k in nibble k
-// (bit 3 of every nibble clear, as a byte-permute selector needs). Each step moves the upper
-// fields up with one multiply-add: x + (x & M) * (2^s - 1) = (x & ~M) + ((x & M) << s).
-__device__ __forceinline__ uint32_t iq_spread8(uint32_t x) {
-  x += (x & 0xFFF000u) * 15u;    // 12-bit halves -> 16-bit halves
-  x += (x & 0x0FC00FC0u) * 3u;   // 6-bit quarters -> bytes
-  return x + (x & 0x38383838u);  // 3-bit codes -> nibbles
 }
 
 // Levels of 4 codes (selector nibbles c0..c3 in the low 16 bits, each < 8) as two half2
@@ -111,44 +103,49 @@ __device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
-// 16 codes (48 bits at a 2-byte aligned p) -> two nibble words: codes 0-7 and 8-15.
-__device__ __forceinline__ void iq_spread48(const uint8_t* p, uint32_t& s0, uint32_t& s1) {
-  const uint32_t h0 = iq_ld16(p), h1 = iq_ld16(p + 2), h2 = iq_ld16(p + 4);
-  s0 = iq_spread8(h0 | ((h1 & 0xFFu) << 16));
-  s1 = iq_spread8((h1 >> 8) | (h2 << 8));
+// A 32-bit word at p: one load when 4-byte aligned (A4: the streamed stage rows), else two 16-bit
+// loads (rows and block offsets are 2-byte aligned).
+template <bool A4>
+__device__ __forceinline__ uint32_t iq_tc_word(const uint8_t* p) {
+  if (A4) return *reinterpret_cast<const uint32_t*>(p);
+  return iq_ld16(p) | (iq_ld16(p + 2) << 16);
+}
+
+// Codes [16h, 16h + 16) of the 3-bit block at p (packing.py: words of nibbles, codes 24-31 in
+// their top bits) as two nibble words: codes 0-7 and 8-15 (h = 0) or 16-23 and 24-31 (h = 1).
+template <bool A4>
+__device__ __forceinline__ void iq_tc_half(const uint8_t* p, int h, uint32_t& s0, uint32_t& s1) {
+  const uint32_t w0 = iq_tc_word<A4>(p), w1 = iq_tc_word<A4>(p + 4), w2 = iq_tc_word<A4>(p + 8);
+  s0 = (h ? w2 : w0) & 0x77777777u;
+  s1 = h ? iq_top8(w0, w1, w2) : (w1 & 0x77777777u);
 }
 
 // The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
-// 8i..8i+7 of that range. Rows and lane offsets are 2-byte aligned; A4: 4-byte aligned (the
-// streamed stage rows), read as words.
+// 8i..8i+7 of that range (selectors as they are: nibbles < 8). A4: 4-byte aligned rows.
 template <int D, bool A4>
 __device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32_t S[D / 32]) {
-  const uint8_t* p = row + tig * (3 * D / 32);
   if constexpr (D == 128) {
-    if (A4) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
-      const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
-      S[0] = iq_spread8(w0 & 0xFFFFFFu);
-      S[1] = iq_spread8((w0 >> 24) | ((w1 & 0xFFFFu) << 8));
-      S[2] = iq_spread8((w1 >> 16) | ((w2 & 0xFFu) << 16));
-      S[3] = iq_spread8(w2 >> 8);
-    } else {
-      iq_spread48(p, S[0], S[1]);
-      iq_spread48(p + 6, S[2], S[3]);
-    }
+    const uint8_t* p = row + 12 * tig;  // one block of 32 codes
+    const uint32_t w0 = iq_tc_word<A4>(p), w1 = iq_tc_word<A4>(p + 4), w2 = iq_tc_word<A4>(p + 8);
+    S[0] = w0 & 0x77777777u;
+    S[1] = w1 & 0x77777777u;
+    S[2] = w2 & 0x77777777u;
+    S[3] = iq_top8(w0, w1, w2);
   } else {
-    iq_spread48(p, S[0], S[1]);
+    iq_tc_half<A4>(row + 12 * (tig >> 1), tig & 1, S[0], S[1]);
   }
 }
 
 // The lane's V codes of one row (codes [gid*D/8, +D/8)) as nibble words (D/64 of them).
-template <int D>
+template <int D, bool A4>
 __device__ __forceinline__ void iq_tc_vcodes(const uint8_t* row, int gid, uint32_t S[D / 64]) {
   if constexpr (D == 128) {
-    iq_spread48(row + 6 * gid, S[0], S[1]);
+    iq_tc_half<A4>(row + 12 * (gid >> 1), gid & 1, S[0], S[1]);
   } else {
-    const uint8_t* p = row + 3 * gid;
-    S[0] = iq_spread8(uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16));
+    const uint8_t* p = row + 12 * (gid >> 2);  // quarter gid & 3 of a block
+    const uint32_t w0 = iq_tc_word<A4>(p), w1 = iq_tc_word<A4>(p + 4), w2 = iq_tc_word<A4>(p + 8);
+    const int q = gid & 3;
+    S[0] = q == 3 ? iq_top8(w0, w1, w2) : ((q == 0 ? w0 : (q == 1 ? w1 : w2)) & 0x77777777u);
   }
 }
 
@@ -478,10 +475,10 @@ __device__ __forceinline__ void iq_tc_warp(
     iq_split_h2(p[1][0] * nvs[1][0], p[1][1] * nvs[1][1], pb1, pl1);
     // V codes of tokens 2tig, 2tig+1, 2tig+8, 2tig+9 over the lane's D/8 coordinates
     uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-    iq_tc_vcodes<D>(vc_ + tok(2 * tig) * vs_, gid, va);
-    iq_tc_vcodes<D>(vc_ + tok(2 * tig + 1) * vs_, gid, vb);
-    iq_tc_vcodes<D>(vc_ + tok(2 * tig + 8) * vs_, gid, vcc);
-    iq_tc_vcodes<D>(vc_ + tok(2 * tig + 9) * vs_, gid, vd);
+    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig) * vs_, gid, va);
+    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig + 1) * vs_, gid, vb);
+    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig + 8) * vs_, gid, vcc);
+    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig + 9) * vs_, gid, vd);
 #pragma unroll
     for (int q = 0; q < NVS; ++q) {
       uint32_t sab[4], scd[4];
