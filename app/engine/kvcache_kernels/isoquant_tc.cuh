@@ -29,6 +29,16 @@
 // iq_mma (one m16n8k16 f16 -> f32 multiply-accumulate) comes from the CUDA prologue.
 
 // @header
+// At least 5 threadgroups (20 warps) per SM: ptxas then fits the kernel in 96 registers instead of
+// ~102 (which allowed 4). The kernel is latency-bound once its instruction count is down (~2.4
+// warps per scheduler, ~46% of issue slots busy at B8 T32K): H200, side by side (results/
+// attention_decode.json "session7_runs"): B8 T32K 117.0 -> 110.3 us, B32 T32K 409 -> 388 us,
+// B8 T8K 40.1 -> 38.5 us, B1 T2K 12.4 -> 12.2 us. MLX writes the kernel's signature itself, so the
+// bound goes on its __global__ (this header is compiled with the tensor-core kernel alone).
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__)
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(IQ_NW * 32, 5)
+#endif
 __device__ __forceinline__ uint32_t iq_pack_h2(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
