@@ -19,7 +19,8 @@
 // nibbles into bytes (2 logic ops per 4 selectors).
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
 //   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid; k-step kt
-//       uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1).
+//       uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1) (KI8: k-step ks of 32 uses codes
+//       tig*D/4 + 8ks + 0..3 (b0) and + 4..7 (b1)).
 //   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 2tig, 2tig+1, 2tig+8,
 //       2tig+9; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows gid -> code
 //       8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
@@ -416,22 +417,22 @@ __device__ __forceinline__ void iq_tc_warp(
       }
     } else {
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      uint32_t a0_, a1_, a2_, a3_;
-      if (QS) {
-        const uint4 f = qf[kt * 32 + lane];
-        a0_ = f.x, a1_ = f.y, a2_ = f.z, a3_ = f.w;
-      } else {
-        a0_ = qa[QS ? 0 : kt][0], a1_ = qa[QS ? 0 : kt][1];
-        a2_ = qa[QS ? 0 : kt][2], a3_ = qa[QS ? 0 : kt][3];
-      }
+      for (int kt = 0; kt < KT; ++kt) {
+        uint32_t a0_, a1_, a2_, a3_;
+        if (QS) {
+          const uint4 f = qf[kt * 32 + lane];
+          a0_ = f.x, a1_ = f.y, a2_ = f.z, a3_ = f.w;
+        } else {
+          a0_ = qa[QS ? 0 : kt][0], a1_ = qa[QS ? 0 : kt][1];
+          a2_ = qa[QS ? 0 : kt][2], a3_ = qa[QS ? 0 : kt][3];
+        }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        uint32_t b0, b1;
-        iq_lut4(S[nt][kt >> 1] >> (16 * (kt & 1)), ktab, b0, b1);
-        iq_mma(c[nt], a0_, a1_, a2_, a3_, b0, b1);
+        for (int nt = 0; nt < 2; ++nt) {
+          uint32_t b0, b1;
+          iq_lut4(S[nt][kt >> 1] >> (16 * (kt & 1)), ktab, b0, b1);
+          iq_mma(c[nt], a0_, a1_, a2_, a3_, b0, b1);
+        }
       }
-    }
     }
     float s[2][2];
 #pragma unroll
