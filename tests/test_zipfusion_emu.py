@@ -71,31 +71,10 @@ inline float emu_bf(uint32_t reg, int hi) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 with the PTX fragment layouts.
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 (emu.h's fragment layouts)
 inline void zf_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  const int w = emu_tid / 32, l = emu_tid % 32;
-  uint32_t* m = emu_blk->mbuf[w][l];
-  m[0] = a[0]; m[1] = a[1]; m[2] = a[2]; m[3] = a[3]; m[4] = b0; m[5] = b1;
-  __syncwarp();
-  auto A = [&](int row, int k) {
-    const int lane = (row % 8) * 4 + (k % 8) / 2;
-    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-    return emu_bf(emu_blk->mbuf[w][lane][reg], k % 2);
-  };
-  auto B = [&](int k, int n) {
-    const int lane = n * 4 + (k % 8) / 2;
-    return emu_bf(emu_blk->mbuf[w][lane][4 + (k >= 8 ? 1 : 0)], k % 2);
-  };
-  const int gid = l / 4, tig = l % 4;
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = gid + (i >= 2 ? 8 : 0), col = 2 * tig + (i % 2);
-    float acc = c[i];
-    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
-    out[i] = acc;
-  }
-  __syncwarp();
-  for (int i = 0; i < 4; ++i) c[i] = out[i];
+  const uint32_t r[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  emu_mma<16>(c, r, emu_bf);
 }
 inline uint32_t zf_pack_bf16(float lo, float hi) {
   __nv_bfloat16 a(lo), b(hi);

@@ -155,64 +155,50 @@ inline float emu_h(uint32_t reg, int hi) {
   return float(h);
 }
 
-// mma.sync.m16n8k32.row.col.s32.s8.s8.s32 with the PTX fragment layouts (8-bit elements, the
-// lowest k in the lowest byte).
-inline void iq_imma(int c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                    uint32_t b1) {
+// One warp's mma.sync.m16n8kK (row.col) with the PTX fragment layouts: each 32-bit register holds
+// E = K/8 consecutive k of one row (A) or column (B), the lowest k in the low bits; a0: row g,
+// k < K/2; a1: row g+8; a2, a3: the same at k >= K/2; b0: k < K/2, b1: k >= K/2, column g.
+// elem(register, i) decodes element i of a register; Acc is the accumulator type.
+template <int K, typename Acc, typename Elem>
+inline void emu_mma(Acc c[4], const uint32_t r[6], Elem elem) {
+  constexpr int E = K / 8;  // elements per register
+  constexpr int H = K / 2;
   const int w = emu_tid / 32, l = emu_tid % 32;
   uint32_t* m = emu_blk->mbuf[w][l];
-  m[0] = a0; m[1] = a1; m[2] = a2; m[3] = a3; m[4] = b0; m[5] = b1;
+  for (int i = 0; i < 6; ++i) m[i] = r[i];
   __syncwarp();
-  auto byte = [](uint32_t r, int i) { return int(int8_t(uint8_t(r >> (8 * i)))); };
-  auto A = [&](int row, int k) {  // a0: (g, k<16), a1: (g+8, k<16), a2: (g, k>=16), a3: (g+8, k>=16)
-    const int lane = (row % 8) * 4 + (k % 16) / 4;
-    const int reg = (row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0);
-    return byte(emu_blk->mbuf[w][lane][reg], k % 4);
+  auto A = [&](int row, int k) {
+    const int lane = (row % 8) * 4 + (k % H) / E;
+    return elem(emu_blk->mbuf[w][lane][(row >= 8 ? 1 : 0) + (k >= H ? 2 : 0)], k % E);
   };
-  auto B = [&](int k, int n) {  // b0: k<16, b1: k>=16; column n = groupID
-    const int lane = n * 4 + (k % 16) / 4;
-    return byte(emu_blk->mbuf[w][lane][4 + (k >= 16 ? 1 : 0)], k % 4);
+  auto B = [&](int k, int n) {
+    return elem(emu_blk->mbuf[w][n * 4 + (k % H) / E][4 + (k >= H ? 1 : 0)], k % E);
   };
   const int gid = l / 4, tig = l % 4;
-  int out[4];
+  Acc out[4];
   for (int i = 0; i < 4; ++i) {
     const int row = gid + (i >= 2 ? 8 : 0);
     const int col = 2 * tig + (i % 2);
-    int acc = c[i];
-    for (int k = 0; k < 32; ++k) acc += A(row, k) * B(k, col);
+    Acc acc = c[i];
+    for (int k = 0; k < K; ++k) acc += A(row, k) * B(k, col);
     out[i] = acc;
   }
   __syncwarp();
   for (int i = 0; i < 4; ++i) c[i] = out[i];
 }
 
-// mma.sync.m16n8k16.row.col.f32.f16.f16.f32 with the PTX fragment layouts.
+// mma.sync.m16n8k32.row.col.s32.s8.s8.s32
+inline void iq_imma(int c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                    uint32_t b1) {
+  const uint32_t r[6] = {a0, a1, a2, a3, b0, b1};
+  emu_mma<32>(c, r, [](uint32_t x, int i) { return int(int8_t(uint8_t(x >> (8 * i)))); });
+}
+
+// mma.sync.m16n8k16.row.col.f32.f16.f16.f32
 inline void iq_mma(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                    uint32_t b1) {
-  const int w = emu_tid / 32, l = emu_tid % 32;
-  uint32_t* m = emu_blk->mbuf[w][l];
-  m[0] = a0; m[1] = a1; m[2] = a2; m[3] = a3; m[4] = b0; m[5] = b1;
-  __syncwarp();
-  auto A = [&](int row, int k) {  // a0: (g, k<8), a1: (g+8, k<8), a2: (g, k>=8), a3: (g+8, k>=8)
-    const int lane = (row % 8) * 4 + (k % 8) / 2;
-    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-    return emu_h(emu_blk->mbuf[w][lane][reg], k % 2);
-  };
-  auto B = [&](int k, int n) {  // b0: k<8, b1: k>=8; column n = groupID
-    const int lane = n * 4 + (k % 8) / 2;
-    return emu_h(emu_blk->mbuf[w][lane][4 + (k >= 8 ? 1 : 0)], k % 2);
-  };
-  const int gid = l / 4, tig = l % 4;
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = gid + (i >= 2 ? 8 : 0);
-    const int col = 2 * tig + (i % 2);
-    float acc = c[i];
-    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
-    out[i] = acc;
-  }
-  __syncwarp();
-  for (int i = 0; i < 4; ++i) c[i] = out[i];
+  const uint32_t r[6] = {a0, a1, a2, a3, b0, b1};
+  emu_mma<16>(c, r, emu_h);
 }
 
 // Runs fn() once per thread of every block of grid (gx, gy, gz) x block (nt threads).
