@@ -34,6 +34,7 @@ import mlx.core as mx  # noqa: E402
 from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+WINDOW = 64  # float tokens of the cache's recent window (kvcache default W)
 BS = (1, 8, 32)
 TS = (2048, 8192, 32768, 131072)
 L2_BYTES = 60 << 20
@@ -77,12 +78,13 @@ def time_torch(fn, sets, trials=7, min_calls=20) -> float:
     return statistics.median(out)
 
 
-def isoquant_sets(b: int, t: int, dtype=mx.bfloat16):
-    per = b * HKV * t * 2 * (3 * D // 8 + 2)
+def isoquant_sets(b: int, t: int, dtype=mx.bfloat16, tf: int = 0):
+    """Input sets of t compressed tokens (+ tf float ones, the cache's recent window)."""
+    per = b * HKV * (t * 2 * (3 * D // 8 + 2) + tf * 2 * D * 2)
     sets = []
     for s in range(_sets(per)):
         q, k, v = iq.random_problem(
-            b, HKV, HQ // HKV, 1, D, t, 0, dtype=dtype, seed=s, encoded=False
+            b, HKV, HQ // HKV, 1, D, t, tf, dtype=dtype, seed=s, encoded=False
         )
         mx.eval(q, k.codes, k.norms, v.codes, v.norms)
         sets.append((q, k, v))
@@ -127,6 +129,13 @@ def bench_shape(rows, b, t, with_torch, variants):
         record(rows, "mlx-cuda", name, b, t, nbytes=per + qo, **time_both(f, sets))
     del sets
     mx.clear_cache()
+    if t <= 8192:  # as the app's cache holds it: + a recent window of 64 float tokens
+        sets, per_w = isoquant_sets(b, t, tf=WINDOW)
+        f = lambda q, k, v: iq.fused_attention(q, k, v, scale)  # noqa: E731
+        record(rows, "mlx-cuda", f"isoquant_fused_w{WINDOW}", b, t, nbytes=per_w + qo,
+               tf=WINDOW, **time_both(f, sets))  # fmt: skip
+        del sets
+        mx.clear_cache()
     per = b * HKV * t * D * 2 * 2
     try:
         sets = []
