@@ -91,7 +91,8 @@ def source(name: str, backend: str) -> tuple[str, str]:
 
 
 def _kernel_name(name: str, dtype: str) -> str:
-    return f"{name}_{dtype}_v2"  # v2: bump when a body changes meaning under the same template
+    # v3: packed format 2. Bump when a body changes meaning under the same template.
+    return f"{name}_{dtype}_v3"
 
 
 # -- kernels built once at import ----------------------------------------------------------
