@@ -17,6 +17,7 @@ Results: benchmarks/results/attention_decode.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -179,6 +180,25 @@ def bench_shape(rows, b, t, with_torch, variants):
         torch.cuda.empty_cache()
 
 
+# the library's settings a benchmark variant may change
+SETTINGS = ("TC_QS", "TC_FOLD", "TC_PREFETCH", "TC_KI8", "SPLIT_WARPS")
+
+
+@contextlib.contextmanager
+def settings(**changed):
+    """iq's settings (SETTINGS names) set for the duration, the loaded values restored after;
+    None leaves one as it is."""
+    saved = {k: getattr(iq, k) for k in SETTINGS}
+    for name, value in changed.items():
+        if value is not None:
+            setattr(iq, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(iq, name, value)
+
+
 def check_accuracy() -> dict:
     """Fused output vs the MLX-ops reference on the same codes (bench-like shape)."""
     q, k, v = iq.random_problem(2, HKV, HQ // HKV, 1, D, 4097, 64, dtype=mx.float32, seed=9)
@@ -190,11 +210,8 @@ def check_accuracy() -> dict:
             iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant=variant), ref
         )
     ki8 = iq.TC_KI8
-    iq.TC_KI8 = not ki8  # the tensor-core kernel's other Q K^T path
-    try:
+    with settings(TC_KI8=not ki8):  # the tensor-core kernel's other Q K^T path
         other = iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant="tc")
-    finally:
-        iq.TC_KI8 = ki8
     res["tc_qk_" + ("fp16" if ki8 else "int8")] = iq.rel_error(other, ref)
     res["unfused"] = iq.rel_error(iq.unfused_attention(q, k, v, 1 / math.sqrt(D)), ref)
     print(
@@ -222,11 +239,6 @@ def main() -> None:
     rows: list[dict] = []
     acc = check_accuracy()
 
-    # the library's settings a variant may change, and their values as loaded
-    defaults = {
-        k: getattr(iq, k) for k in ("TC_QS", "TC_FOLD", "TC_PREFETCH", "TC_KI8", "SPLIT_WARPS")
-    }
-
     def with_opts(
         qs: bool | None = None,
         warps: int | None = None,
@@ -239,17 +251,11 @@ def main() -> None:
         changed = dict(TC_QS=qs, TC_FOLD=fold, TC_PREFETCH=prefetch, TC_KI8=ki8, SPLIT_WARPS=warps)
 
         def fn(q, k, v, s):
-            for name, value in changed.items():
-                setattr(iq, name, defaults[name] if value is None else value)
-            try:
+            with settings(**changed):
                 return iq.fused_attention(q, k, v, s, variant=variant, split_len=split_len)
-            finally:
-                for name, value in defaults.items():
-                    setattr(iq, name, value)
 
         return fn
 
-    default_qs, default_fold, default_pf = iq.TC_QS, iq.TC_FOLD, iq.TC_PREFETCH
     # the defaults, then each option flipped: Q fragments in registers instead of shared
     # memory, the combine folded into the split kernel instead of its own launch, the first
     # tiles' loads issued after the query rotation instead of before, Q K^T on fp16 tensor cores
@@ -257,10 +263,10 @@ def main() -> None:
     # fixed splits of 16 and 32 tokens (1 and 2 tiles per warp) instead of the plan's
     fused = {
         "isoquant_fused": with_opts(),
-        "isoquant_fused_qregs": with_opts(qs=not default_qs),
-        "isoquant_fused_fold": with_opts(fold=not default_fold),
-        "isoquant_fused_prefetch" + ("_off" if default_pf else "_on"): with_opts(
-            prefetch=not default_pf
+        "isoquant_fused_qregs": with_opts(qs=not iq.TC_QS),
+        "isoquant_fused_fold": with_opts(fold=not iq.TC_FOLD),
+        "isoquant_fused_prefetch" + ("_off" if iq.TC_PREFETCH else "_on"): with_opts(
+            prefetch=not iq.TC_PREFETCH
         ),
         "isoquant_fused_qk_" + ("fp16" if iq.TC_KI8 else "int8"): with_opts(ki8=not iq.TC_KI8),
     }

@@ -12,7 +12,6 @@ import pytest
 from app.engine.kvcache.codebook import (
     Codebook,
     int8_lloyd_max,
-    is_int8_grid,
     kv_codebook,
     lloyd_max,
 )
@@ -118,6 +117,14 @@ def test_bad_head_dims_raise():
         Rotation.make("v3", 66, 1)
     with pytest.raises(ValueError, match="multiple of 8"):
         packed_row_bytes(68, 3)
+
+
+def is_int8_grid(levels, scale: float) -> bool:
+    """Whether every level / scale is an integer in [-127, 127] (to float32 rounding)."""
+    g = np.asarray(levels, np.float64) / scale
+    return bool(np.all(np.abs(g - np.rint(g)) <= 1e-5 * np.maximum(1.0, np.abs(g)))) and bool(
+        np.all(np.abs(np.rint(g)) <= 127)
+    )
 
 
 # ---- codebook --------------------------------------------------------------------------------

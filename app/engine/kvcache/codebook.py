@@ -85,14 +85,6 @@ def lloyd_max(dim: int, bits: int) -> Codebook:
     return Codebook(dim, bits, tuple(float(v) for v in levels), tuple(float(v) for v in thr))
 
 
-def is_int8_grid(levels, scale: float) -> bool:
-    """Whether every level / scale is an integer in [-127, 127] (to float32 rounding)."""
-    g = np.asarray(levels, np.float64) / scale
-    return bool(np.all(np.abs(g - np.rint(g)) <= 1e-5 * np.maximum(1.0, np.abs(g)))) and bool(
-        np.all(np.abs(np.rint(g)) <= 127)
-    )
-
-
 @functools.cache
 def int8_lloyd_max(dim: int, bits: int) -> Codebook:
     """The minimum-MSE codebook whose levels are scale · g, every g an integer in [-127, 127],

@@ -122,13 +122,22 @@ __device__ __forceinline__ uint32_t iq_tc_word(const uint8_t* p) {
   return iq_ld16(p) | (iq_ld16(p + 2) << 16);
 }
 
+// The three words of the 3-bit block at p (packing.py).
+template <bool A4>
+__device__ __forceinline__ void iq_tc_block(const uint8_t* p, uint32_t w[3]) {
+  w[0] = iq_tc_word<A4>(p);
+  w[1] = iq_tc_word<A4>(p + 4);
+  w[2] = iq_tc_word<A4>(p + 8);
+}
+
 // Codes [16h, 16h + 16) of the 3-bit block at p (packing.py: words of nibbles, codes 24-31 in
 // their top bits) as two nibble words: codes 0-7 and 8-15 (h = 0) or 16-23 and 24-31 (h = 1).
 template <bool A4>
 __device__ __forceinline__ void iq_tc_half(const uint8_t* p, int h, uint32_t& s0, uint32_t& s1) {
-  const uint32_t w0 = iq_tc_word<A4>(p), w1 = iq_tc_word<A4>(p + 4), w2 = iq_tc_word<A4>(p + 8);
-  s0 = (h ? w2 : w0) & 0x77777777u;
-  s1 = h ? iq_top8(w0, w1, w2) : (w1 & 0x77777777u);
+  uint32_t w[3];
+  iq_tc_block<A4>(p, w);
+  s0 = (h ? w[2] : w[0]) & 0x77777777u;
+  s1 = h ? iq_top8(w[0], w[1], w[2]) : (w[1] & 0x77777777u);
 }
 
 // The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
@@ -136,12 +145,12 @@ __device__ __forceinline__ void iq_tc_half(const uint8_t* p, int h, uint32_t& s0
 template <int D, bool A4>
 __device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32_t S[D / 32]) {
   if constexpr (D == 128) {
-    const uint8_t* p = row + 12 * tig;  // one block of 32 codes
-    const uint32_t w0 = iq_tc_word<A4>(p), w1 = iq_tc_word<A4>(p + 4), w2 = iq_tc_word<A4>(p + 8);
-    S[0] = w0 & 0x77777777u;
-    S[1] = w1 & 0x77777777u;
-    S[2] = w2 & 0x77777777u;
-    S[3] = iq_top8(w0, w1, w2);
+    uint32_t w[3];
+    iq_tc_block<A4>(row + 12 * tig, w);  // one block of 32 codes
+    S[0] = w[0] & 0x77777777u;
+    S[1] = w[1] & 0x77777777u;
+    S[2] = w[2] & 0x77777777u;
+    S[3] = iq_top8(w[0], w[1], w[2]);
   } else {
     iq_tc_half<A4>(row + 12 * (tig >> 1), tig & 1, S[0], S[1]);
   }
@@ -153,10 +162,11 @@ __device__ __forceinline__ void iq_tc_vcodes(const uint8_t* row, int gid, uint32
   if constexpr (D == 128) {
     iq_tc_half<A4>(row + 12 * (gid >> 1), gid & 1, S[0], S[1]);
   } else {
-    const uint8_t* p = row + 12 * (gid >> 2);  // quarter gid & 3 of a block
-    const uint32_t w0 = iq_tc_word<A4>(p), w1 = iq_tc_word<A4>(p + 4), w2 = iq_tc_word<A4>(p + 8);
+    uint32_t w[3];
+    iq_tc_block<A4>(row + 12 * (gid >> 2), w);  // quarter gid & 3 of a block
     const int q = gid & 3;
-    S[0] = q == 3 ? iq_top8(w0, w1, w2) : ((q == 0 ? w0 : (q == 1 ? w1 : w2)) & 0x77777777u);
+    const uint32_t wq = q == 0 ? w[0] : (q == 1 ? w[1] : w[2]);  // selects: no indexed (local) array
+    S[0] = q == 3 ? iq_top8(w[0], w[1], w[2]) : (wq & 0x77777777u);
   }
 }
 
