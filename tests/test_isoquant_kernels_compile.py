@@ -98,15 +98,17 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     memory at all in the scalar kernels: a struct whose address escapes (e.g. the tensor-core
     kernel's cp.async stream passed as a pointer that may be null) lives on the stack, and every
     tile then reloads and stores its pointers (measured: ~35 instructions per tile). The
-    tensor-core kernel is bounded to 96 registers (5 threadgroups per SM, measured ~5% faster
-    at B >= 8): its default int8 path may spill a few words (measured 44 bytes), well short of
-    the stream struct; the fp16 Q K^T path (a fallback) is only built."""
+    tensor-core kernel is bounded to 128 registers (4 threadgroups per SM, measured ~5% faster
+    at B >= 8 than 96): its default int8 path has no local memory; the fp16 Q K^T path (a
+    fallback) may spill a few words."""
     others = [n for n in CONFIGS if n not in iq.TC_BODIES]
     for name, (_regs, frame, spill) in _compile(tmp_path, others, iq.SHARED_HEADER).items():
         assert frame == 0 and spill == 0, (name, frame, spill)
     tc = _compile(tmp_path, ["iq_fused_tc"], iq.SHARED_HEADER + iq.TC_HEADER)
     for i, cfg in enumerate(CONFIGS["iq_fused_tc"]):
         regs, frame, spill = tc[f"iq_fused_tc_{i}"]
-        assert regs <= 96, (cfg, regs)  # the launch bound holds
+        assert regs <= 128, (cfg, regs)  # the launch bound holds
         if cfg["KI8"]:
-            assert frame <= 48 and spill <= 64, (cfg, frame, spill)
+            assert frame == 0 and spill == 0, (cfg, frame, spill)
+        else:
+            assert frame <= 64 and spill <= 64, (cfg, frame, spill)

@@ -229,8 +229,26 @@ using Shape = std::array<int32_t, 10>;
 using Strides = std::array<int64_t, 10>;
 }  // namespace mlx::core::cu
 
+// Shared addresses: 32-bit offsets from one static byte (the emulator's __shared__ arrays are
+// statics of one binary, within +-2 GB of it).
+inline char emu_smem_origin;
+inline uint32_t iq_smem(const void* p) {
+  return uint32_t(static_cast<const char*>(p) - &emu_smem_origin);
+}
+inline char* emu_smem_ptr(uint32_t s) { return &emu_smem_origin + int32_t(s); }
+inline uint32_t iq_lds32(uint32_t s) {
+  uint32_t v;
+  std::memcpy(&v, emu_smem_ptr(s), 4);
+  return v;
+}
+inline uint32_t iq_lds16(uint32_t s) {
+  uint16_t v;
+  std::memcpy(&v, emu_smem_ptr(s), 2);
+  return v;
+}
 // cp.async: copied at once (the emulator has no asynchrony); bytes < 16 zero-fill the rest.
-inline void iq_cp_async16(void* dst, const void* src, int bytes) {
+inline void iq_cp_async16s(uint32_t s, const void* src, int bytes) {
+  char* dst = emu_smem_ptr(s);
   std::memset(dst, 0, 16);
   if (bytes > 0) std::memcpy(dst, src, bytes);
 }

@@ -60,9 +60,24 @@ __device__ __forceinline__ float iq_ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
-// 16-byte global -> shared copy that completes asynchronously; bytes < 16 zero-fill the rest
-__device__ __forceinline__ void iq_cp_async16(void* dst, const void* src, int bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+// the 32-bit shared-memory address of a pointer into shared memory
+__device__ __forceinline__ uint32_t iq_smem(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// loads from a 32-bit shared address (volatile: ordered after the cp.async waits and warp syncs)
+__device__ __forceinline__ uint32_t iq_lds32(uint32_t s) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(s));
+  return v;
+}
+__device__ __forceinline__ uint32_t iq_lds16(uint32_t s) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(s));
+  return v;
+}
+// 16-byte global -> shared copy (to shared address s) that completes asynchronously; bytes < 16
+// zero-fill the rest
+__device__ __forceinline__ void iq_cp_async16s(uint32_t s, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void iq_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }

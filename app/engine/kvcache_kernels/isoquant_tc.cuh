@@ -30,15 +30,16 @@
 // iq_mma (one m16n8k16 f16 -> f32 multiply-accumulate) comes from the CUDA prologue.
 
 // @header
-// At least 5 threadgroups (20 warps) per SM: ptxas then fits the kernel in 96 registers instead of
-// ~102 (which allowed 4). The kernel is latency-bound once its instruction count is down (~2.4
-// warps per scheduler, ~46% of issue slots busy at B8 T32K): H200, side by side (results/
-// attention_decode.json "session7_runs"): B8 T32K 117.0 -> 110.3 us, B32 T32K 409 -> 388 us,
-// B8 T8K 40.1 -> 38.5 us, B1 T2K 12.4 -> 12.2 us. MLX writes the kernel's signature itself, so the
-// bound goes on its __global__ (this header is compiled with the tensor-core kernel alone).
+// At least 4 threadgroups (16 warps) per SM: ptxas then fits the kernel in 128 registers without
+// spills. MLX writes the kernel's signature itself, so the bound goes on its __global__ (this
+// header is compiled with the tensor-core kernel alone). H200, side by side in one call: a bound of
+// 5 (96 registers, a few spilled words) was ahead of none (~102 registers) by ~6% in session 7;
+// with the stream below (one source pointer per lane, 32-bit shared addresses) 4 is ahead of 5:
+// B8 T32K 108.2 -> 104.6 us, B32 T32K 373 -> 365, B8 T8K 38.0 -> 37.1 (attention_decode.json
+// "session8_runs").
 #if defined(__CUDACC__) && defined(__CUDA_ARCH__)
 #undef __global__
-#define __global__ __location__(global) __launch_bounds__(IQ_NW * 32, 5)
+#define __global__ __location__(global) __launch_bounds__(IQ_NW * 32, 4)
 #endif
 __device__ __forceinline__ uint32_t iq_pack_h2(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
@@ -114,6 +115,23 @@ __device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
+// A pointer into shared memory held as its 32-bit shared address (the streamed stages): loads
+// are ld.shared from that register plus a constant, where a generic pointer into a __shared__
+// array made ptxas rebuild the array's window address every tile (S2R SR_CgaCtaId, LEA, ~10
+// instructions per tile under the 96-register bound).
+template <typename T>
+struct IqSmem {
+  uint32_t a;
+  __device__ __forceinline__ IqSmem operator+(long i) const {
+    return {a + uint32_t(i) * uint32_t(sizeof(T))};
+  }
+  __device__ __forceinline__ T operator[](long i) const {
+    static_assert(sizeof(T) == 2, "16-bit elements (the norms)");
+    const uint16_t h = uint16_t(iq_lds16(a + uint32_t(i) * 2u));
+    return *reinterpret_cast<const T*>(&h);
+  }
+};
+
 // A 32-bit word at p: one load when 4-byte aligned (A4: the streamed stage rows), else two 16-bit
 // loads (rows and block offsets are 2-byte aligned).
 template <bool A4>
@@ -121,10 +139,14 @@ __device__ __forceinline__ uint32_t iq_tc_word(const uint8_t* p) {
   if (A4) return *reinterpret_cast<const uint32_t*>(p);
   return iq_ld16(p) | (iq_ld16(p + 2) << 16);
 }
+template <bool A4>
+__device__ __forceinline__ uint32_t iq_tc_word(IqSmem<uint8_t> p) {  // stage rows: 4-byte aligned
+  return iq_lds32(p.a);
+}
 
 // The three words of the 3-bit block at p (packing.py).
-template <bool A4>
-__device__ __forceinline__ void iq_tc_block(const uint8_t* p, uint32_t w[3]) {
+template <bool A4, typename P>
+__device__ __forceinline__ void iq_tc_block(P p, uint32_t w[3]) {
   w[0] = iq_tc_word<A4>(p);
   w[1] = iq_tc_word<A4>(p + 4);
   w[2] = iq_tc_word<A4>(p + 8);
@@ -132,8 +154,8 @@ __device__ __forceinline__ void iq_tc_block(const uint8_t* p, uint32_t w[3]) {
 
 // Codes [16h, 16h + 16) of the 3-bit block at p (packing.py: words of nibbles, codes 24-31 in
 // their top bits) as two nibble words: codes 0-7 and 8-15 (h = 0) or 16-23 and 24-31 (h = 1).
-template <bool A4>
-__device__ __forceinline__ void iq_tc_half(const uint8_t* p, int h, uint32_t& s0, uint32_t& s1) {
+template <bool A4, typename P>
+__device__ __forceinline__ void iq_tc_half(P p, int h, uint32_t& s0, uint32_t& s1) {
   uint32_t w[3];
   iq_tc_block<A4>(p, w);
   s0 = (h ? w[2] : w[0]) & 0x77777777u;
@@ -142,8 +164,8 @@ __device__ __forceinline__ void iq_tc_half(const uint8_t* p, int h, uint32_t& s0
 
 // The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
 // 8i..8i+7 of that range (selectors as they are: nibbles < 8). A4: 4-byte aligned rows.
-template <int D, bool A4>
-__device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32_t S[D / 32]) {
+template <int D, bool A4, typename P>
+__device__ __forceinline__ void iq_tc_kcodes(P row, int tig, uint32_t S[D / 32]) {
   if constexpr (D == 128) {
     uint32_t w[3];
     iq_tc_block<A4>(row + 12 * tig, w);  // one block of 32 codes
@@ -157,8 +179,8 @@ __device__ __forceinline__ void iq_tc_kcodes(const uint8_t* row, int tig, uint32
 }
 
 // The lane's V codes of one row (codes [gid*D/8, +D/8)) as nibble words (D/64 of them).
-template <int D, bool A4>
-__device__ __forceinline__ void iq_tc_vcodes(const uint8_t* row, int gid, uint32_t S[D / 64]) {
+template <int D, bool A4, typename P>
+__device__ __forceinline__ void iq_tc_vcodes(P row, int gid, uint32_t S[D / 64]) {
   if constexpr (D == 128) {
     iq_tc_half<A4>(row + 12 * (gid >> 1), gid & 1, S[0], S[1]);
   } else {
@@ -260,84 +282,76 @@ __device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_
 }
 
 // The cp.async stream of one warp's compressed tokens [t0, t1): tile i (tokens t0 + 16i ..)
-// goes to stage i % IQ_STAGES, tiles issued in order. Lane copies 16-byte chunks lane,
-// lane + 32, ... of a tile's K then V codes, lanes 0-3 its norms. Full tiles copy from per-lane
-// source pointers set up once and advanced a tile at a time (a few instructions per chunk);
-// the last, partial tile clamps every chunk to the segment's end and zero-fills the rest, so
-// the last row of a buffer is safe.
+// goes to stage i % IQ_STAGES, tiles issued in order. Lanes 0-15 copy the tile's K codes, lanes
+// 16-31 its V codes: 16-byte chunks (lane & 15) + 16r, i.e. one source pointer per lane with the
+// chunks at fixed offsets from it (a full tile: NCH copies, one pointer add); lanes 0-3 copy the
+// norms (0, 1: K; 2, 3: V). Destinations are 32-bit shared addresses set up once. The last,
+// partial tile clamps every chunk to the segment's end and zero-fills the rest, so the last row of
+// a buffer is safe.
 template <int D>
 struct IqStream {
   static constexpr int KROW = IqStage<D>::KROW;
   static constexpr int TK = IqStage<D>::TK;
   static constexpr int SB = IqStage<D>::BYTES;
-  static constexpr int NCH = (2 * KROW + 31) / 32;  // chunks per lane and tile (the last: lanes < 2 KROW % 32)
-  uint8_t* stage;
-  const uint8_t* kc;
-  const uint8_t* vc;
-  const __half* kn;
-  const __half* vn;
-  int t0, t1, lane, next;
-  const uint8_t* src[NCH];  // this lane's chunk sources in tile `next`
-  int dst[NCH];             // and their offsets in a stage
-  const __half* nsrc;       // lanes 0-3: 8 norms (0, 1: K; 2, 3: V)
+  static constexpr int NCH = (KROW + 15) / 16;  // chunks per lane and tile (TK / 16 = KROW of them)
+  uint32_t sdst;        // this lane's first chunk in stage 0
+  uint32_t snorm;       // lanes 0-3: their norm chunk in stage 0
+  const uint8_t* src;   // this lane's first chunk in tile `next`
+  const __half* nsrc;   // lanes 0-3: 8 norms of tile `next`
+  int left;             // tokens from tile `next` to the segment's end
+  int next;
+  int lane;
 
-  __device__ __forceinline__ IqStream(uint8_t* stage_, const uint8_t* kc_, const __half* kn_,
-                                      const uint8_t* vc_, const __half* vn_, int t0_, int t1_,
+  __device__ __forceinline__ IqStream(uint8_t* stage, const uint8_t* kc, const __half* kn,
+                                      const uint8_t* vc, const __half* vn, int t0, int t1,
                                       int lane_)
-      : stage(stage_), kc(kc_), vc(vc_), kn(kn_), vn(vn_), t0(t0_), t1(t1_), lane(lane_), next(0) {
-#pragma unroll
-    for (int r = 0; r < NCH; ++r) {
-      const int c = lane + 32 * r;  // chunk: K codes [0, KROW), V codes [KROW, 2 KROW)
-      const bool isv = c >= KROW;
-      const int cc = isv ? c - KROW : c;
-      src[r] = (isv ? vc : kc) + long(t0) * KROW + 16 * cc;
-      dst[r] = (isv ? TK : 0) + 16 * cc;
-    }
+      : left(t1 - t0), next(0), lane(lane_) {
+    const uint32_t s0 = iq_smem(stage);
+    const int c = lane & 15;
+    sdst = s0 + (lane < 16 ? 0 : TK) + 16 * c;
+    snorm = s0 + 2 * TK + 16 * (lane & 3);
+    src = (lane < 16 ? kc : vc) + long(t0) * KROW + 16 * c;
     nsrc = ((lane < 2) ? kn : vn) + t0 + 8 * (lane & 1);
   }
 
   __device__ __forceinline__ void issue() {
-    uint8_t* st = stage + (next % IQ_STAGES) * SB;
-    const int tok0 = t0 + 16 * next;
-    if (t1 - tok0 >= 16) {
+    const uint32_t st = (uint32_t(next) % IQ_STAGES) * SB;
+    const int c = lane & 15;
+    if (left >= 16) {
 #pragma unroll
       for (int r = 0; r < NCH; ++r) {
-        if ((2 * KROW) % 32 == 0 || lane + 32 * r < 2 * KROW) iq_cp_async16(st + dst[r], src[r], 16);
+        if (KROW % 16 == 0 || c + 16 * r < KROW) iq_cp_async16s(sdst + st + 256 * r, src + 256 * r, 16);
       }
-      if (lane < 4) iq_cp_async16(st + 2 * TK + 16 * lane, nsrc, 16);
+      if (lane < 4) iq_cp_async16s(snorm + st, nsrc, 16);
     } else {
-      const long base = long(tok0) * KROW;
-      const long kend = long(t1) * KROW;  // bytes of the segment from the head's token 0
+      const uint8_t* first = src - 16 * c;  // the tile's first row: inside the segment
+      const int rem = left * KROW;           // bytes of the segment from the tile's start
 #pragma unroll
       for (int r = 0; r < NCH; ++r) {
-        const int c = lane + 32 * r;
-        if ((2 * KROW) % 32 == 0 || c < 2 * KROW) {
-          const int cc = c >= KROW ? c - KROW : c;
-          const long left = kend - base - 16 * cc;
-          const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-          iq_cp_async16(st + dst[r], bytes > 0 ? src[r] : kc, bytes);
+        if (KROW % 16 == 0 || c + 16 * r < KROW) {
+          const int b = rem - 16 * (c + 16 * r);
+          const int bytes = b <= 0 ? 0 : (b >= 16 ? 16 : b);
+          iq_cp_async16s(sdst + st + 256 * r, bytes > 0 ? src + 256 * r : first, bytes);
         }
       }
       if (lane < 4) {
-        const long left = 2 * (long(t1) - (tok0 + 8 * (lane & 1)));
-        const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : int(left));
-        iq_cp_async16(st + 2 * TK + 16 * lane, bytes > 0 ? static_cast<const void*>(nsrc)
-                                                         : static_cast<const void*>(kc), bytes);
+        const int b = 2 * (left - 8 * (lane & 1));
+        const int bytes = b <= 0 ? 0 : (b >= 16 ? 16 : b);
+        iq_cp_async16s(snorm + st, bytes > 0 ? nsrc : nsrc - 8 * (lane & 1), bytes);
       }
     }
-#pragma unroll
-    for (int r = 0; r < NCH; ++r) src[r] += TK;
+    src += TK;
     nsrc += 16;
+    left -= 16;
     ++next;
   }
 
   // The first IQ_STAGES - 1 tiles, one commit group each. The kernel calls it before the query
   // set-up (PF), or iq_tc_warp does when its caller has not.
   __device__ __forceinline__ void prologue() {
-    const int ntiles = (t1 - t0 + 15) / 16;
 #pragma unroll
     for (int i = 0; i < IQ_STAGES - 1; ++i) {
-      if (next < ntiles) issue();
+      if (left > 0) issue();
       iq_cp_commit();
     }
   }
@@ -398,8 +412,9 @@ __device__ __forceinline__ void iq_tc_warp(
 
   // One 16-token tile: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
   // full: IqBool<true> when nv == 16 (no clamps, no masks).
-  auto step = [&](auto full, const uint8_t* kc_, long ks_, const __half* kn_, long kns_,
-                  const uint8_t* vc_, long vs_, const __half* vn_, long vns_, int nv) {
+  // kc_ .. vn_: global pointers, or IqSmem ones into a stage
+  auto step = [&](auto full, auto kc_, long ks_, auto kn_, long kns_, auto vc_, long vs_, auto vn_,
+                  long vns_, int nv) {
     constexpr bool FULL = decltype(full)::value;
     const int last = FULL ? 15 : nv - 1;
     auto tok = [&](int t) { return FULL ? t : min(t, last); };
@@ -523,15 +538,16 @@ __device__ __forceinline__ void iq_tc_warp(
     }
   } else {
     const int ntiles = (t1 - t0 + 15) / 16;
+    const uint32_t sstage = iq_smem(stage);
     if (!prefetched) stream.prologue();
     for (int i = 0; i < ntiles; ++i) {
-      if (stream.next < ntiles) stream.issue();
+      if (stream.left > 0) stream.issue();
       iq_cp_commit();
       iq_cp_wait_all_but<IQ_STAGES - 1>();
       __syncwarp();
-      const uint8_t* st = stage + (i % IQ_STAGES) * SB;
-      const __half* kn_ = reinterpret_cast<const __half*>(st + 2 * TK);
-      const __half* vn_ = reinterpret_cast<const __half*>(st + 2 * TK + 32);
+      const IqSmem<uint8_t> st{sstage + (unsigned(i) % IQ_STAGES) * SB};
+      const IqSmem<__half> kn_{st.a + 2 * TK};
+      const IqSmem<__half> vn_{st.a + 2 * TK + 32};
       const int nv = t1 - (t0 + 16 * i);
       if (nv >= 16) {
         step(IqBool<true>(), st, KROW, kn_, 1, st + TK, KROW, vn_, 1, 16);
