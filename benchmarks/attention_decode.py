@@ -271,7 +271,7 @@ def main() -> None:
         "isoquant_fused_qk_" + ("fp16" if iq.TC_KI8 else "int8"): with_opts(ki8=not iq.TC_KI8),
     }
     short = {
-        "isoquant_fused_split16": with_opts(split_len=16),
+        "isoquant_fused_split64": with_opts(split_len=64),
         "isoquant_fused_split32": with_opts(split_len=32),
     }
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]

@@ -255,11 +255,12 @@ def test_emulated_combine_merges_many_splits(emulated):
 
 @pytest.mark.slow
 def test_emulated_tc_one_tile_splits(emulated):
-    """Splits of 16 tokens (one tile per warp; short contexts): ragged lengths end inside a
-    split and inside a tile, a float tail and sinks, the merge and combine over many partials."""
+    """Splits of one tile (one tile per warp; short contexts): ragged lengths end inside a
+    split and inside a tile, a float tail and sinks, the merge and combine over many partials;
+    a split length under a tile rounds up to one."""
     q, k, v = iq.random_problem(2, 1, 4, 1, 128, 200, 3, dtype=mx.float32, seed=16)
     p = iq.Problem.of(q, k, v, None)
-    assert iq.split_plan(p, iq.TC_RB, 16, merged=True)["sl"] == 16
+    assert iq.split_plan(p, iq.TC_RB, 16, merged=True)["sl"] == iq.TC_TILE
     sk = mx.random.normal((4,))
     ref = iq.attention_reference(q, k, v, _scale(128), None, sk, [200, 71])
     out = iq.fused_attention(q, k, v, _scale(128), None, sk, [200, 71], variant="tc", split_len=16)

@@ -93,7 +93,7 @@ def source(name: str, backend: str) -> tuple[str, str]:
 def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream (MLX caches builds by name, so a
     # changed body gets a new name: a side-by-side run of the previous code never shares a build).
-    return f"{name}_{dtype}_v4"
+    return f"{name}_{dtype}_v5"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -182,6 +182,7 @@ def split_warps(rows: int) -> int:
 NW = 4  # warps per threadgroup (IQ_NW)
 COMBINE_THREADS = 256  # threads of iq_combine's threadgroup (CT in its body)
 TC_RB = 8  # query rows per threadgroup of the tensor-core kernel
+TC_TILE = 32  # tokens per tile of the tensor-core kernel (IQ_TILE)
 # rows per threadgroup of the scalar kernels: keeps RB * D/32 accumulators per lane at <= 32
 SCALAR_RB = {64: 8, 128: 8, 256: 4, 512: 2}
 LOG2E = 1.4426950408889634
@@ -464,7 +465,7 @@ def split_plan(
         tokens = p.tc * p.b * p.hkv
         min_len = 256 if tokens > 1 << 18 else (32 if merged and tokens <= 1 << 14 else 64)
         split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or split_warps(heads), heads)))
-    g = 16 if merged else 32  # tokens: the tensor-core kernel's tile, the scalar kernel's warp
+    g = TC_TILE if merged else 32  # tokens: the tensor-core kernel's tile, the scalar kernel's warp
     sl = max(g, _cdiv(split_len, g) * g)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
     slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))

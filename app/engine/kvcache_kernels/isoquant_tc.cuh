@@ -144,6 +144,28 @@ __device__ __forceinline__ uint32_t iq_tc_word(IqSmem<uint8_t> p) {  // stage ro
   return iq_lds32(p.a);
 }
 
+// The norms of tokens t, t + 1 (t even; indices clamped to `last` unless FULL): from a stage
+// (IqSmem, stride 1, 4-byte aligned pairs) one 32-bit load when FULL, else one load each.
+template <bool FULL>
+__device__ __forceinline__ void iq_norm_pair(IqSmem<__half> p, long stride, int t, int last,
+                                             float v[2]) {
+  if (FULL) {
+    const uint32_t w = iq_lds32(p.a + uint32_t(t) * 2u);
+    const __half2 h = *reinterpret_cast<const __half2*>(&w);
+    v[0] = __low2float(h);
+    v[1] = __high2float(h);
+  } else {
+    v[0] = __half2float(p[min(t, last) * stride]);
+    v[1] = __half2float(p[min(t + 1, last) * stride]);
+  }
+}
+template <bool FULL>
+__device__ __forceinline__ void iq_norm_pair(const __half* p, long stride, int t, int last,
+                                             float v[2]) {
+  v[0] = __half2float(p[(FULL ? t : min(t, last)) * stride]);
+  v[1] = __half2float(p[(FULL ? t + 1 : min(t + 1, last)) * stride]);
+}
+
 // The three words of the 3-bit block at p (packing.py).
 template <bool A4, typename P>
 __device__ __forceinline__ void iq_tc_block(P p, uint32_t w[3]) {
@@ -255,14 +277,17 @@ struct IqBool {
   static constexpr bool value = B;
 };
 
-// Bytes of one pipeline stage: the K and V codes of 16 tokens, then their K and V norms.
+// Tokens of a tile: one online-softmax step (its max, shuffles, rescale vote) per IQ_TILE tokens;
+// Q K^T in IQ_TILE / 8 n-tiles of 8 tokens, P V in IQ_TILE / 16 k-steps of 16.
+#define IQ_TILE 32
+// Bytes of one pipeline stage: the K and V codes of a tile, then its K and V norms.
 template <int D>
 struct IqStage {
-  static constexpr int KROW = 3 * D / 8;     // bytes of a packed row
-  static constexpr int TK = 16 * KROW;       // codes of a 16-token tile
-  static constexpr int BYTES = 2 * TK + 64;  // + 16 fp16 norms of K and of V
+  static constexpr int KROW = 3 * D / 8;            // bytes of a packed row
+  static constexpr int TK = IQ_TILE * KROW;         // codes of a tile
+  static constexpr int BYTES = 2 * TK + 4 * IQ_TILE;  // + the tile's fp16 norms of K and of V
 };
-#define IQ_STAGES 4  // tiles in flight per warp: hides HBM latency behind the decode and mma
+#define IQ_STAGES 2  // tiles in flight per warp: hides HBM latency behind the decode and mma
 
 IQ_FN bool iq_aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
@@ -281,11 +306,11 @@ __device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_
          iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
 }
 
-// The cp.async stream of one warp's compressed tokens [t0, t1): tile i (tokens t0 + 16i ..)
+// The cp.async stream of one warp's compressed tokens [t0, t1): tile i (tokens t0 + IQ_TILE i ..)
 // goes to stage i % IQ_STAGES, tiles issued in order. Lanes 0-15 copy the tile's K codes, lanes
 // 16-31 its V codes: 16-byte chunks (lane & 15) + 16r, i.e. one source pointer per lane with the
-// chunks at fixed offsets from it (a full tile: NCH copies, one pointer add); lanes 0-3 copy the
-// norms (0, 1: K; 2, 3: V). Destinations are 32-bit shared addresses set up once. The last,
+// chunks at fixed offsets from it (a full tile: NCH copies, one pointer add); lanes 0-NN copy the
+// norms (K, then V: 8 per lane). Destinations are 32-bit shared addresses set up once. The last,
 // partial tile clamps every chunk to the segment's end and zero-fills the rest, so the last row of
 // a buffer is safe.
 template <int D>
@@ -293,11 +318,13 @@ struct IqStream {
   static constexpr int KROW = IqStage<D>::KROW;
   static constexpr int TK = IqStage<D>::TK;
   static constexpr int SB = IqStage<D>::BYTES;
-  static constexpr int NCH = (KROW + 15) / 16;  // chunks per lane and tile (TK / 16 = KROW of them)
+  static constexpr int NCH = TK / 256;  // chunks per lane and tile (TK / 16 of them, 16 lanes)
+  static constexpr int NN = IQ_TILE / 4;  // lanes that copy norms: 8 each
+  static_assert(TK % 256 == 0, "a tile's codes are whole rounds of 16 lanes x 16 bytes");
   uint32_t sdst;        // this lane's first chunk in stage 0
-  uint32_t snorm;       // lanes 0-3: their norm chunk in stage 0
+  uint32_t snorm;       // lanes < NN: their norm chunk in stage 0
   const uint8_t* src;   // this lane's first chunk in tile `next`
-  const __half* nsrc;   // lanes 0-3: 8 norms of tile `next`
+  const __half* nsrc;   // lanes < NN: 8 norms of tile `next`
   int left;             // tokens from tile `next` to the segment's end
   int next;
   int lane;
@@ -309,40 +336,37 @@ struct IqStream {
     const uint32_t s0 = iq_smem(stage);
     const int c = lane & 15;
     sdst = s0 + (lane < 16 ? 0 : TK) + 16 * c;
-    snorm = s0 + 2 * TK + 16 * (lane & 3);
+    snorm = s0 + 2 * TK + 16 * (lane % NN);
     src = (lane < 16 ? kc : vc) + long(t0) * KROW + 16 * c;
-    nsrc = ((lane < 2) ? kn : vn) + t0 + 8 * (lane & 1);
+    nsrc = ((lane % NN) < NN / 2 ? kn : vn) + t0 + 8 * (lane % (NN / 2));
   }
 
   __device__ __forceinline__ void issue() {
     const uint32_t st = (uint32_t(next) % IQ_STAGES) * SB;
     const int c = lane & 15;
-    if (left >= 16) {
+    if (left >= IQ_TILE) {
 #pragma unroll
-      for (int r = 0; r < NCH; ++r) {
-        if (KROW % 16 == 0 || c + 16 * r < KROW) iq_cp_async16s(sdst + st + 256 * r, src + 256 * r, 16);
-      }
-      if (lane < 4) iq_cp_async16s(snorm + st, nsrc, 16);
+      for (int r = 0; r < NCH; ++r) iq_cp_async16s(sdst + st + 256 * r, src + 256 * r, 16);
+      if (lane < NN) iq_cp_async16s(snorm + st, nsrc, 16);
     } else {
       const uint8_t* first = src - 16 * c;  // the tile's first row: inside the segment
       const int rem = left * KROW;           // bytes of the segment from the tile's start
 #pragma unroll
       for (int r = 0; r < NCH; ++r) {
-        if (KROW % 16 == 0 || c + 16 * r < KROW) {
-          const int b = rem - 16 * (c + 16 * r);
-          const int bytes = b <= 0 ? 0 : (b >= 16 ? 16 : b);
-          iq_cp_async16s(sdst + st + 256 * r, bytes > 0 ? src + 256 * r : first, bytes);
-        }
-      }
-      if (lane < 4) {
-        const int b = 2 * (left - 8 * (lane & 1));
+        const int b = rem - 16 * (c + 16 * r);
         const int bytes = b <= 0 ? 0 : (b >= 16 ? 16 : b);
-        iq_cp_async16s(snorm + st, bytes > 0 ? nsrc : nsrc - 8 * (lane & 1), bytes);
+        iq_cp_async16s(sdst + st + 256 * r, bytes > 0 ? src + 256 * r : first, bytes);
+      }
+      if (lane < NN) {
+        const int q = lane % (NN / 2);  // norms 8q .. 8q + 7 of the tile
+        const int b = 2 * (left - 8 * q);
+        const int bytes = b <= 0 ? 0 : (b >= 16 ? 16 : b);
+        iq_cp_async16s(snorm + st, bytes > 0 ? nsrc : nsrc - 8 * q, bytes);
       }
     }
     src += TK;
-    nsrc += 16;
-    left -= 16;
+    nsrc += IQ_TILE;
+    left -= IQ_TILE;
     ++next;
   }
 
@@ -410,74 +434,72 @@ __device__ __forceinline__ void iq_tc_warp(
   float m = NEG_INF, l = 0.0f;  // running max and sum of query row gid (l: this lane's tokens)
   const float vsc = rsqrtf(float(D)) * vinv;
 
-  // One 16-token tile: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
-  // full: IqBool<true> when nv == 16 (no clamps, no masks).
-  // kc_ .. vn_: global pointers, or IqSmem ones into a stage
+  // One tile of IQ_TILE tokens: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
+  // full: IqBool<true> when nv == IQ_TILE (no clamps, no masks). kc_ .. vn_: global pointers, or
+  // IqSmem ones into a stage.
   auto step = [&](auto full, auto kc_, long ks_, auto kn_, long kns_, auto vc_, long vs_, auto vn_,
                   long vns_, int nv) {
     constexpr bool FULL = decltype(full)::value;
-    const int last = FULL ? 15 : nv - 1;
+    constexpr int NT = IQ_TILE / 8;  // n-tiles of Q K^T (8 tokens each)
+    const int last = FULL ? IQ_TILE - 1 : nv - 1;
     auto tok = [&](int t) { return FULL ? t : min(t, last); };
-    float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    uint32_t S[2][NKS];
-    iq_tc_kcodes<D, FULL>(kc_ + tok(gid) * ks_, tig, S[0]);
-    iq_tc_kcodes<D, FULL>(kc_ + tok(8 + gid) * ks_, tig, S[1]);
+    float c[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
     if constexpr (KI8) {
       // one int8 mma per 32 coordinates and 8 tokens; b0, b1 = codes 0-3, 4-7 of nibble word ks
-      int ci[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-      for (int ks = 0; ks < D / 32; ++ks) {
-        const uint4 f = qf[ks * 32 + lane];
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t S[NKS];
+        iq_tc_kcodes<D, FULL>(kc_ + tok(8 * nt + gid) * ks_, tig, S);
+        int ci[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t b0 = iq_prmt(k8[0], k8[1], S[nt][ks]);
-          const uint32_t b1 = iq_prmt(k8[0], k8[1], S[nt][ks] >> 16);
-          iq_imma(ci[nt], f.x, f.y, f.z, f.w, b0, b1);
+        for (int ks = 0; ks < D / 32; ++ks) {
+          const uint4 f = qf[ks * 32 + lane];
+          const uint32_t b0 = iq_prmt(k8[0], k8[1], S[ks]);
+          const uint32_t b1 = iq_prmt(k8[0], k8[1], S[ks] >> 16);
+          iq_imma(ci, f.x, f.y, f.z, f.w, b0, b1);
         }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        c[nt][0] = float(254 * ci[nt][0] + ci[nt][2]);  // |.| < 2^31 for D <= 128
-        c[nt][1] = float(254 * ci[nt][1] + ci[nt][3]);
+        c[nt][0] = float(254 * ci[0] + ci[2]);  // |.| < 2^31 for D <= 128
+        c[nt][1] = float(254 * ci[1] + ci[3]);
       }
     } else {
 #pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        uint32_t a0_, a1_, a2_, a3_;
-        if (QS) {
-          const uint4 f = qf[kt * 32 + lane];
-          a0_ = f.x, a1_ = f.y, a2_ = f.z, a3_ = f.w;
-        } else {
-          a0_ = qa[QS ? 0 : kt][0], a1_ = qa[QS ? 0 : kt][1];
-          a2_ = qa[QS ? 0 : kt][2], a3_ = qa[QS ? 0 : kt][3];
-        }
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t S[NKS];
+        iq_tc_kcodes<D, FULL>(kc_ + tok(8 * nt + gid) * ks_, tig, S);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        for (int kt = 0; kt < KT; ++kt) {
+          uint32_t a0_, a1_, a2_, a3_;
+          if (QS) {
+            const uint4 f = qf[kt * 32 + lane];
+            a0_ = f.x, a1_ = f.y, a2_ = f.z, a3_ = f.w;
+          } else {
+            a0_ = qa[QS ? 0 : kt][0], a1_ = qa[QS ? 0 : kt][1];
+            a2_ = qa[QS ? 0 : kt][2], a3_ = qa[QS ? 0 : kt][3];
+          }
           uint32_t b0, b1;
-          iq_lut4(S[nt][kt >> 1] >> (16 * (kt & 1)), ktab, b0, b1);
+          iq_lut4(S[kt >> 1] >> (16 * (kt & 1)), ktab, b0, b1);
           iq_mma(c[nt], a0_, a1_, a2_, a3_, b0, b1);
         }
+        c[nt][0] += c[nt][2];
+        c[nt][1] += c[nt][3];
       }
     }
-    float s[2][2];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = c[nt][0] + c[nt][2];
-      s[nt][1] = c[nt][1] + c[nt][3];
-    }
-    // columns of this lane: tokens 8nt + 2tig + e
-    float nvs[2][2];
+    // columns of this lane: tokens 8nt + 2tig + e; s (in c[nt][e]) and the V weights
+    float nvs[NT][2];
     float mx = NEG_INF;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
+      float kv[2], vv[2];  // the norms of tokens 8nt + 2tig + (0, 1)
+      iq_norm_pair<FULL>(kn_, kns_, 8 * nt + 2 * tig, last, kv);
+      iq_norm_pair<FULL>(vn_, vns_, 8 * nt + 2 * tig, last, vv);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int t = 8 * nt + 2 * tig + e;
-        const bool ok = FULL || t < nv;
-        const int tc = tok(t);
-        nvs[nt][e] = ok ? __half2float(vn_[tc * vns_]) * vsc : 0.0f;
-        s[nt][e] = ok ? s[nt][e] * (__half2float(kn_[tc * kns_]) * kmul) : NEG_INF;
-        mx = fmaxf(mx, s[nt][e]);
+        const bool ok = FULL || 8 * nt + 2 * tig + e < nv;
+        nvs[nt][e] = ok ? vv[e] * vsc : 0.0f;
+        c[nt][e] = ok ? c[nt][e] * (kv[e] * kmul) : NEG_INF;
+        mx = fmaxf(mx, c[nt][e]);
       }
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -486,13 +508,14 @@ __device__ __forceinline__ void iq_tc_warp(
     const float base = n == NEG_INF ? 0.0f : n;
     const float a = iq_ex2(m - base);
     m = n;
-    float p[2][2];
+    float lsum = 0.0f;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      p[nt][0] = iq_ex2(s[nt][0] - base);
-      p[nt][1] = iq_ex2(s[nt][1] - base);
+    for (int nt = 0; nt < NT; ++nt) {
+      c[nt][0] = iq_ex2(c[nt][0] - base);
+      c[nt][1] = iq_ex2(c[nt][1] - base);
+      lsum += c[nt][0] + c[nt][1];
     }
-    l = l * a + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+    l = l * a + lsum;
     // the accumulators hold query rows 2tig and 2tig+1: their factors live in lanes 8tig, 8tig+4
     const float a0 = __shfl_sync(0xffffffffu, a, 8 * tig);
     const float a1 = __shfl_sync(0xffffffffu, a, 8 * tig + 4);
@@ -505,39 +528,43 @@ __device__ __forceinline__ void iq_tc_warp(
         o[mt][3] *= a1;
       }
     }
-    // B fragment of P'^T (k = tokens 2tig, 2tig+1 | 2tig+8, 2tig+9; n = query row gid)
-    uint32_t pb0, pb1, pl0, pl1;
-    iq_split_h2(p[0][0] * nvs[0][0], p[0][1] * nvs[0][1], pb0, pl0);
-    iq_split_h2(p[1][0] * nvs[1][0], p[1][1] * nvs[1][1], pb1, pl1);
-    // V codes of tokens 2tig, 2tig+1, 2tig+8, 2tig+9 over the lane's D/8 coordinates
-    uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig) * vs_, gid, va);
-    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig + 1) * vs_, gid, vb);
-    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig + 8) * vs_, gid, vcc);
-    iq_tc_vcodes<D, FULL>(vc_ + tok(2 * tig + 9) * vs_, gid, vd);
 #pragma unroll
-    for (int q = 0; q < NVS; ++q) {
-      uint32_t sab[4], scd[4];
-      iq_tc_pair(va[q], vb[q], sab);
-      iq_tc_pair(vcc[q], vd[q], scd);
+    for (int h = 0; h < IQ_TILE / 16; ++h) {
+      // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
+      uint32_t pb0, pb1, pl0, pl1;
+      iq_split_h2(c[2 * h][0] * nvs[2 * h][0], c[2 * h][1] * nvs[2 * h][1], pb0, pl0);
+      iq_split_h2(c[2 * h + 1][0] * nvs[2 * h + 1][0], c[2 * h + 1][1] * nvs[2 * h + 1][1], pb1, pl1);
+      // V codes of those four tokens over the lane's D/8 coordinates
+      const int t0_ = 16 * h + 2 * tig;
+      uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
+      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_) * vs_, gid, va);
+      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
+      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
+      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t a0_, a1_, a2_, a3_;
-        iq_lut4(sab[j], vtab, a0_, a1_);
-        iq_lut4(scd[j], vtab, a2_, a3_);
-        iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
-        if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+      for (int q = 0; q < NVS; ++q) {
+        uint32_t sab[4], scd[4];
+        iq_tc_pair(va[q], vb[q], sab);
+        iq_tc_pair(vcc[q], vd[q], scd);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t a0_, a1_, a2_, a3_;
+          iq_lut4(sab[j], vtab, a0_, a1_);
+          iq_lut4(scd[j], vtab, a2_, a3_);
+          iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
+          if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+        }
       }
     }
   };
 
   if (!streams) {
-    for (int tile = t0; tile < t1; tile += 16) {
+    for (int tile = t0; tile < t1; tile += IQ_TILE) {
       step(IqBool<false>(), kc + tile * ks, ks, kn + tile * kns, kns, vc + tile * vs, vs,
-           vn + tile * vns, vns, min(16, t1 - tile));
+           vn + tile * vns, vns, min(IQ_TILE, t1 - tile));
     }
   } else {
-    const int ntiles = (t1 - t0 + 15) / 16;
+    const int ntiles = (t1 - t0 + IQ_TILE - 1) / IQ_TILE;
     const uint32_t sstage = iq_smem(stage);
     if (!prefetched) stream.prologue();
     for (int i = 0; i < ntiles; ++i) {
@@ -547,10 +574,10 @@ __device__ __forceinline__ void iq_tc_warp(
       __syncwarp();
       const IqSmem<uint8_t> st{sstage + (unsigned(i) % IQ_STAGES) * SB};
       const IqSmem<__half> kn_{st.a + 2 * TK};
-      const IqSmem<__half> vn_{st.a + 2 * TK + 32};
-      const int nv = t1 - (t0 + 16 * i);
-      if (nv >= 16) {
-        step(IqBool<true>(), st, KROW, kn_, 1, st + TK, KROW, vn_, 1, 16);
+      const IqSmem<__half> vn_{st.a + 2 * TK + 2 * IQ_TILE};
+      const int nv = t1 - (t0 + IQ_TILE * i);
+      if (nv >= IQ_TILE) {
+        step(IqBool<true>(), st, KROW, kn_, 1, st + TK, KROW, vn_, 1, IQ_TILE);
       } else {
         step(IqBool<false>(), st, KROW, kn_, 1, st + TK, KROW, vn_, 1, nv);
       }
