@@ -2,27 +2,29 @@
 // scalar kernel iq_fused_scalar in isoquant_body.h, which computes the same partials).
 //
 // 3-bit codes, D in {64, 128}, up to 8 query rows per threadgroup (more rows: more
-// threadgroups along y). Per warp and 16-token tile, with m16n8k16 f16 -> f32 mma:
+// threadgroups along y). Per warp and tile of IQ_TILE = 32 tokens (one online-softmax step: its
+// max, shuffles and rescale vote are paid once per 32 tokens), with m16n8k16 f16 -> f32 mma:
 //   S = Q K^T: A = the query rows stacked as [fp16 hi parts (rows 0-7); fp16 remainders (rows
 //     8-15)], so one mma gives both halves of an ~fp32 product (the lane adds c0 + c2);
-//     B = K codes, n = 8 tokens: 4 codes of one token -> a nibble selector -> 2 byte permutes
+//     B = K codes, n = 8 tokens (four n-tiles per tile): 4 codes of one token -> a nibble selector -> 2 byte permutes
 //     through the fp16 level table (low bytes, high bytes) -> 2 permutes into two half2.
 //     KI8 (the K codebook on the int8 grid): m16n8k32 int8 -> int32 instead, A = [int8 part 1
 //     of the query rows (row-scaled to +-127); int8 part 2 (the remainder, x254)], B = one byte
 //     permute per 4 K codes into the exact int8 table; score = 254 c0 + c2, then the scales.
 //   online softmax on the C fragment (one query row per lane, log2 domain); P' = p * |v|/sqrt(D)
 //     is already laid out as the B fragment of the next product.
-//   O^T += V^T P'^T: A = V codes (rows = 16 coordinates, k = the 16 tokens), one mma per 16
-//     coordinates: half as many mma and accumulators as O = P' V with 16 padded query rows.
+//   O^T += V^T P'^T: A = V codes (rows = 16 coordinates, k = 16 tokens; two k-steps per tile), one
+//     mma per 16 coordinates and k-step: half as many mma and accumulators as O = P' V with 16
+//     padded query rows.
 // Codes reach the selectors as the packed rows' nibble words (packing.py: codes 0-23 of a block
 // by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
 // nibbles into bytes (2 logic ops per 4 selectors).
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
-//   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid; k-step kt
+//   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid (nt < 4); k-step kt
 //       uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1) (KI8: k-step ks of 32 uses codes
 //       tig*D/4 + 8ks + 0..3 (b0) and + 4..7 (b1)).
-//   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 2tig, 2tig+1, 2tig+8,
-//       2tig+9; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows gid -> code
+//   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 16h + (2tig, 2tig+1,
+//       2tig+8, 2tig+9) in k-step h; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows gid -> code
 //       8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
 // Partials have the layout of iq_fused_scalar (iq_combine merges either), one per threadgroup.
 // The level tables arrive scaled by s (fparams[3] = 1/s for K, [4] for V), s chosen so the fp16
@@ -35,8 +37,8 @@
 // header is compiled with the tensor-core kernel alone). H200, side by side in one call: a bound of
 // 5 (96 registers, a few spilled words) was ahead of none (~102 registers) by ~6% in session 7;
 // with the stream below (one source pointer per lane, 32-bit shared addresses) 4 is ahead of 5:
-// B8 T32K 108.2 -> 104.6 us, B32 T32K 373 -> 365, B8 T8K 38.0 -> 37.1 (attention_decode.json
-// "session8_runs").
+// B8 T32K 108.2 -> 104.6 us, B32 T32K 373 -> 365, B8 T8K 38.0 -> 37.1; with 32-token tiles too
+// (bound 5: 94.8 vs 92.2 us at B8 T32K; attention_decode.json "session8_runs").
 #if defined(__CUDACC__) && defined(__CUDA_ARCH__)
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__(IQ_NW * 32, 4)
@@ -287,7 +289,10 @@ struct IqStage {
   static constexpr int TK = IQ_TILE * KROW;         // codes of a tile
   static constexpr int BYTES = 2 * TK + 4 * IQ_TILE;  // + the tile's fp16 norms of K and of V
 };
-#define IQ_STAGES 2  // tiles in flight per warp: hides HBM latency behind the decode and mma
+// Stages per warp: the tile being read and the next one in flight (its HBM latency hides behind
+// this tile's decode and mma). H200, side by side: 2 stages of 32 tokens were ahead of 3 (B8 T32K
+// 92.2 vs 93.2 us, B8 T8K 33.3 vs 34.5); 4 would pass 48 KB of static shared memory.
+#define IQ_STAGES 2
 
 IQ_FN bool iq_aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
