@@ -203,6 +203,10 @@ EMU_CASES = [
     ("tc", 1, 2, 2, 1, 64, 77, 0, 3, 3, "v2", None, False, mx.float16),  # SO(4) blocks only
     # full and partial streamed tiles, ragged: sequence 1 ends inside a split and a tile
     ("tc", 2, 2, 4, 1, 128, 1100, 0, 3, 3, "v3", [1100, 333], False, mx.float32),
+    # 32-token tiles ending inside their second k-step (29, 17 tokens) or right after the first
+    # (16), with and without a float tail
+    ("tc", 3, 1, 4, 1, 128, 61, 0, 3, 3, "v3", [61, 48, 17], False, mx.float32),
+    ("tc", 2, 1, 8, 1, 64, 90, 5, 3, 3, "v3", [90, 27], True, mx.float32),
     ("scalar", 2, 2, 8, 1, 128, 511, 1, 3, 3, "v3", [511, 200], False, mx.bfloat16),
     ("scalar", 1, 1, 2, 4, 256, 33, 7, 4, 3, "v1", None, True, mx.float16),
     ("scalar", 1, 1, 3, 1, 512, 40, 0, 3, 4, "v2", None, False, mx.float32),

@@ -6,8 +6,9 @@
 // max, shuffles and rescale vote are paid once per 32 tokens), with m16n8k16 f16 -> f32 mma:
 //   S = Q K^T: A = the query rows stacked as [fp16 hi parts (rows 0-7); fp16 remainders (rows
 //     8-15)], so one mma gives both halves of an ~fp32 product (the lane adds c0 + c2);
-//     B = K codes, n = 8 tokens (four n-tiles per tile): 4 codes of one token -> a nibble selector -> 2 byte permutes
-//     through the fp16 level table (low bytes, high bytes) -> 2 permutes into two half2.
+//     B = K codes, n = 8 tokens (four n-tiles per tile): 4 codes of one token -> a nibble
+//     selector -> 2 byte permutes through the fp16 level table (low bytes, high bytes) -> 2
+//     permutes into two half2.
 //     KI8 (the K codebook on the int8 grid): m16n8k32 int8 -> int32 instead, A = [int8 part 1
 //     of the query rows (row-scaled to +-127); int8 part 2 (the remainder, x254)], B = one byte
 //     permute per 4 K codes into the exact int8 table; score = 254 c0 + c2, then the scales.
@@ -20,12 +21,12 @@
 // by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
 // nibbles into bytes (2 logic ops per 4 selectors).
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
-//   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid (nt < 4); k-step kt
-//       uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1) (KI8: k-step ks of 32 uses codes
-//       tig*D/4 + 8ks + 0..3 (b0) and + 4..7 (b1)).
+//   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid (nt < 4);
+//       k-step kt uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1) (KI8: k-step ks of 32
+//       uses codes tig*D/4 + 8ks + 0..3 (b0) and + 4..7 (b1)).
 //   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 16h + (2tig, 2tig+1,
-//       2tig+8, 2tig+9) in k-step h; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows gid -> code
-//       8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
+//       2tig+8, 2tig+9) in k-step h; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows
+//       gid -> code 8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
 // Partials have the layout of iq_fused_scalar (iq_combine merges either), one per threadgroup.
 // The level tables arrive scaled by s (fparams[3] = 1/s for K, [4] for V), s chosen so the fp16
 // table rounds the levels ~10x closer than plain fp16 would; the norms carry the 1/s back.
@@ -119,8 +120,8 @@ __device__ __forceinline__ uint32_t iq_ld16(const uint8_t* p) {
 
 // A pointer into shared memory held as its 32-bit shared address (the streamed stages): loads
 // are ld.shared from that register plus a constant, where a generic pointer into a __shared__
-// array made ptxas rebuild the array's window address every tile (S2R SR_CgaCtaId, LEA, ~10
-// instructions per tile under the 96-register bound).
+// array made ptxas rebuild the array's window address every tile (S2R SR_CgaCtaId, LEA: ~10
+// instructions per tile, measured under a 96-register bound).
 template <typename T>
 struct IqSmem {
   uint32_t a;
@@ -314,10 +315,10 @@ __device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_
 // The cp.async stream of one warp's compressed tokens [t0, t1): tile i (tokens t0 + IQ_TILE i ..)
 // goes to stage i % IQ_STAGES, tiles issued in order. Lanes 0-15 copy the tile's K codes, lanes
 // 16-31 its V codes: 16-byte chunks (lane & 15) + 16r, i.e. one source pointer per lane with the
-// chunks at fixed offsets from it (a full tile: NCH copies, one pointer add); lanes 0-NN copy the
-// norms (K, then V: 8 per lane). Destinations are 32-bit shared addresses set up once. The last,
-// partial tile clamps every chunk to the segment's end and zero-fills the rest, so the last row of
-// a buffer is safe.
+// chunks at fixed offsets from it (a full tile: NCH copies, one pointer add); lanes below NN copy
+// the norms (K, then V: 8 per lane). Destinations are 32-bit shared addresses set up once. The
+// last, partial tile clamps every chunk to the segment's end and zero-fills the rest, so the last
+// row of a buffer is safe.
 template <int D>
 struct IqStream {
   static constexpr int KROW = IqStage<D>::KROW;
@@ -538,7 +539,8 @@ __device__ __forceinline__ void iq_tc_warp(
       // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
       uint32_t pb0, pb1, pl0, pl1;
       iq_split_h2(c[2 * h][0] * nvs[2 * h][0], c[2 * h][1] * nvs[2 * h][1], pb0, pl0);
-      iq_split_h2(c[2 * h + 1][0] * nvs[2 * h + 1][0], c[2 * h + 1][1] * nvs[2 * h + 1][1], pb1, pl1);
+      const int n1 = 2 * h + 1;
+      iq_split_h2(c[n1][0] * nvs[n1][0], c[n1][1] * nvs[n1][1], pb1, pl1);
       // V codes of those four tokens over the lane's D/8 coordinates
       const int t0_ = 16 * h + 2 * tig;
       uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
