@@ -147,26 +147,23 @@ __device__ __forceinline__ uint32_t iq_tc_word(IqSmem<uint8_t> p) {  // stage ro
   return iq_lds32(p.a);
 }
 
-// The norms of tokens t, t + 1 (t even; indices clamped to `last` unless FULL): from a stage
-// (IqSmem, stride 1, 4-byte aligned pairs) one 32-bit load when FULL, else one load each.
-template <bool FULL>
-__device__ __forceinline__ void iq_norm_pair(IqSmem<__half> p, long stride, int t, int last,
-                                             float v[2]) {
-  if (FULL) {
-    const uint32_t w = iq_lds32(p.a + uint32_t(t) * 2u);
-    const __half2 h = *reinterpret_cast<const __half2*>(&w);
-    v[0] = __low2float(h);
-    v[1] = __high2float(h);
+// The norms of tokens t, t + 1 (t even): a full tile's from its stage (IqSmem, 4-byte aligned
+// pairs; only streamed tiles are full) in one 32-bit load, else one load each at indices clamped
+// to `last`.
+__device__ __forceinline__ void iq_norm_word(IqSmem<__half> p, int t, float v[2]) {
+  const uint32_t w = iq_lds32(p.a + uint32_t(t) * 2u);
+  const __half2 h = *reinterpret_cast<const __half2*>(&w);
+  v[0] = __low2float(h);
+  v[1] = __high2float(h);
+}
+template <bool FULL, typename P>
+__device__ __forceinline__ void iq_norm_pair(P p, long stride, int t, int last, float v[2]) {
+  if constexpr (FULL) {
+    iq_norm_word(p, t, v);
   } else {
     v[0] = __half2float(p[min(t, last) * stride]);
     v[1] = __half2float(p[min(t + 1, last) * stride]);
   }
-}
-template <bool FULL>
-__device__ __forceinline__ void iq_norm_pair(const __half* p, long stride, int t, int last,
-                                             float v[2]) {
-  v[0] = __half2float(p[(FULL ? t : min(t, last)) * stride]);
-  v[1] = __half2float(p[(FULL ? t + 1 : min(t + 1, last)) * stride]);
 }
 
 // The three words of the 3-bit block at p (packing.py).
