@@ -272,6 +272,23 @@ def test_emulated_tc_one_tile_splits(emulated):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("misalign", (False, True))
+def test_emulated_tc_float_window_aligned_or_not(emulated, misalign, monkeypatch):
+    """The tensor-core kernel's float tokens: 16-byte aligned rows in vector loads, others
+    element by element (the float rows passed one element past a 16-byte boundary); a window
+    that spreads over all four warps of its threadgroup and one that ends inside a warp's walk."""
+    harness = pytest.importorskip("cuda_emu.harness")
+    names = frozenset({"k_fp", "v_fp"}) if misalign else frozenset()
+    monkeypatch.setattr(harness.EmuKernel, "misalign", names)
+    for d, tf, dtype in ((128, 64, mx.bfloat16), (64, 45, mx.float16), (128, 70, mx.float32)):
+        q, k, v = iq.random_problem(2, 2, 4, 1, d, 90, tf, dtype=dtype, seed=tf + d)
+        ref = iq.attention_reference(q, k, v, _scale(d), None, None, [90, 33])
+        out = iq.fused_attention(q, k, v, _scale(d), None, None, [90, 33], variant="tc")
+        tol = 8e-3 if dtype == mx.bfloat16 else TOL
+        assert iq.rel_error(out, ref) < tol, (d, tf, dtype)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("d", (64, 128))
 def test_emulated_tc_int8_and_fp16_qk_both_match_the_reference(emulated, d, monkeypatch):
     """The tensor-core kernel's Q K^T on int8 tensor cores (exact table of the int8-grid

@@ -30,6 +30,9 @@ inline thread_local int emu_tid;
 struct uint4 {
   uint32_t x, y, z, w;
 };
+struct uint2 {
+  uint32_t x, y;
+};
 struct alignas(16) float4 {
   float x, y, z, w;
 };
@@ -235,6 +238,7 @@ inline char emu_smem_origin;
 inline uint32_t iq_smem(const void* p) {
   return uint32_t(static_cast<const char*>(p) - &emu_smem_origin);
 }
+inline void iq_prefetch(const void*) {}
 inline char* emu_smem_ptr(uint32_t s) { return &emu_smem_origin + int32_t(s); }
 inline uint32_t iq_lds32(uint32_t s) {
   uint32_t v;

@@ -54,6 +54,10 @@ __device__ __forceinline__ uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) 
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
   return r;
 }
+// a hint: the 128-byte line at p into L1 (and L2)
+__device__ __forceinline__ void iq_prefetch(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
 // 2^x without exp2f's subnormal-result path (4 more instructions): results below 2^-126 are 0
 __device__ __forceinline__ float iq_ex2(float x) {
   float r;

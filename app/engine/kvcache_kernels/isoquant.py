@@ -94,7 +94,7 @@ def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles (MLX caches
     # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
     # never shares a build).
-    return f"{name}_{dtype}_v5"
+    return f"{name}_{dtype}_v6"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -184,6 +184,9 @@ NW = 4  # warps per threadgroup (IQ_NW)
 COMBINE_THREADS = 256  # threads of iq_combine's threadgroup (CT in its body)
 TC_RB = 8  # query rows per threadgroup of the tensor-core kernel
 TC_TILE = 32  # tokens per tile of the tensor-core kernel (IQ_TILE)
+# float-window tokens per warp of the tensor-core kernel, at least (the default window of 64
+# tokens: all four warps of one threadgroup; a warp walks its tokens one per lane)
+TC_FLOAT_SPLIT = 16
 # rows per threadgroup of the scalar kernels: keeps RB * D/32 accumulators per lane at <= 32
 SCALAR_RB = {64: 8, 128: 8, 256: 4, 512: 2}
 LOG2E = 1.4426950408889634
@@ -469,7 +472,8 @@ def split_plan(
     g = TC_TILE if merged else 32  # tokens: the tensor-core kernel's tile, the scalar kernel's warp
     sl = max(g, _cdiv(split_len, g) * g)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
-    slf = min(256, max(32, _cdiv(_cdiv(p.tf, NW), 32) * 32))
+    fg = TC_FLOAT_SPLIT if merged else 32
+    slf = min(256, max(fg, _cdiv(_cdiv(p.tf, NW), fg) * fg))
     nfb = _cdiv(p.tf, NW * slf)
     nspc = ncb if merged else ncb * NW
     return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=nspc + nfb * NW, nspc=nspc)

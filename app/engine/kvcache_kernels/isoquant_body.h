@@ -381,14 +381,21 @@ IQ_FN void iq_warp_attend(
       pw[r * 32 + lane] = p * pscale;
     }
     IQ_WARP_SYNC();
+    // U tokens' values are loaded before any is used (one round trip per U tokens, not per
+    // token); indices past the tile's end repeat its last token, whose weight there is 0
     const int nt = min(32, t1 - tile);
-    for (int t = 0; t < nt; ++t) {
-      float v[CPL];
-      iq_token_values<D, VB>(src, v, lvv, vc, vs, tile + t, lane);
-      for (int r = 0; r < RB; ++r) {
-        const float pr = pw[r * 32 + t];
-        for (int k = 0; k < CPL; ++k) {
-          o[r * CPL + k] += pr * v[k];
+    constexpr int U = CPL >= 32 ? 1 : 32 / CPL;
+    for (int t = 0; t < nt; t += U) {
+      float v[U][CPL];
+      for (int u = 0; u < U; ++u) {
+        iq_token_values<D, VB>(src, v[u], lvv, vc, vs, tile + min(t + u, nt - 1), lane);
+      }
+      for (int u = 0; u < U; ++u) {
+        for (int r = 0; r < RB; ++r) {
+          const float pr = pw[r * 32 + t + u];
+          for (int k = 0; k < CPL; ++k) {
+            o[r * CPL + k] += pr * v[u][k];
+          }
         }
       }
     }

@@ -309,6 +309,77 @@ __device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_
          iq_aligned16(kn + t0) && iq_aligned16(vn + t0);
 }
 
+// The float window's tokens in the scalar warp walk (iq_warp_attend), read in vector loads:
+// lane j's K row in 16-byte loads (IqFloat reads it one element at a time: each of those loads
+// touches 32 rows, 8-16x the L1 wavefronts and round trips), a token's V coordinates of a lane
+// in one load of CPL elements. Taken when the rows are 16-byte aligned (iq_float_vec).
+struct IqFloatVec {};
+
+// n elements of a row, 16-byte aligned (or n * sizeof(T)-aligned below 16 bytes), as floats
+template <int N, typename T>
+__device__ __forceinline__ void iq_ld_row(const T* p, float* f) {
+  constexpr int BYTES = N * int(sizeof(T));
+  constexpr int E = 16 / int(sizeof(T));
+  if constexpr (BYTES >= 16) {
+    for (int i = 0; i < BYTES / 16; ++i) {
+      const uint4 w = reinterpret_cast<const uint4*>(p)[i];
+      const T* e = reinterpret_cast<const T*>(&w);
+      for (int k = 0; k < E; ++k) f[i * E + k] = float(e[k]);
+    }
+  } else if constexpr (BYTES == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    const T* e = reinterpret_cast<const T*>(&w);
+    for (int k = 0; k < N; ++k) f[k] = float(e[k]);
+  } else if constexpr (BYTES == 4) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    const T* e = reinterpret_cast<const T*>(&w);
+    for (int k = 0; k < N; ++k) f[k] = float(e[k]);
+  } else {
+    for (int k = 0; k < N; ++k) f[k] = float(p[k]);
+  }
+}
+
+// a float row of D elements into L1 (iq_prefetch: one request per 128-byte line)
+template <int D, typename T>
+__device__ __forceinline__ void iq_prefetch_row(const T* p) {
+  for (int e = 0; e < D * int(sizeof(T)); e += 128) iq_prefetch(reinterpret_cast<const char*>(p) + e);
+}
+
+template <typename T>
+__device__ __forceinline__ bool iq_float_vec(const T* kf, long ks, const T* vf, long vs) {
+  return iq_aligned16(kf) && iq_aligned16(vf) && (ks * long(sizeof(T))) % 16 == 0 &&
+         (vs * long(sizeof(T))) % 16 == 0;
+}
+
+// s[r] += <qs[r], k_j>, the row in chunks of 64 bytes (all loads of a chunk before its FMAs)
+template <int D, int RB, int KB, typename T, typename PKN>
+__device__ __forceinline__ void iq_token_scores(IqFloatVec, float* s, const float* qs,
+                                                const float* lvk, const T* kc, long ks, PKN kn,
+                                                long kns, int j) {
+  constexpr int C = 64 / int(sizeof(T)) < D ? 64 / int(sizeof(T)) : D;
+  for (int c0 = 0; c0 < D; c0 += C) {
+    float k[C];
+    iq_ld_row<C>(kc + j * ks + c0, k);
+    for (int r = 0; r < RB; ++r) {
+      float acc = s[r];
+      for (int e = 0; e < C; ++e) acc += qs[r * D + c0 + e] * k[e];
+      s[r] = acc;
+    }
+  }
+}
+
+template <int D, typename PVN>
+__device__ __forceinline__ float iq_value_scale(IqFloatVec, PVN vn, long vns, int j) {
+  return 1.0f;
+}
+
+template <int D, int VB, typename T>
+__device__ __forceinline__ void iq_token_values(IqFloatVec, float* v, const float* lvv,
+                                                const T* vc, long vs, int j, int lane) {
+  constexpr int CPL = D / 32;
+  iq_ld_row<CPL>(vc + j * vs + lane * CPL, v);
+}
+
 // The cp.async stream of one warp's compressed tokens [t0, t1): tile i (tokens t0 + IQ_TILE i ..)
 // goes to stage i % IQ_STAGES, tiles issued in order. Lanes 0-15 copy the tile's K codes, lanes
 // 16-31 its V codes: 16-byte chunks (lane & 15) + 16r, i.e. one source pointer per lane with the
@@ -761,17 +832,46 @@ __device__ __forceinline__ void iq_tc_fold(
   const int NCB = iparams[IQ_P_NCB];
   const int Hkv = iparams[IQ_P_HKV];
   const int nsp = iparams[IQ_P_NSP];
-  const int bh = iq_bz;
+  // Threadgroup roles by linear block id: the compressed splits' threadgroups first, the float
+  // window's after them, so the block scheduler (which starts threadgroups in that order) starts
+  // these last. As blockIdx (x >= NCB in every (y, z)) they changed which SMs got one more
+  // compressed threadgroup than the others (H200, B8 T8K: 33.6 us without float tokens, 41.5 with
+  // 64 of them and 41.6 with their walk skipped; ordered last, 36.7).
+  int bx, by, bz;
+  {
+    const int gx = int(gridDim.x), gy = int(gridDim.y);
+    const int lin = iq_bx + gx * (iq_by + gy * iq_bz);
+    const int npk = NCB * gy * int(gridDim.z);
+    const int n = lin < npk ? NCB : gx - NCB;
+    const int f = lin < npk ? lin : lin - npk;
+    bx = (lin < npk ? 0 : NCB) + f % n;
+    by = (f / n) % gy;
+    bz = f / (n * gy);
+  }
+  const int bh = bz;
   const int b = bh / Hkv;
   const int h = bh % Hkv;
-  const bool is_fp = iq_bx >= NCB;
-  const int r0 = iq_by * RB;
+  const bool is_fp = bx >= NCB;
+  const int r0 = by * RB;
+  const int warp = iq_tid / 32;
+  const int lane = iq_tid % 32;
+  // float splits: this warp's tokens, one per lane as the walk reads them
+  const int spf = (bx - NCB) * IQ_NW + warp;
+  const int tf0 = spf * iparams[IQ_P_SLF];
+  const int tf1 = min(tf0 + iparams[IQ_P_SLF], Tf);
+  const auto* kf = k_fp + b * k_fp_strides[0] + h * k_fp_strides[1];
+  const auto* vf = v_fp + b * v_fp_strides[0] + h * v_fp_strides[1];
+  const long kfs = long(k_fp_strides[2]), vfs = long(v_fp_strides[2]);
+  if (is_fp && tf0 + lane < tf1) {  // their K and V rows into L1 while the query rows load
+    iq_prefetch_row<D>(kf + (tf0 + lane) * kfs);
+    iq_prefetch_row<D>(vf + (tf0 + lane) * vfs);
+  }
   const long qst[4] = {long(q_strides[0]), long(q_strides[1]), long(q_strides[2]), long(q_strides[3])};
   iq_load_q_rows<D, RB, IQ_NT>(iq_qs, q, qst, b, h, r0, R, G, L, iq_tid);
   // KIND 0/1: head h's SO(4) blocks ([D/4][4][4]) staged in shared memory alongside the query
   // (one coalesced round trip, instead of 16 strided loads per block after the WHT)
   __shared__ float iq_rot[KIND == 2 ? 1 : D * 4];
-  if (KIND != 2) {
+  if (KIND != 2 && !is_fp) {
     for (int i = iq_tid; i < D * 4; i += IQ_NT) iq_rot[i] = float(rot[long(h) * D * 4 + i]);
   }
   if (iq_tid < 8) {
@@ -779,9 +879,7 @@ __device__ __forceinline__ void iq_tc_fold(
     iq_lv[iq_tid] = float(lv_v[iq_tid]);
   }
   // This warp's compressed split and its head's code and norm rows.
-  const int warp = iq_tid / 32;
-  const int lane = iq_tid % 32;
-  const int t0 = (iq_bx * IQ_NW + warp) * iparams[IQ_P_SL];
+  const int t0 = (bx * IQ_NW + warp) * iparams[IQ_P_SL];
   const int t1 = min(t0 + iparams[IQ_P_SL], min(iparams[IQ_P_TC], int(lens[b])));
   const uint8_t* kc = k_codes + b * k_codes_strides[0] + h * k_codes_strides[1];
   const __half* kn = k_norms + b * k_norms_strides[0] + h * k_norms_strides[1];
@@ -831,20 +929,20 @@ __device__ __forceinline__ void iq_tc_fold(
     iq_tc_warp<D, QLO, PLO, QS, KI8>(
         iq_qs, iq_qf, iq_qm, iq_lk, iq_lv, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fparams[3],
         fparams[4], stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
-        (long(bh) * nsp + iq_bx) * R, r0, R, stream, streams, pre);
+        (long(bh) * nsp + bx) * R, r0, R, stream, streams, pre);
   } else {
     float m[RB];
     float l[RB];
     float o[RB * (D / 32)];
-    const int spf = (iq_bx - NCB) * IQ_NW + warp;
-    const int SLF = iparams[IQ_P_SLF];
-    const int t0 = spf * SLF;
-    const int t1 = min(t0 + SLF, Tf);
-    iq_warp_attend<D, RB, KB, VB, CAUSAL>(
-        IqFloat(), iq_qs, iq_lk, iq_lv, iq_pw + warp * RB * 32,
-        k_fp + b * k_fp_strides[0] + h * k_fp_strides[1], long(k_fp_strides[2]),
-        k_norms, 0L, v_fp + b * v_fp_strides[0] + h * v_fp_strides[1], long(v_fp_strides[2]),
-        v_norms, 0L, t0, t1, r0, L, Tf, lane, m, l, o);
+    if (iq_float_vec(kf, kfs, vf, vfs)) {
+      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloatVec(), iq_qs, iq_lk, iq_lv, iq_pw + warp * RB * 32,
+                                            kf, kfs, k_norms, 0L, vf, vfs, v_norms, 0L, tf0, tf1,
+                                            r0, L, Tf, lane, m, l, o);
+    } else {
+      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloat(), iq_qs, iq_lk, iq_lv, iq_pw + warp * RB * 32,
+                                            kf, kfs, k_norms, 0L, vf, vfs, v_norms, 0L, tf0, tf1,
+                                            r0, L, Tf, lane, m, l, o);
+    }
     iq_store_partial<D, RB>(part_o, part_m, part_l, bh, iparams[IQ_P_NSPC] + spf, nsp, r0, R,
                             lane, m, l, o);
   }
@@ -852,7 +950,7 @@ __device__ __forceinline__ void iq_tc_fold(
   float* iq_fx = reinterpret_cast<float*>(iq_buf);
   if (FOLD) {
     iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, sinks, out,
-                            const_cast<int*>(counters) + (bh * int(gridDim.y) + iq_by), iq_qs,
+                            const_cast<int*>(counters) + (bh * int(gridDim.y) + by), iq_qs,
                             iq_fx, iq_fx + 16 * D, iparams, fparams[2], bh, r0);
   }
 }
