@@ -51,8 +51,7 @@ EMU_PTX = r"""
 #include "emu.h"
 #include <cmath>
 #include <vector>
-// uint4 and float4 come from emu.h.
-struct alignas(8) uint2 { uint32_t x, y; };
+// uint4, uint2 and float4 come from emu.h.
 struct alignas(8) float2 { float x, y; };
 inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
 inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }

@@ -30,7 +30,7 @@ inline thread_local int emu_tid;
 struct uint4 {
   uint32_t x, y, z, w;
 };
-struct uint2 {
+struct alignas(8) uint2 {
   uint32_t x, y;
 };
 struct alignas(16) float4 {

@@ -91,9 +91,9 @@ def source(name: str, backend: str) -> tuple[str, str]:
 
 
 def _kernel_name(name: str, dtype: str) -> str:
-    # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles (MLX caches
-    # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
-    # never shares a build).
+    # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles; v6: its
+    # float window's vector loads and threadgroup order (MLX caches builds by name, so a changed
+    # body gets a new name: a side-by-side run of the previous code never shares a build).
     return f"{name}_{dtype}_v6"
 
 

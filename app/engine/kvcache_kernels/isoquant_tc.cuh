@@ -342,7 +342,9 @@ __device__ __forceinline__ void iq_ld_row(const T* p, float* f) {
 // a float row of D elements into L1 (iq_prefetch: one request per 128-byte line)
 template <int D, typename T>
 __device__ __forceinline__ void iq_prefetch_row(const T* p) {
-  for (int e = 0; e < D * int(sizeof(T)); e += 128) iq_prefetch(reinterpret_cast<const char*>(p) + e);
+  for (int e = 0; e < D * int(sizeof(T)); e += 128) {
+    iq_prefetch(reinterpret_cast<const char*>(p) + e);
+  }
 }
 
 template <typename T>
@@ -934,14 +936,15 @@ __device__ __forceinline__ void iq_tc_fold(
     float m[RB];
     float l[RB];
     float o[RB * (D / 32)];
+    float* pw = iq_pw + warp * RB * 32;
     if (iq_float_vec(kf, kfs, vf, vfs)) {
-      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloatVec(), iq_qs, iq_lk, iq_lv, iq_pw + warp * RB * 32,
-                                            kf, kfs, k_norms, 0L, vf, vfs, v_norms, 0L, tf0, tf1,
-                                            r0, L, Tf, lane, m, l, o);
+      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloatVec(), iq_qs, iq_lk, iq_lv, pw, kf, kfs,
+                                            k_norms, 0L, vf, vfs, v_norms, 0L, tf0, tf1, r0, L,
+                                            Tf, lane, m, l, o);
     } else {
-      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloat(), iq_qs, iq_lk, iq_lv, iq_pw + warp * RB * 32,
-                                            kf, kfs, k_norms, 0L, vf, vfs, v_norms, 0L, tf0, tf1,
-                                            r0, L, Tf, lane, m, l, o);
+      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloat(), iq_qs, iq_lk, iq_lv, pw, kf, kfs, k_norms,
+                                            0L, vf, vfs, v_norms, 0L, tf0, tf1, r0, L, Tf, lane,
+                                            m, l, o);
     }
     iq_store_partial<D, RB>(part_o, part_m, part_l, bh, iparams[IQ_P_NSPC] + spf, nsp, r0, R,
                             lane, m, l, o);
