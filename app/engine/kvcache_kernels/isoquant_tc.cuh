@@ -312,8 +312,9 @@ __device__ __forceinline__ bool iq_tc_streams(const uint8_t* stage, const uint8_
 // The float window's tokens in the scalar warp walk (iq_warp_attend), read in vector loads:
 // lane j's K row in 16-byte loads (IqFloat reads it one element at a time: each of those loads
 // touches 32 rows, 8-16x the L1 wavefronts and round trips), a token's V coordinates of a lane
-// in one load of CPL elements. Taken when the rows are 16-byte aligned (iq_float_vec).
-struct IqFloatVec {};
+// in one load of CPL elements. Taken when the rows are 16-byte aligned (iq_float_vec). A kind of
+// IqFloat: what it does not read differently (the value weight) is IqFloat's.
+struct IqFloatVec : IqFloat {};
 
 // n elements of a row, 16-byte aligned (or n * sizeof(T)-aligned below 16 bytes), as floats
 template <int N, typename T>
@@ -368,11 +369,6 @@ __device__ __forceinline__ void iq_token_scores(IqFloatVec, float* s, const floa
       s[r] = acc;
     }
   }
-}
-
-template <int D, typename PVN>
-__device__ __forceinline__ float iq_value_scale(IqFloatVec, PVN vn, long vns, int j) {
-  return 1.0f;
 }
 
 template <int D, int VB, typename T>
