@@ -143,6 +143,25 @@ def test_split_plan_aims_by_rows(monkeypatch):
     assert iq.split_plan(more, iq.TC_RB, merged=True)["sl"] == 64
 
 
+def test_float_window_plan_spreads_the_decode_tail_when_rows_are_few():
+    """The tensor-core kernel's float tokens: 16-token splits; a window of 64 in one threadgroup
+    (four warps); the decode tail's 65-79 in two threadgroups when the rows are few (B1: 8 rows),
+    in one (32-token splits) when they are many (B32: 256 rows); every token covered."""
+    for b, tf, slf, nfb in [
+        (1, 64, 16, 1),
+        (1, 72, 16, 2),
+        (1, 79, 16, 2),
+        (32, 64, 16, 1),
+        (32, 72, 32, 1),
+        (32, 79, 32, 1),
+        (1, 200, 32, 2),
+    ]:
+        p = iq.Problem(b, 32, 8, 1, 128, 2048, tf, 3, 3, 0, False)
+        plan = iq.split_plan(p, iq.TC_RB, merged=True)
+        assert (plan["slf"], plan["nfb"]) == (slf, nfb), (b, tf, plan)
+        assert plan["nfb"] * iq.NW * plan["slf"] >= tf > (plan["nfb"] - 1) * iq.NW * plan["slf"]
+
+
 def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     """fused_attention's per-call plan (Problem, variant, launch) is looked up by shapes, dtypes
     and the module's settings: a changed setting or a grown cache gets a new plan."""
@@ -268,6 +287,22 @@ def test_emulated_tc_one_tile_splits(emulated):
     sk = mx.random.normal((4,))
     ref = iq.attention_reference(q, k, v, _scale(128), None, sk, [200, 71])
     out = iq.fused_attention(q, k, v, _scale(128), None, sk, [200, 71], variant="tc", split_len=16)
+    assert iq.rel_error(out, ref) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", (64, 128))
+def test_emulated_tc_long_splits_pipeline_their_tiles(emulated, d):
+    """Splits of many tiles, the streamed loop's pipeline (tile i + 1's Q K^T beside tile i's
+    P V, three stages in turn): 224-token splits, whose warps get 7 full tiles, 6 full and a
+    partial one (1100 = 4 x 224 + 204), 3 full and a partial (333), exactly 2 full (288), one
+    partial (240: 16 tokens in the second split) and a sequence shorter than a tile (20), over
+    a float tail and sinks."""
+    lens = [1100, 333, 288, 240, 20]
+    q, k, v = iq.random_problem(5, 2, 4, 1, d, 1100, 5, dtype=mx.float32, seed=d + 3)
+    sk = mx.random.normal((8,))
+    ref = iq.attention_reference(q, k, v, _scale(d), None, sk, lens)
+    out = iq.fused_attention(q, k, v, _scale(d), None, sk, lens, variant="tc", split_len=224)
     assert iq.rel_error(out, ref) < TOL
 
 

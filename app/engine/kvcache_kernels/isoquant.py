@@ -92,9 +92,10 @@ def source(name: str, backend: str) -> tuple[str, str]:
 
 def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles; v6: its
-    # float window's vector loads and threadgroup order (MLX caches builds by name, so a changed
-    # body gets a new name: a side-by-side run of the previous code never shares a build).
-    return f"{name}_{dtype}_v6"
+    # float window's vector loads and threadgroup order; v7: its P V weights' scale on the partial,
+    # int8 row scales from the rotation (MLX caches builds by name, so a changed body gets a new
+    # name: a side-by-side run of the previous code never shares a build).
+    return f"{name}_{dtype}_v7"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -187,6 +188,13 @@ TC_TILE = 32  # tokens per tile of the tensor-core kernel (IQ_TILE)
 # float-window tokens per warp of the tensor-core kernel, at least (the default window of 64
 # tokens: all four warps of one threadgroup; a warp walks its tokens one per lane)
 TC_FLOAT_SPLIT = 16
+# With at most this many (sequence, KV head, row block) rows, the float window's tokens aim for
+# two threadgroups per row, not one: the decode tail holds 64-79 tokens (the window plus up to 15
+# awaiting the next batch of compressions), and 65-79 of them in one threadgroup gave its warps
+# 32-token splits. H200, GPU us, side by side (attention_decode.json "session10_runs"): B1 T2K with
+# 72 / 79 float tokens 14.8 / 14.9 -> 13.7 / 13.7; B8 T8K 36.3-38.0 either way; B32 T8K 108.5 ->
+# 113.6 (twice the float threadgroups' set-up).
+TC_FLOAT_GROUP_ROWS = 8
 # rows per threadgroup of the scalar kernels: keeps RB * D/32 accumulators per lane at <= 32
 SCALAR_RB = {64: 8, 128: 8, 256: 4, 512: 2}
 LOG2E = 1.4426950408889634
@@ -473,7 +481,8 @@ def split_plan(
     sl = max(g, _cdiv(split_len, g) * g)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
     fg = TC_FLOAT_SPLIT if merged else 32
-    slf = min(256, max(fg, _cdiv(_cdiv(p.tf, NW), fg) * fg))
+    ftg = 2 if merged and heads <= TC_FLOAT_GROUP_ROWS else 1  # float threadgroups aimed for
+    slf = min(256, max(fg, _cdiv(_cdiv(p.tf, NW * ftg), fg) * fg))
     nfb = _cdiv(p.tf, NW * slf)
     nspc = ncb if merged else ncb * NW
     return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=nspc + nfb * NW, nspc=nspc)

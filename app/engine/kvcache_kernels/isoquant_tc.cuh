@@ -165,6 +165,16 @@ __device__ __forceinline__ void iq_norm_pair(P p, long stride, int t, int last, 
     v[1] = __half2float(p[min(t + 1, last) * stride]);
   }
 }
+// The same pair as the bits of a half2 (low half: token t).
+template <bool FULL, typename P>
+__device__ __forceinline__ uint32_t iq_norm_bits(P p, long stride, int t, int last) {
+  if constexpr (FULL) {
+    return iq_lds32(p.a + uint32_t(t) * 2u);
+  } else {
+    return uint32_t(__half_as_ushort(p[min(t, last) * stride])) |
+           (uint32_t(__half_as_ushort(p[min(t + 1, last) * stride])) << 16);
+  }
+}
 
 // The three words of the 3-bit block at p (packing.py).
 template <bool A4, typename P>
@@ -248,10 +258,11 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
 // The forward rotation of the threadgroup's RB query rows in place, by warps and shuffles: no
 // barriers (the threadgroup version, iq_rotate_rows, takes ~10). D/4 lanes per row, lane j holding
 // coordinates 4j..4j+3 (one SO(4) block): iq_wht_row_warp (KIND 0), then block j (KIND 0 and 1). blocks: head h's [D/4][4][4] in shared memory. Rows are scaled by `post` on the
-// way out. The caller puts a barrier before the rows are read by other warps.
+// way out; qm (KI8, else null): each row's int8 scale (iq_i8_row_scale of its largest |value|).
+// The caller puts a barrier before the rows are read by other warps.
 template <int D, int RB, int KIND>
 __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* blocks, float post,
-                                                    int warp, int lane) {
+                                                    int warp, int lane, float* qm) {
   constexpr int LPR = D / 4;       // lanes per row
   constexpr int RPW = 32 / LPR;    // rows per warp pass
   const int sub = lane / LPR;      // row within the pass
@@ -269,6 +280,12 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
              post;
     }
     *reinterpret_cast<float4*>(row) = make_float4(y[0], y[1], y[2], y[3]);
+    if (qm != nullptr) {  // KI8: the row's scale from its largest |value| (its LPR lanes)
+      float m = fmaxf(fmaxf(fabsf(y[0]), fabsf(y[1])), fmaxf(fabsf(y[2]), fabsf(y[3])));
+#pragma unroll
+      for (int o = LPR / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (j == 0) qm[r0 + sub] = iq_i8_row_scale(m);
+    }
   }
 }
 
@@ -558,18 +575,21 @@ __device__ __forceinline__ void iq_tc_warp(
         c[nt][1] += c[nt][3];
       }
     }
-    // columns of this lane: tokens 8nt + 2tig + e; s (in c[nt][e]) and the V weights
-    float nvs[NT][2];
+    // columns of this lane: tokens 8nt + 2tig + e; s (in c[nt][e]) and the V weights: their V
+    // norms as the half2 they are stored in (masked tokens keep a clamped row's norm: their p is
+    // 0). The factor vsc goes on the merged partial in fp32: in P' = p |v| vsc (~0.002 p |v|)
+    // the fp16 operand fell into the subnormal range for p below ~0.003 (H200 table's problem:
+    // relative error 2.7e-4 with it in P', 5.4e-5 without).
+    uint32_t nvs[NT];
     float mx = NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      float kv[2], vv[2];  // the norms of tokens 8nt + 2tig + (0, 1)
+      float kv[2];  // the K norms of tokens 8nt + 2tig + (0, 1)
       iq_norm_pair<FULL>(kn_, kns_, 8 * nt + 2 * tig, last, kv);
-      iq_norm_pair<FULL>(vn_, vns_, 8 * nt + 2 * tig, last, vv);
+      nvs[nt] = iq_norm_bits<FULL>(vn_, vns_, 8 * nt + 2 * tig, last);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const bool ok = FULL || 8 * nt + 2 * tig + e < nv;
-        nvs[nt][e] = ok ? vv[e] * vsc : 0.0f;
         c[nt][e] = ok ? c[nt][e] * (kv[e] * kmul) : NEG_INF;
         mx = fmaxf(mx, c[nt][e]);
       }
@@ -604,9 +624,10 @@ __device__ __forceinline__ void iq_tc_warp(
     for (int h = 0; h < IQ_TILE / 16; ++h) {
       // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
       uint32_t pb0, pb1, pl0, pl1;
-      iq_split_h2(c[2 * h][0] * nvs[2 * h][0], c[2 * h][1] * nvs[2 * h][1], pb0, pl0);
-      const int n1 = 2 * h + 1;
-      iq_split_h2(c[n1][0] * nvs[n1][0], c[n1][1] * nvs[n1][1], pb1, pl1);
+      const __half2 w0 = *reinterpret_cast<const __half2*>(&nvs[2 * h]);
+      const __half2 w1 = *reinterpret_cast<const __half2*>(&nvs[2 * h + 1]);
+      iq_split_h2(c[2 * h][0] * __low2float(w0), c[2 * h][1] * __high2float(w0), pb0, pl0);
+      iq_split_h2(c[2 * h + 1][0] * __low2float(w1), c[2 * h + 1][1] * __high2float(w1), pb1, pl1);
       // V codes of those four tokens over the lane's D/8 coordinates
       const int t0_ = 16 * h + 2 * tig;
       uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
@@ -679,7 +700,7 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
     for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
     const float mine = rm[warp * 8 + r];
-    const float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax);
+    const float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax) * vsc;
     float* out = ro + (warp * 8 + r) * D + gid * (D / 8);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -897,7 +918,7 @@ __device__ __forceinline__ void iq_tc_fold(
   __syncthreads();
   const float qscale = fparams[1] * (is_fp ? 1.0f : rsqrtf(float(D)));
   if (KIND != 2 && !is_fp) {
-    iq_rotate_rows_warp<D, RB, KIND>(iq_qs, iq_rot, qscale, warp, lane);
+    iq_rotate_rows_warp<D, RB, KIND>(iq_qs, iq_rot, qscale, warp, lane, KI8 ? iq_qm : nullptr);
   } else {
     if (KIND == 2 && !is_fp) iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
     for (int i = iq_tid; i < RB * D; i += IQ_NT) {
@@ -906,13 +927,15 @@ __device__ __forceinline__ void iq_tc_fold(
   }
   __syncthreads();
   if (KI8 && !is_fp) {
-    for (int r = warp; r < RB; r += IQ_NW) {
-      float m = 0.0f;
-      for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(iq_qs[r * D + d]));
-      m = iq_warp_max(m);
-      if (lane == 0) iq_qm[r] = iq_i8_row_scale(m);
+    if (KIND == 2) {  // the rows' scales (the warp rotation of KIND 0/1 wrote them)
+      for (int r = warp; r < RB; r += IQ_NW) {
+        float m = 0.0f;
+        for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(iq_qs[r * D + d]));
+        m = iq_warp_max(m);
+        if (lane == 0) iq_qm[r] = iq_i8_row_scale(m);
+      }
+      __syncthreads();
     }
-    __syncthreads();
     for (int i = iq_tid; i < (D / 32) * 32; i += IQ_NT) {
       iq_qf[i] = iq_tc_qfrag_i8<D>(iq_qs, iq_qm, i / 32, (i % 32) >> 2, i & 3);
     }
