@@ -147,25 +147,9 @@ __device__ __forceinline__ uint32_t iq_tc_word(IqSmem<uint8_t> p) {  // stage ro
   return iq_lds32(p.a);
 }
 
-// The norms of tokens t, t + 1 (t even): a full tile's from its stage (IqSmem, 4-byte aligned
-// pairs; only streamed tiles are full) in one 32-bit load, else one load each at indices clamped
-// to `last`.
-__device__ __forceinline__ void iq_norm_word(IqSmem<__half> p, int t, float v[2]) {
-  const uint32_t w = iq_lds32(p.a + uint32_t(t) * 2u);
-  const __half2 h = *reinterpret_cast<const __half2*>(&w);
-  v[0] = __low2float(h);
-  v[1] = __high2float(h);
-}
-template <bool FULL, typename P>
-__device__ __forceinline__ void iq_norm_pair(P p, long stride, int t, int last, float v[2]) {
-  if constexpr (FULL) {
-    iq_norm_word(p, t, v);
-  } else {
-    v[0] = __half2float(p[min(t, last) * stride]);
-    v[1] = __half2float(p[min(t + 1, last) * stride]);
-  }
-}
-// The same pair as the bits of a half2 (low half: token t).
+// The norms of tokens t, t + 1 (t even) as the bits of a half2 (low half: token t): a full
+// tile's from its stage (IqSmem, 4-byte aligned pairs; only streamed tiles are full) in one 32-bit
+// load, else one load each at indices clamped to `last`.
 template <bool FULL, typename P>
 __device__ __forceinline__ uint32_t iq_norm_bits(P p, long stride, int t, int last) {
   if constexpr (FULL) {
@@ -174,6 +158,14 @@ __device__ __forceinline__ uint32_t iq_norm_bits(P p, long stride, int t, int la
     return uint32_t(__half_as_ushort(p[min(t, last) * stride])) |
            (uint32_t(__half_as_ushort(p[min(t + 1, last) * stride])) << 16);
   }
+}
+// The same pair as floats.
+template <bool FULL, typename P>
+__device__ __forceinline__ void iq_norm_pair(P p, long stride, int t, int last, float v[2]) {
+  const uint32_t w = iq_norm_bits<FULL>(p, stride, t, last);
+  const __half2 h = *reinterpret_cast<const __half2*>(&w);
+  v[0] = __low2float(h);
+  v[1] = __high2float(h);
 }
 
 // The three words of the 3-bit block at p (packing.py).
