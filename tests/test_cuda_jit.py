@@ -96,3 +96,53 @@ def test_inline_where_no_file_can_be_written(monkeypatch):
     monkeypatch.delenv("ROTARYQUANT_CUDA_INLINE")
     monkeypatch.setattr(jit, "_include_dir", lambda: None)
     assert jit.include_header(header) == "__device__ int h();\n"
+
+
+def test_baked_kernels_write_the_template_into_the_source_once_per_configuration(monkeypatch):
+    """jit.BakedKernel: a call with `template=` runs a kernel whose source starts with the
+    constants MLX would write (and whose name carries the values) and gets no template itself;
+    a configuration is built once, a new one gets its own kernel."""
+    import mlx.core as mx
+
+    built, called = [], []
+
+    def fake_cuda_kernel(**kw):
+        built.append(kw)
+
+        def run(**call):
+            called.append((kw["name"], call))
+            return ["out"]
+
+        return run
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
+    k = jit.BakedKernel("k", ["a"], ["o"], "o[0] = a[0]; // body\n", "// header\n")
+    tmpl = (("D", 128), ("CAUSAL", False), ("TO", mx.bfloat16))
+    for t in (tmpl, list(tmpl), tmpl):  # a list and a tuple of the same values: one kernel
+        assert k(inputs=[1], template=t, grid=(1, 1, 1)) == ["out"]
+    assert len(built) == 1 and built[0]["name"] == "k_128_f_bfloat16"
+    src = built[0]["source"]
+    assert src.startswith(
+        "  constexpr int D = 128;\n  constexpr bool CAUSAL = false;\n  using TO = __nv_bfloat16;\n"
+    )
+    assert src.endswith("o[0] = a[0];\n")  # the body, stripped
+    assert all("template" not in call for _, call in called)
+    assert called[0][1] == dict(inputs=[1], grid=(1, 1, 1))
+    k(inputs=[1], template=[("D", 64), ("CAUSAL", True), ("TO", mx.float16)], grid=(1, 1, 1))
+    assert len(built) == 2 and built[1]["name"] == "k_64_t_float16"
+    assert "using TO = __half;" in built[1]["source"]
+    with pytest.raises(TypeError, match="int, bool or an mx dtype"):
+        jit.template_lines([("X", 1.5)])
+
+
+def test_isoquant_cuda_kernels_are_baked_unless_turned_off(monkeypatch):
+    """The IsoQuant CUDA prologue builds baked kernels; ROTARYQUANT_CUDA_BAKE=0 gives MLX's own
+    per-call templates (the side-by-side baseline of benchmarks/isoquant_host.py)."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: ("mlx", kw["name"]))
+    hdr, body = iq.source("iq_combine", "cuda")
+    monkeypatch.setenv("ROTARYQUANT_CUDA_BAKE", "1")
+    assert isinstance(cuda_iq.build("iq_combine_x", ["a"], ["o"], body, hdr), jit.BakedKernel)
+    monkeypatch.setenv("ROTARYQUANT_CUDA_BAKE", "0")
+    assert cuda_iq.build("iq_combine_x", ["a"], ["o"], body, hdr) == ("mlx", "iq_combine_x")

@@ -5,6 +5,7 @@ tests/gpu/test_isoquant_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 
@@ -13,6 +14,7 @@ import pytest
 
 from app.engine import kvcache_kernels as kk
 from app.engine.kvcache.isoquant_attention import IsoQuantTensor
+from app.engine.kvcache.packing import pack_codes
 from app.engine.kvcache_kernels import isoquant as iq
 
 cache_attention = importlib.import_module("app.engine.kvcache.isoquant_attention")
@@ -356,6 +358,42 @@ def test_emulated_tc_int8_and_fp16_qk_both_match_the_reference(emulated, d, monk
         outs[ki8] = iq.fused_attention(q, k, v, _scale(d), variant="tc")
         assert iq.rel_error(outs[ki8], ref) < TOL, ki8
     assert not mx.array_equal(outs[True], outs[False])  # two different paths ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", (64, 128))
+def test_emulated_tc_subnormal_and_table_pv_both_match_the_reference(emulated, d, monkeypatch):
+    """P V with the V levels as fp16 subnormals (L + 128, the offset taken off at the end: one
+    byte permute per A register) and from the fp16 level table: both within the bound. Values
+    of one sign and similar size (a V mean far from 0: the output is then small against 128 sum
+    P', the subtraction's worst case) over 1500 tokens with near-flat attention, and a
+    ragged tail tile."""
+    q, k, v = iq.random_problem(1, 2, 4, 1, d, 1500, 5, dtype=mx.float32, seed=3 * d)
+    q = q * 1e-2  # near-flat attention: every token's weight in the sum
+    # V codes 5 or 6 (levels ~40 and ~71) everywhere: packed rows of those codes
+    rows = pack_codes(mx.random.randint(5, 7, (1, 2, 1500, d)).astype(mx.uint8), 3)
+    v = dataclasses.replace(v, codes=rows)
+    ref = iq.attention_reference(q, k, v, _scale(d))
+    outs = {}
+    for vsn in (True, False):
+        monkeypatch.setattr(iq, "TC_VSN", vsn)
+        _, variant, run = iq._plan(q, k, v, _scale(d), None, None, "tc", None)
+        assert dict(run.template)["VSN"] is vsn
+        outs[vsn] = iq.fused_attention(q, k, v, _scale(d), variant="tc")
+        assert iq.rel_error(outs[vsn], ref) < TOL, vsn
+    assert not mx.array_equal(outs[True], outs[False])  # two different paths ran
+
+
+def test_vsn_takes_only_symmetric_int8_tables():
+    """VSN's sign trick needs codes 0-3 negative and 4-7 positive integers in [-127, 127]: the
+    cache's 3-bit codebooks qualify (d 64, 128); others fall back to the fp16 table."""
+    for d in (64, 128):
+        lv, _scale_, int8 = iq._tc_levels_cached(d, 3)
+        assert int8 and iq.vsn_table_ok(lv.tolist())
+    assert not iq.vsn_table_ok([-113, -71, -40, -13, 13, 40, 71, 128])  # past int8
+    assert not iq.vsn_table_ok([-113, -71, -40, 0.5, 13, 40, 71, 113])  # not integers
+    assert not iq.vsn_table_ok([-113, -71, -40, 13, 20, 40, 71, 113])  # code 3 positive
+    assert not iq.vsn_table_ok([-3, -2, -1, 1, 2, 3, 4])  # 7 levels
 
 
 def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):

@@ -103,6 +103,8 @@ inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 // the CUDA prologue's PTX helpers
 inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // default: to nearest even
 inline uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
+template <uint32_t M>
+inline uint32_t iq_and_or(uint32_t x, uint32_t c) { return (x & M) | c; }
 inline float iq_ex2(float x) {
   const float r = std::exp2(x);
   return r < 1.17549435e-38f ? 0.0f : r;  // ftz

@@ -54,6 +54,13 @@ __device__ __forceinline__ uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) 
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
   return r;
 }
+// (x & M) | c as one LOP3 with c in a register (given two immediates ptxas emits two LOP3)
+template <uint32_t M>
+__device__ __forceinline__ uint32_t iq_and_or(uint32_t x, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(M), "r"(c));
+  return r;
+}
 // a hint: the 128-byte line at p into L1 (and L2)
 __device__ __forceinline__ void iq_prefetch(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
@@ -124,6 +131,12 @@ def available() -> bool:
 
 
 def build(name: str, inputs: list[str], outputs: list[str], body: str, header: str):
+    """A kernel object called with `template=`: its values baked into one kernel per template
+    (jit.BakedKernel), or MLX's per-call templates with ROTARYQUANT_CUDA_BAKE=0."""
+    if jit.bake():
+        return jit.BakedKernel(
+            name, inputs, outputs, BODY + body, HEADER + header, ensure_row_contiguous=False
+        )
     return jit.cuda_kernel(
         name, inputs, outputs, BODY + body, HEADER + header, ensure_row_contiguous=False
     )

@@ -106,3 +106,81 @@ def cuda_kernel(name: str, input_names, output_names, source: str, header: str, 
         header=include_header(header),
         **kw,
     )
+
+
+# -- template values baked into per-configuration kernels ------------------------------------
+# MLX turns a call's `template=` list into C++ on every call (nanobind converts the list, then
+# it formats one `constexpr` line per value into a fresh copy of the source and the kernel name),
+# which cost ~3-7 µs per call for 10 values on the lent H200's host (.device/s10/callcost.py).
+# A BakedKernel writes those lines once per configuration instead: one mx.fast.cuda_kernel per
+# distinct template, called with no template.
+
+_CUDA_DTYPES = {
+    mx.bool_: "bool",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
+
+
+def bake() -> bool:
+    return os.environ.get("ROTARYQUANT_CUDA_BAKE", "1") != "0"
+
+
+def template_lines(template) -> tuple[str, str]:
+    """(the body's compile-time constants as MLX writes them, a name suffix) for (name, value)
+    pairs: int -> constexpr int, bool -> constexpr bool, an mx dtype -> a type alias."""
+    lines, suffix = [], []
+    for name, v in template:
+        if isinstance(v, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if v else 'false'};")
+            suffix.append("t" if v else "f")
+        elif isinstance(v, int):
+            lines.append(f"  constexpr int {name} = {v};")
+            suffix.append(str(v))
+        else:
+            try:
+                lines.append(f"  using {name} = {_CUDA_DTYPES[v]};")
+            except KeyError:
+                raise TypeError(f"template value {name}={v!r}: int, bool or an mx dtype") from None
+            suffix.append(str(v).rsplit(".", 1)[-1])
+    return "\n".join(lines) + "\n", "".join("_" + s for s in suffix)
+
+
+class BakedKernel:
+    """Drop-in for an mx.fast.cuda_kernel object whose calls pass `template=`: each distinct
+    template gets its own kernel (constants written into its source, values in its name),
+    built on first use and kept. The header goes through include_header once."""
+
+    def __init__(self, name: str, input_names, output_names, source: str, header: str, **kw):
+        self.name = name
+        self._args = (list(input_names), list(output_names), strip(source), include_header(header))
+        self._kw = kw
+        self._by_template: dict = {}
+
+    def kernel(self, template=None):
+        key = () if not template else tuple(template)
+        k = self._by_template.get(key)
+        if k is None:
+            ins, outs, src, hdr = self._args
+            consts, suffix = template_lines(key)
+            k = mx.fast.cuda_kernel(
+                name=self.name + suffix,
+                input_names=ins,
+                output_names=outs,
+                source=consts + src,
+                header=hdr,
+                **self._kw,
+            )
+            self._by_template[key] = k
+        return k
+
+    def __call__(self, *, template=None, **kw):
+        return self.kernel(template)(**kw)

@@ -93,9 +93,9 @@ def source(name: str, backend: str) -> tuple[str, str]:
 def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles; v6: its
     # float window's vector loads and threadgroup order; v7: its P V weights' scale on the partial,
-    # int8 row scales from the rotation (MLX caches builds by name, so a changed body gets a new
+    # int8 row scales from the rotation; v8: VSN (MLX caches builds by name, so a changed body gets a new
     # name: a side-by-side run of the previous code never shares a build).
-    return f"{name}_{dtype}_v7"
+    return f"{name}_{dtype}_v8"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -167,6 +167,10 @@ TC_PREFETCH = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PREFETCH", "1") == "1"
 # int8 table instead of one per code into fp16, the query in two int8 parts (row-scaled), half
 # the mma of the fp16 path
 TC_KI8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_KI8", "1") == "1"
+# tensor-core kernel: P V with the V levels as fp16 subnormals (one byte permute per A register;
+# isoquant_tc.cuh, VSN) when the V codebook is on the int8 grid, instead of the fp16 level table
+# (two permutes per register and the token pairing)
+TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
 # row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep
 # on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
@@ -366,6 +370,19 @@ def _tc_levels_cached(dim: int, bits: int) -> tuple[mx.array, float, bool]:
     return mx.array([v * s for v in cb.levels], mx.float32), 1.0 / s, False
 
 
+def vsn_table_ok(levels) -> bool:
+    """Whether the tensor-core kernel can take V levels as fp16 subnormals (VSN, isoquant_tc.cuh):
+    8 integers in [-127, 127], the four lowest negative and the four highest positive (byte L +
+    128 below 128 for codes 0-3, at or above it for codes 4-7)."""
+    lv = [float(x) for x in levels]
+    return (
+        len(lv) == 8
+        and all(x == round(x) and -127 <= x <= 127 for x in lv)
+        and all(x < 0 for x in lv[:4])
+        and all(x > 0 for x in lv[4:])
+    )
+
+
 def _use_kernel(use_kernel: bool | None) -> bool:
     if use_kernel is None:
         return kernels_available()
@@ -493,7 +510,7 @@ class _Launch:
     """Everything about a fused call that depends only on shapes and options (cached)."""
 
     kern: str  # kernel name (objects are looked up per call: tests swap them)
-    template: list
+    template: tuple  # hashable: a baked kernel's key (jit.BakedKernel)
     grid: tuple
     out_shapes: list
     ip: mx.array
@@ -514,7 +531,7 @@ def _launch(
     warps: int,
     dtype=mx.float32,
 ):
-    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8) template switches; dtype: the
+    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN) template switches; dtype: the
     output's (the tensor-core kernel writes it when it folds the combine in)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
@@ -525,7 +542,7 @@ def _launch(
     nbh = p.b * p.hkv
     levels, kinv, vinv = None, 1.0, 1.0
     if variant == "tc":
-        (lvk, kinv, ki8), (lvv, vinv, _) = (
+        (lvk, kinv, ki8), (lvv, vinv, vi8) = (
             _tc_levels_cached(p.dim, p.kb),
             _tc_levels_cached(p.dim, p.vb),
         )
@@ -533,6 +550,7 @@ def _launch(
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
         tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", opts[5] and ki8)]
+        tmpl += [("VSN", bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist())))]
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
@@ -542,7 +560,7 @@ def _launch(
         out_shapes.append((p.b, p.hq, p.length, p.dim))
     return _Launch(
         kern="iq_fused_tc" if variant == "tc" else "iq_fused_scalar",
-        template=tmpl,
+        template=tuple(tmpl),
         grid=(32 * NW * (plan["ncb"] + plan["nfb"]), plan["nrb"], nbh),
         out_shapes=out_shapes,
         ip=ip,
@@ -604,7 +622,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         None if kf is None else kf.shape, None if vf is None else vf.shape,
         keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
         keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
-        TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, SPLIT_WARPS, BACKEND,
+        TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN, SPLIT_WARPS, BACKEND,
     )  # fmt: skip
     hit = _PLANS.get(key)
     if hit is None:
@@ -612,7 +630,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8)
+        opts = (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN)
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

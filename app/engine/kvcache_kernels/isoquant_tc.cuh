@@ -178,12 +178,14 @@ __device__ __forceinline__ void iq_tc_block(P p, uint32_t w[3]) {
 
 // Codes [16h, 16h + 16) of the 3-bit block at p (packing.py: words of nibbles, codes 24-31 in
 // their top bits) as two nibble words: codes 0-7 and 8-15 (h = 0) or 16-23 and 24-31 (h = 1).
-template <bool A4, typename P>
+// RAW: the words as loaded, nibbles' top bits included (codes 24-31 always come clean).
+template <bool A4, typename P, bool RAW = false>
 __device__ __forceinline__ void iq_tc_half(P p, int h, uint32_t& s0, uint32_t& s1) {
+  constexpr uint32_t M = RAW ? 0xFFFFFFFFu : 0x77777777u;
   uint32_t w[3];
   iq_tc_block<A4>(p, w);
-  s0 = (h ? w[2] : w[0]) & 0x77777777u;
-  s1 = h ? iq_top8(w[0], w[1], w[2]) : (w[1] & 0x77777777u);
+  s0 = (h ? w[2] : w[0]) & M;
+  s1 = h ? iq_top8(w[0], w[1], w[2]) : (w[1] & M);
 }
 
 // The lane's K codes of one row (codes [tig*D/4, +D/4)) as nibble words: S[i] holds codes
@@ -202,17 +204,19 @@ __device__ __forceinline__ void iq_tc_kcodes(P row, int tig, uint32_t S[D / 32])
   }
 }
 
-// The lane's V codes of one row (codes [gid*D/8, +D/8)) as nibble words (D/64 of them).
-template <int D, bool A4, typename P>
+// The lane's V codes of one row (codes [gid*D/8, +D/8)) as nibble words (D/64 of them); RAW:
+// nibbles' top bits not cleared (the VSN selectors mask them anyway).
+template <int D, bool A4, typename P, bool RAW = false>
 __device__ __forceinline__ void iq_tc_vcodes(P row, int gid, uint32_t S[D / 64]) {
+  constexpr uint32_t M = RAW ? 0xFFFFFFFFu : 0x77777777u;
   if constexpr (D == 128) {
-    iq_tc_half<A4>(row + 12 * (gid >> 1), gid & 1, S[0], S[1]);
+    iq_tc_half<A4, P, RAW>(row + 12 * (gid >> 1), gid & 1, S[0], S[1]);
   } else {
     uint32_t w[3];
     iq_tc_block<A4>(row + 12 * (gid >> 2), w);  // quarter gid & 3 of a block
     const int q = gid & 3;
     const uint32_t wq = q == 0 ? w[0] : (q == 1 ? w[1] : w[2]);  // selects: no indexed (local) array
-    S[0] = q == 3 ? iq_top8(w[0], w[1], w[2]) : (wq & 0x77777777u);
+    S[0] = q == 3 ? iq_top8(w[0], w[1], w[2]) : (wq & M);
   }
 }
 
@@ -231,6 +235,35 @@ __device__ __forceinline__ void iq_tc_pair(uint32_t a, uint32_t b, uint32_t sel[
   sel[1] = e >> 16;
   sel[2] = o;
   sel[3] = o >> 16;
+}
+
+// VSN (V levels as fp16 subnormals): the level table holds one byte per code, L + 128 for the
+// integer level L (|L| <= 127; codes 0-3 are the negative levels, so their bytes are < 128), and
+// an A register (two tokens at one coordinate) is (L_a + 128, L_b + 128) * 2^-24: one byte
+// permute with the selector (code a, 8 | i, code b, 8 | i), i < 4, whose 8 | i nibbles copy the
+// sign of byte i (0) into the high bytes. The partial then holds 2^-24 sum P' (L + 128): the
+// warp scales by 2^24 and takes off 128 sum P' at its end. One permute per register instead of
+// two permutes per register plus the token pairing (iq_tc_pair, iq_lut4).
+__device__ __forceinline__ void iq_level_table_vsn(const float* lv, uint32_t t[2]) {
+  t[0] = t[1] = 0u;
+  for (int c = 0; c < 8; ++c) t[c >> 2] |= (uint32_t(__float2int_rn(lv[c]) + 128) & 0xFFu) << (8 * (c & 3));
+}
+
+// VSN selectors of 8 codes (one nibble word each, top bits not cleared) of tokens a and b, in the
+// order of iq_tc_vcode's m-tiles: sel[j] has the selector of the m-tile's row gid in its low 16
+// bits, of row gid + 8 in its high 16 bits (codes (0, 2), (4, 6), (1, 3), (5, 7)).
+// c80: 0x80808080 in a register (a LOP3 takes one immediate: (x & 0x37373737) | c80 is then one
+// instruction, where two immediates made ptxas emit two).
+__device__ __forceinline__ uint32_t iq_vsn_mask(uint32_t x, uint32_t c80) {
+  return iq_and_or<0x37373737u>(x, c80);
+}
+__device__ __forceinline__ void iq_vsn_sel(uint32_t a, uint32_t b, uint32_t c80, uint32_t sel[4]) {
+  const uint32_t x = iq_prmt(a, b, 0x5140);  // nibbles a0 a1 b0 b1 a2 a3 b2 b3
+  const uint32_t y = iq_prmt(a, b, 0x7362);  // nibbles a4 a5 b4 b5 a6 a7 b6 b7
+  sel[0] = iq_vsn_mask(x, c80);  // (a0, 8|., b0, 8|.), (a2, 8|., b2, 8|.)
+  sel[1] = iq_vsn_mask(y, c80);
+  sel[2] = iq_vsn_mask(x >> 4, c80);  // x >> 4: a1 b0 b1 a2 a3 b2 b3 .
+  sel[3] = iq_vsn_mask(y >> 4, c80);
 }
 
 // A fragment of Q for k-step kt of lane (gid, tig): (hi, lo) of query row gid at codes
@@ -468,7 +501,7 @@ struct IqStream {
 // into them, used when `streams` (contiguous, aligned rows: iq_tc_streams), else the rows are
 // read directly; prefetched: the stream's prologue was issued by the caller. (A reference, not
 // a pointer that may be null: the struct then stays in registers, not local memory.)
-template <int D, bool QLO, bool PLO, bool QS, bool KI8>
+template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* qm, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
@@ -490,7 +523,15 @@ __device__ __forceinline__ void iq_tc_warp(
   } else {
     iq_level_table(lvk, ktab);
   }
-  iq_level_table(lvv, vtab);
+  // VSN: 0x80808080 as a value ptxas cannot fold back into an immediate (the positive levels'
+  // bytes are >= 128)
+  uint32_t c80 = 0u;
+  if (VSN) {
+    iq_level_table_vsn(lvv, vtab);
+    c80 = vtab[1] & 0x80808080u;
+  } else {
+    iq_level_table(lvv, vtab);
+  }
   // KI8: the integer score is in units of the query row's scale / 254
   const float kmul = KI8 ? kinv * qm[gid] * (1.0f / 254.0f) : kinv;
   // A fragments of Q: row gid = fp16 part of query row gid, row gid + 8 = its remainder.
@@ -513,6 +554,7 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
   float m = NEG_INF, l = 0.0f;  // running max and sum of query row gid (l: this lane's tokens)
+  float ps = 0.0f;  // VSN: sum of this lane's P' (query row gid), rescaled with the accumulators
   const float vsc = rsqrtf(float(D)) * vinv;
 
   // One tile of IQ_TILE tokens: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
@@ -600,6 +642,7 @@ __device__ __forceinline__ void iq_tc_warp(
       lsum += c[nt][0] + c[nt][1];
     }
     l = l * a + lsum;
+    if (VSN) ps *= a;
     // the accumulators hold query rows 2tig and 2tig+1: their factors live in lanes 8tig, 8tig+4
     const float a0 = __shfl_sync(0xffffffffu, a, 8 * tig);
     const float a1 = __shfl_sync(0xffffffffu, a, 8 * tig + 4);
@@ -618,17 +661,35 @@ __device__ __forceinline__ void iq_tc_warp(
       uint32_t pb0, pb1, pl0, pl1;
       const __half2 w0 = *reinterpret_cast<const __half2*>(&nvs[2 * h]);
       const __half2 w1 = *reinterpret_cast<const __half2*>(&nvs[2 * h + 1]);
-      iq_split_h2(c[2 * h][0] * __low2float(w0), c[2 * h][1] * __high2float(w0), pb0, pl0);
-      iq_split_h2(c[2 * h + 1][0] * __low2float(w1), c[2 * h + 1][1] * __high2float(w1), pb1, pl1);
+      const float x0 = c[2 * h][0] * __low2float(w0), y0 = c[2 * h][1] * __high2float(w0);
+      const float x1 = c[2 * h + 1][0] * __low2float(w1), y1 = c[2 * h + 1][1] * __high2float(w1);
+      iq_split_h2(x0, y0, pb0, pl0);
+      iq_split_h2(x1, y1, pb1, pl1);
+      if (VSN) ps += (x0 + y0) + (x1 + y1);
       // V codes of those four tokens over the lane's D/8 coordinates
       const int t0_ = 16 * h + 2 * tig;
       uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_) * vs_, gid, va);
-      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
-      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
-      iq_tc_vcodes<D, FULL>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
+      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_) * vs_, gid, va);
+      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
+      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
+      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
 #pragma unroll
-      for (int q = 0; q < NVS; ++q) {
+      for (int q = 0; q < NVS && VSN; ++q) {
+        uint32_t sab[4], scd[4];
+        iq_vsn_sel(va[q], vb[q], c80, sab);
+        iq_vsn_sel(vcc[q], vd[q], c80, scd);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], sab[j]);
+          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], sab[j] >> 16);
+          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], scd[j]);
+          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], scd[j] >> 16);
+          iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
+          if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < NVS && !VSN; ++q) {
         uint32_t sab[4], scd[4];
         iq_tc_pair(va[q], vb[q], sab);
         iq_tc_pair(vcc[q], vd[q], scd);
@@ -672,6 +733,19 @@ __device__ __forceinline__ void iq_tc_warp(
   }
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (VSN) {  // accumulators in level units: 2^24 acc - 128 sum P' of their query row
+    ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+    ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+    const float s0 = 128.0f * __shfl_sync(0xffffffffu, ps, 8 * tig);
+    const float s1 = 128.0f * __shfl_sync(0xffffffffu, ps, 8 * tig + 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      o[mt][0] = fmaf(o[mt][0], 16777216.0f, -s0);
+      o[mt][1] = fmaf(o[mt][1], 16777216.0f, -s1);
+      o[mt][2] = fmaf(o[mt][2], 16777216.0f, -s0);
+      o[mt][3] = fmaf(o[mt][3], 16777216.0f, -s1);
+    }
+  }
   // The threadgroup's IQ_NW warps merge into one partial (rows r0 .. r0+7 at prow + r):
   // red = [IQ_NW][8] maxima, [IQ_NW][8] sums, then [IQ_NW][8][D] rescaled accumulators (it
   // overlays the warps' stages: every warp must be done streaming first).
@@ -810,10 +884,12 @@ __device__ __forceinline__ void iq_tc_fold(
 // one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
 // float ones; out: the attention output, written by the last threadgroup of each row block
 // (FOLD; without it, out is left unwritten and iq_combine merges the partials).
-// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF, KI8 (codes are 3-bit; QLO adds the fp16
-// rounding remainder of the query in the A rows 8-15 at no extra tensor work, PLO that of P' as a
-// second mma; PF issues the first tiles' loads before the query set-up; KI8 computes Q K^T on the
-// int8 tensor cores: the K table must hold integers in [-127, 127], QLO and QS are then moot).
+// template: D, KIND, CAUSAL, QLO, PLO, QS, TO, FOLD, PF, KI8, VSN (codes are 3-bit; QLO adds the
+// fp16 rounding remainder of the query in the A rows 8-15 at no extra tensor work, PLO that of P'
+// as a second mma; PF issues the first tiles' loads before the query set-up; KI8 computes Q K^T on
+// the int8 tensor cores: the K table must hold integers in [-127, 127], QLO and QS are then moot;
+// VSN takes the V levels as fp16 subnormals: the V table must hold integers in [-127, 127], the
+// four lowest negative).
 // Float splits use the scalar warp walk.
 {
   constexpr int RB = 8;
@@ -939,7 +1015,7 @@ __device__ __forceinline__ void iq_tc_fold(
     __syncthreads();
   }
   if (!is_fp) {
-    iq_tc_warp<D, QLO, PLO, QS, KI8>(
+    iq_tc_warp<D, QLO, PLO, QS, KI8, VSN>(
         iq_qs, iq_qf, iq_qm, iq_lk, iq_lv, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fparams[3],
         fparams[4], stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
         (long(bh) * nsp + bx) * R, r0, R, stream, streams, pre);
