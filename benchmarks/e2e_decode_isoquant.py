@@ -146,11 +146,45 @@ def decode_tok_s(model, caches, steps: int, warmup: int = WARMUP):
     return tps, statistics.median(build) * 1e3, statistics.median(run) * 1e3, max(steps_ms)
 
 
+def _set_mode(mode: str, fold_default: bool) -> None:
+    kk.install()  # registered: the kernels run whenever the backend has them
+    if mode == "isoquant_reference":  # MLX ops throughout: attention and encoder
+        kvcache.register_kernel(None)
+        kvcache.register_encoder(None)
+    if mode == "isoquant_fused_mlx_encoder":  # fused attention, MLX-ops compression
+        kvcache.register_encoder(None)
+    iq.TC_FOLD = fold_default if mode != "isoquant_fused_fold" else True
+    os.environ.pop(kvcache.cache.COMPILE_ENV, None)
+    if mode == "isoquant_fused_compiled_encoder":
+        os.environ[kvcache.cache.COMPILE_ENV] = "1"
+
+
+def _record(mode: str, ctx: int, tps_rounds: list, unpiped: tuple, caches) -> dict:
+    import statistics
+
+    tps = statistics.median(tps_rounds)
+    sync, build_ms, eval_ms, max_ms = unpiped
+    kv = sum(kvcache.cache_nbytes([c]) for c in caches)
+    print(
+        f"ctx {ctx:6d} {mode:20s} {tps:7.1f} tok/s (median of {len(tps_rounds)})  "
+        f"{1e3 / tps:7.2f} ms/token  (one step at a time: {sync:7.1f} tok/s; build "
+        f"{build_ms:5.2f} ms, eval {eval_ms:5.2f} ms, slowest {max_ms:6.1f} ms)  KV {kv / 1e9:5.2f} GB"
+    )
+    return dict(mode=mode, context=ctx, tok_s=round(tps, 2), ms_per_token=round(1e3 / tps, 3),
+                tok_s_rounds=[round(x, 2) for x in tps_rounds],
+                tok_s_unpipelined=round(sync, 2), build_ms=round(build_ms, 3),
+                eval_ms=round(eval_ms, 3), slowest_step_ms=round(max_ms, 2), kv_bytes=int(kv),
+                peak_bytes=int(mx.get_peak_memory()))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 32768])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="pipelined runs per mode, alternating (median)"
+    )
     ap.add_argument("--reference", action="store_true", help="also time the MLX-ops reference")
     ap.add_argument("--compare-compile", action="store_true", help="also compiled encoders")
     ap.add_argument(
@@ -177,33 +211,21 @@ def main() -> None:
     if args.compare_compile:  # the compiled decode-time encoders, side by side
         modes.insert(2, "isoquant_fused_compiled_encoder")
     for ctx in args.contexts:
-        for mode in modes:
-            kk.install()  # registered: the kernels run whenever the backend has them
-            if mode == "isoquant_reference":  # MLX ops throughout: attention and encoder
-                kvcache.register_kernel(None)
-                kvcache.register_encoder(None)
-            if mode == "isoquant_fused_mlx_encoder":  # fused attention, MLX-ops compression
-                kvcache.register_encoder(None)
-            iq.TC_FOLD = fold_default if mode != "isoquant_fused_fold" else True
-            os.environ.pop(kvcache.cache.COMPILE_ENV, None)
-            if mode == "isoquant_fused_compiled_encoder":
-                os.environ[kvcache.cache.COMPILE_ENV] = "1"
-            caches = make_caches("fp16" if mode == "fp16" else "isoquant", ctx)
-            tps = decode_tok_s_pipelined(model, caches, args.steps, args.warmup)
-            sync, build_ms, eval_ms, max_ms = decode_tok_s(model, caches, args.steps, args.warmup)
-            kv = sum(kvcache.cache_nbytes([c]) for c in caches)
-            rows.append(dict(mode=mode, context=ctx, tok_s=round(tps, 2), ms_per_token=round(1e3 / tps, 3),
-                             tok_s_unpipelined=round(sync, 2), build_ms=round(build_ms, 3),
-                             eval_ms=round(eval_ms, 3), slowest_step_ms=round(max_ms, 2),
-                             kv_bytes=int(kv),
-                             peak_bytes=int(mx.get_peak_memory())))  # fmt: skip
-            print(
-                f"ctx {ctx:6d} {mode:20s} {tps:7.1f} tok/s  {1e3 / tps:7.2f} ms/token  "
-                f"(one step at a time: {sync:7.1f} tok/s; build {build_ms:5.2f} ms, "
-                f"eval {eval_ms:5.2f} ms, slowest {max_ms:6.1f} ms)  KV {kv / 1e9:5.2f} GB"
-            )
-            del caches
-            mx.clear_cache()
+        rounds = {m: [] for m in modes}
+        for rnd in range(args.rounds):
+            # the modes alternate in order round by round (the lent host's speed drifts)
+            for mode in modes if rnd % 2 == 0 else modes[::-1]:
+                _set_mode(mode, fold_default)
+                caches = make_caches("fp16" if mode == "fp16" else "isoquant", ctx)
+                tps = decode_tok_s_pipelined(model, caches, args.steps, args.warmup)
+                rounds[mode].append(tps)
+                print(f"ctx {ctx:6d} round {rnd} {mode:20s} {tps:7.1f} tok/s", flush=True)
+                if rnd == args.rounds - 1:
+                    unpiped = decode_tok_s(model, caches, args.steps, args.warmup)
+                    rows.append(_record(mode, ctx, rounds[mode], unpiped, caches))
+                del caches
+                mx.clear_cache()
+    rows.sort(key=lambda r: (args.contexts.index(r["context"]), modes.index(r["mode"])))
     iq.TC_FOLD = fold_default
     kk.install()
     info = {}
@@ -218,7 +240,8 @@ def main() -> None:
         model="Llama-3.1-8B shapes, random weights, 4-bit g64; batch 1; greedy decode",
         method=f"{args.steps} timed steps after {args.warmup} warm-up steps; caches pre-filled with random KV; "
         "tok_s: mlx-lm generate_step (next step built while the GPU runs this one, as the app "
-        "decodes); tok_s_unpipelined: each step evaluated before the next is built; build_ms / eval_ms: "
+        f"decodes), the median of {args.rounds} runs per mode (fresh caches each; the modes' order "
+        "alternates run by run), tok_s_rounds: each run's; tok_s_unpipelined: each step evaluated before the next is built; build_ms / eval_ms: "
         "median host time to build one step's graph / to evaluate it, in that mode; "
         "isoquant_fused_mlx_encoder: fused attention, compression by MLX ops (no fused encoder); "
         "isoquant_fused_fold: the tensor-core kernel with its combine folded in (one launch)",
@@ -227,11 +250,15 @@ def main() -> None:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    by = {(r["mode"], r["context"]): r["tok_s"] for r in rows}
+    by = {(r["mode"], r["context"]): r for r in rows}
     for ctx in args.contexts:
         f, i = by.get(("fp16", ctx)), by.get(("isoquant_fused", ctx))
         if f and i:
-            print(f"ctx {ctx}: IsoQuant fused / FP16 decode speed = {i / f:.2f}x")
+            per = [b / a for a, b in zip(f["tok_s_rounds"], i["tok_s_rounds"], strict=True)]
+            print(
+                f"ctx {ctx}: IsoQuant fused / FP16 decode speed = {i['tok_s'] / f['tok_s']:.2f}x "
+                f"(medians; round by round {', '.join(f'{x:.2f}' for x in per)})"
+            )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,26 @@ def per_call_us(fn, n=2000) -> float:
     return dt
 
 
+def build_and_encode_us(fn, calls=32, reps=60) -> tuple[float, float]:
+    """Host µs per call to build `calls` independent calls' graph, and to encode them for the GPU
+    (mx.async_eval: MLX's eval_gpu of each node, graph nodes, the launch), medians over reps; the
+    GPU work of one batch finishes before the next is built."""
+    import statistics
+
+    build, enc = [], []
+    for i in range(reps + 5):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(calls)]
+        t1 = time.perf_counter()
+        mx.async_eval(outs)
+        t2 = time.perf_counter()
+        mx.synchronize()
+        if i >= 5:
+            build.append((t1 - t0) / calls * 1e6)
+            enc.append((t2 - t1) / calls * 1e6)
+    return statistics.median(build), statistics.median(enc)
+
+
 def _layer_us(q, scale) -> float:
     """One layer's attention step as a model runs it, kernels stubbed (host Python only): the
     cache's update_and_fetch, then the model module's attention (the installed dispatch)."""
@@ -67,6 +87,14 @@ def main() -> None:
     mx.eval(q, k.codes, k.norms, k.fp, v.codes, v.norms, v.fp)
     if iq.kernels_available():
         res["fused_attention_us"] = per_call_us(lambda: iq.fused_attention(q, k, v, scale))
+        b, e = build_and_encode_us(lambda: iq.fused_attention(q, k, v, scale))
+        res["fused_attention_build_us"], res["fused_attention_encode_us"] = b, e
+        kf, vf = (mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16) for _ in "kv")
+        mx.eval(kf, vf)
+        b, e = build_and_encode_us(
+            lambda: mx.fast.scaled_dot_product_attention(q, kf, vf, scale=scale)
+        )
+        res["mx_sdpa_build_us"], res["mx_sdpa_encode_us"] = b, e
 
     class Stub:
         def __call__(self, inputs, output_shapes, output_dtypes, **kw):
