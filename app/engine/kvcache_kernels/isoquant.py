@@ -175,14 +175,15 @@ TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
 # row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep
 # on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
 # 48.3 µs at 3072: longer splits, less per-threadgroup set-up; B8 T32K 167.7 vs 172.5), with
-# more rows 3072 (B32 T32K 603 vs 800 µs at 1536: too few threadgroups). A set value
-# (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
+# more rows 3072 (B32 T32K 603 vs 800 µs at 1536: too few threadgroups); with <= 8 rows (batch
+# 1) 1024 since session 11's faster tile loop (B1 T32K 22.5 vs 24.3 µs at 1536, "session11_runs").
+# A set value (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
 SPLIT_WARPS: int | None = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS") or 0) or None
 
 
 def split_warps(rows: int) -> int:
     """Warps the default split plan aims for with `rows` (sequence, KV head, row block) rows."""
-    return SPLIT_WARPS or (1536 if rows <= 64 else 3072)
+    return SPLIT_WARPS or (1024 if rows <= 8 else 1536 if rows <= 64 else 3072)
 
 
 NW = 4  # warps per threadgroup (IQ_NW)
