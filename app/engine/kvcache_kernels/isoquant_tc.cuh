@@ -249,14 +249,16 @@ __device__ __forceinline__ void iq_level_table_vsn(const float* lv, uint32_t t[2
   for (int c = 0; c < 8; ++c) t[c >> 2] |= (uint32_t(__float2int_rn(lv[c]) + 128) & 0xFFu) << (8 * (c & 3));
 }
 
-// VSN selectors of 8 codes (one nibble word each, top bits not cleared) of tokens a and b, in the
-// order of iq_tc_vcode's m-tiles: sel[j] has the selector of the m-tile's row gid in its low 16
-// bits, of row gid + 8 in its high 16 bits (codes (0, 2), (4, 6), (1, 3), (5, 7)).
-// c80: 0x80808080 in a register (a LOP3 takes one immediate: (x & 0x37373737) | c80 is then one
-// instruction, where two immediates made ptxas emit two).
+// A VSN selector pair from 4 nibbles (code, pad, code, pad) per 16 bits: codes to 3 bits, pads to
+// 8 | (pad & 3). c80: 0x80808080 in a register (a LOP3 takes one immediate: (x & 0x37373737) | c80
+// is then one instruction, where two immediates made ptxas emit two).
 __device__ __forceinline__ uint32_t iq_vsn_mask(uint32_t x, uint32_t c80) {
   return iq_and_or<0x37373737u>(x, c80);
 }
+
+// VSN selectors of 8 codes (one nibble word each, top bits not cleared) of tokens a and b, in the
+// order of iq_tc_vcode's m-tiles: sel[j] has the selector of the m-tile's row gid in its low 16
+// bits, of row gid + 8 in its high 16 bits (codes (0, 2), (4, 6), (1, 3), (5, 7)).
 __device__ __forceinline__ void iq_vsn_sel(uint32_t a, uint32_t b, uint32_t c80, uint32_t sel[4]) {
   const uint32_t x = iq_prmt(a, b, 0x5140);  // nibbles a0 a1 b0 b1 a2 a3 b2 b3
   const uint32_t y = iq_prmt(a, b, 0x7362);  // nibbles a4 a5 b4 b5 a6 a7 b6 b7
