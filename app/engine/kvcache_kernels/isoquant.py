@@ -93,8 +93,9 @@ def source(name: str, backend: str) -> tuple[str, str]:
 def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles; v6: its
     # float window's vector loads and threadgroup order; v7: its P V weights' scale on the partial,
-    # int8 row scales from the rotation; v8: VSN (MLX caches builds by name, so a changed body gets a new
-    # name: a side-by-side run of the previous code never shares a build).
+    # int8 row scales from the rotation; v8: its V levels as fp16 subnormals (VSN). MLX caches
+    # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
+    # never shares a build.
     return f"{name}_{dtype}_v8"
 
 
@@ -176,7 +177,8 @@ TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
 # on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
 # 48.3 µs at 3072: longer splits, less per-threadgroup set-up; B8 T32K 167.7 vs 172.5), with
 # more rows 3072 (B32 T32K 603 vs 800 µs at 1536: too few threadgroups); with <= 8 rows (batch
-# 1) 1024 since session 11's faster tile loop (B1 T32K 22.5 vs 24.3 µs at 1536, "session11_runs").
+# 1) 1024 since session 11's faster tile loop (against 1536: B1 T16K 17.5 vs 19.4 µs, T32K 22.9 vs
+# 24.9, T8K and T128K equal; "session11_runs").
 # A set value (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
 SPLIT_WARPS: int | None = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS") or 0) or None
 
