@@ -350,15 +350,21 @@ def test_emulated_tc_int8_and_fp16_qk_both_match_the_reference(emulated, d, monk
     with a ragged tail tile."""
     q, k, v = iq.random_problem(1, 2, 4, 1, d, 333, 4, dtype=mx.float32, seed=d)
     q = q * mx.array([8.0, 0.0, 1.0, 1e-3] * 2)[None, :, None, None]
+    _tc_both_ways_match_the_reference(q, k, v, d, "TC_KI8", "KI8", monkeypatch)
+
+
+def _tc_both_ways_match_the_reference(q, k, v, d, setting, switch, monkeypatch):
+    """The tensor-core kernel with iq.<setting> on and off (its template switch following it):
+    both within the bound, and different outputs (two paths ran)."""
     ref = iq.attention_reference(q, k, v, _scale(d))
     outs = {}
-    for ki8 in (True, False):
-        monkeypatch.setattr(iq, "TC_KI8", ki8)
+    for on in (True, False):
+        monkeypatch.setattr(iq, setting, on)
         _, variant, run = iq._plan(q, k, v, _scale(d), None, None, "tc", None)
-        assert dict(run.template)["KI8"] is ki8
-        outs[ki8] = iq.fused_attention(q, k, v, _scale(d), variant="tc")
-        assert iq.rel_error(outs[ki8], ref) < TOL, ki8
-    assert not mx.array_equal(outs[True], outs[False])  # two different paths ran
+        assert dict(run.template)[switch] is on
+        outs[on] = iq.fused_attention(q, k, v, _scale(d), variant="tc")
+        assert iq.rel_error(outs[on], ref) < TOL, (setting, on)
+    assert not mx.array_equal(outs[True], outs[False])
 
 
 @pytest.mark.slow
@@ -374,15 +380,7 @@ def test_emulated_tc_subnormal_and_table_pv_both_match_the_reference(emulated, d
     # V codes 5 or 6 (levels ~40 and ~71) everywhere: packed rows of those codes
     rows = pack_codes(mx.random.randint(5, 7, (1, 2, 1500, d)).astype(mx.uint8), 3)
     v = dataclasses.replace(v, codes=rows)
-    ref = iq.attention_reference(q, k, v, _scale(d))
-    outs = {}
-    for vsn in (True, False):
-        monkeypatch.setattr(iq, "TC_VSN", vsn)
-        _, variant, run = iq._plan(q, k, v, _scale(d), None, None, "tc", None)
-        assert dict(run.template)["VSN"] is vsn
-        outs[vsn] = iq.fused_attention(q, k, v, _scale(d), variant="tc")
-        assert iq.rel_error(outs[vsn], ref) < TOL, vsn
-    assert not mx.array_equal(outs[True], outs[False])  # two different paths ran
+    _tc_both_ways_match_the_reference(q, k, v, d, "TC_VSN", "VSN", monkeypatch)
 
 
 def test_vsn_takes_only_symmetric_int8_tables():
