@@ -268,6 +268,19 @@ __device__ __forceinline__ void iq_vsn_sel(uint32_t a, uint32_t b, uint32_t c80,
   sel[3] = iq_vsn_mask(y >> 4, c80);
 }
 
+// The two A registers of one m-tile's selector word (rows gid, gid + 8): VSN, one permute each
+// through the L + 128 byte table; else iq_lut4 through the fp16 table.
+template <bool VSN>
+__device__ __forceinline__ void iq_tc_vregs(uint32_t sel, const uint32_t vtab[4], uint32_t& lo,
+                                            uint32_t& hi) {
+  if constexpr (VSN) {
+    lo = iq_prmt(vtab[0], vtab[1], sel);
+    hi = iq_prmt(vtab[0], vtab[1], sel >> 16);
+  } else {
+    iq_lut4(sel, vtab, lo, hi);
+  }
+}
+
 // A fragment of Q for k-step kt of lane (gid, tig): (hi, lo) of query row gid at codes
 // tig*D/4 + 4kt + {0,1} and + {2,3} (lo = the fp16 rounding remainder, 0 without QLO).
 template <int D, bool QLO>
@@ -676,30 +689,21 @@ __device__ __forceinline__ void iq_tc_warp(
       iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
       iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
 #pragma unroll
-      for (int q = 0; q < NVS && VSN; ++q) {
+      for (int q = 0; q < NVS; ++q) {
+        // selectors of the 4 m-tiles: tokens (2tig, 2tig+1) and (2tig+8, 2tig+9)
         uint32_t sab[4], scd[4];
-        iq_vsn_sel(va[q], vb[q], c80, sab);
-        iq_vsn_sel(vcc[q], vd[q], c80, scd);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], sab[j]);
-          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], sab[j] >> 16);
-          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], scd[j]);
-          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], scd[j] >> 16);
-          iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
-          if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+        if constexpr (VSN) {
+          iq_vsn_sel(va[q], vb[q], c80, sab);
+          iq_vsn_sel(vcc[q], vd[q], c80, scd);
+        } else {
+          iq_tc_pair(va[q], vb[q], sab);
+          iq_tc_pair(vcc[q], vd[q], scd);
         }
-      }
-#pragma unroll
-      for (int q = 0; q < NVS && !VSN; ++q) {
-        uint32_t sab[4], scd[4];
-        iq_tc_pair(va[q], vb[q], sab);
-        iq_tc_pair(vcc[q], vd[q], scd);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           uint32_t a0_, a1_, a2_, a3_;
-          iq_lut4(sab[j], vtab, a0_, a1_);
-          iq_lut4(scd[j], vtab, a2_, a3_);
+          iq_tc_vregs<VSN>(sab[j], vtab, a0_, a1_);
+          iq_tc_vregs<VSN>(scd[j], vtab, a2_, a3_);
           iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
           if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
         }
