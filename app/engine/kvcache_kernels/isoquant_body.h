@@ -101,19 +101,40 @@ IQ_FN float iq_warp_sum(float v) {
 }
 
 // Query rows [r0, r0 + RB) of KV head h into x ([RB][D] threadgroup floats); rows >= R are 0.
+// Branch-free within a thread's elements (rows past R read row r0, which exists, and store 0; a
+// decode's one query per head takes no divide), so all its loads are in flight before the first
+// is used: behind per-element branches the compiler converted each load's value right after it,
+// one memory round trip per element at the head of every threadgroup's set-up (H200, Nsight's
+// per-instruction samples: 4 in a row).
+template <int D, int RB, int NTH, bool DECODE, typename PQ, typename PS>
+IQ_FN void iq_load_q_rows_(
+    IQ_TG float* x, PQ q, PS qst, int b, int h, int r0, int R, int G, int L, int tid) {
+  constexpr int N = (RB * D + NTH - 1) / NTH;
+  float v[N];
+  for (int j = 0; j < N; ++j) {
+    const int i = tid + j * NTH;
+    const bool ok = ((RB * D) % NTH == 0 || i < RB * D) && r0 + i / D < R;  // tid < NTH
+    const int r = ok ? r0 + i / D : r0;
+    const int d = ok ? i % D : 0;
+    const int g = DECODE ? r : r / L;
+    const int l = DECODE ? 0 : r % L;
+    v[j] = float(q[b * qst[0] + (h * G + g) * qst[1] + l * qst[2] + d * qst[3]]);
+    v[j] = ok ? v[j] : 0.0f;
+  }
+  for (int j = 0; j < N; ++j) {
+    const int i = tid + j * NTH;
+    if ((RB * D) % NTH == 0 || i < RB * D) {
+      x[i] = v[j];
+    }
+  }
+}
 template <int D, int RB, int NTH, typename PQ, typename PS>
 IQ_FN void iq_load_q_rows(
     IQ_TG float* x, PQ q, PS qst, int b, int h, int r0, int R, int G, int L, int tid) {
-  for (int i = tid; i < RB * D; i += NTH) {
-    const int r = r0 + i / D;
-    const int d = i % D;
-    float v = 0.0f;
-    if (r < R) {
-      const int g = L == 1 ? r : r / L;  // decode (one query per head): no divide
-      const int l = L == 1 ? 0 : r % L;
-      v = float(q[b * qst[0] + (h * G + g) * qst[1] + l * qst[2] + d * qst[3]]);
-    }
-    x[i] = v;
+  if (L == 1) {
+    iq_load_q_rows_<D, RB, NTH, true>(x, q, qst, b, h, r0, R, G, L, tid);
+  } else {
+    iq_load_q_rows_<D, RB, NTH, false>(x, q, qst, b, h, r0, R, G, L, tid);
   }
 }
 
