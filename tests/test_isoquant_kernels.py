@@ -133,10 +133,11 @@ def test_split_plan_aims_by_rows(monkeypatch):
     b1 = iq.Problem(1, 32, 8, 1, 128, 32768, 0, 3, 3, 0, False)  # 8 rows
     b32 = iq.Problem(32, 32, 8, 1, 128, 32768, 0, 3, 3, 0, False)  # 256 rows
     few, many = iq.split_plan(b1, iq.TC_RB), iq.split_plan(b32, iq.TC_RB)
-    assert iq.split_warps(8) == 1024 and iq.split_warps(64) == 1536
-    assert iq.split_warps(256) == 3072
+    assert iq.split_warps(8, 32768) == 1024 and iq.split_warps(64, 131072) == 2048
+    assert iq.split_warps(256, 32768) == 2048 and iq.split_warps(256, 32769) == 3072
     assert few["sl"] == 256 and 8 * few["ncb"] * iq.NW >= 1024 // 2
-    assert 256 * many["ncb"] * iq.NW >= 3072 // 2
+    # 256 rows of 32K: two threadgroups of four 4096-token splits each (512 in all)
+    assert many["sl"] == 4096 and many["ncb"] == 2
     monkeypatch.setattr(iq, "SPLIT_WARPS", 3072)
     assert iq.split_warps(8) == 3072 and iq.split_plan(b1, iq.TC_RB)["sl"] == 96
     # at most 16K compressed tokens in all: 32-token splits for the tensor-core kernel only

@@ -173,19 +173,24 @@ TC_KI8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_KI8", "1") == "1"
 # (two permutes per register and the token pairing)
 TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
-# row block) rows: chosen on GPU time (benchmarks/gpu_clock.py) from attention_decode.py's sweep
-# on the H200 (results/attention_decode.json "sweep"): with <= 64 rows 1536 (B1 T32K 39.8 vs
-# 48.3 µs at 3072: longer splits, less per-threadgroup set-up; B8 T32K 167.7 vs 172.5), with
-# more rows 3072 (B32 T32K 603 vs 800 µs at 1536: too few threadgroups); with <= 8 rows (batch
-# 1) 1024 since session 11's faster tile loop (against 1536: B1 T16K 17.5 vs 19.4 µs, T32K 22.9 vs
-# 24.9, T8K and T128K equal; "session11_runs").
+# row block) rows and the compressed tokens per row: chosen on GPU time (benchmarks/gpu_clock.py)
+# from side-by-side sweeps on the H200 (results/attention_decode.json "sweep", "session11_runs",
+# "session12_runs"). With <= 8 rows (batch 1) 1024 (against 1536: B1 T16K 17.5 vs 19.4 µs, T32K
+# 22.9 vs 24.9); else 2048: 512 threadgroups of four equal splits at 64 and 256 rows, one full
+# wave at 4 per SM, where 3072 gave 768 (1.45 waves) and 1536 at 256 rows 512 with two warps idle
+# (session 12, after the cheaper set-up: B32 T8K 91.1 -> 87.6 µs, B16 T8K 52.3 -> 48.6, B8 T32K
+# 86.0 -> 84.9, B8 T128K 306.7 -> 300.9, B8 T8K and B32 T2K / T32K equal); except with more than
+# 64 rows of over 32K tokens, 3072 (B32 T128K 1115 vs 1136 µs).
 # A set value (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
 SPLIT_WARPS: int | None = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS") or 0) or None
 
 
-def split_warps(rows: int) -> int:
-    """Warps the default split plan aims for with `rows` (sequence, KV head, row block) rows."""
-    return SPLIT_WARPS or (1024 if rows <= 8 else 1536 if rows <= 64 else 3072)
+def split_warps(rows: int, tokens: int = 0) -> int:
+    """Warps the default split plan aims for with `rows` (sequence, KV head, row block) rows of
+    `tokens` compressed tokens each."""
+    if SPLIT_WARPS:
+        return SPLIT_WARPS
+    return 1024 if rows <= 8 else 3072 if rows > 64 and tokens > 32768 else 2048
 
 
 NW = 4  # warps per threadgroup (IQ_NW)
@@ -496,7 +501,7 @@ def split_plan(
     if split_len is None:
         tokens = p.tc * p.b * p.hkv
         min_len = 256 if tokens > 1 << 18 else (32 if merged and tokens <= 1 << 14 else 64)
-        split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or split_warps(heads), heads)))
+        split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or split_warps(heads, p.tc), heads)))
     g = TC_TILE if merged else 32  # tokens: the tensor-core kernel's tile, the scalar kernel's warp
     sl = max(g, _cdiv(split_len, g) * g)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
