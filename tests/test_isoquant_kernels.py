@@ -126,6 +126,25 @@ def test_split_plan_covers_every_token():
         assert plan["sl"] % 32 == 0 and plan["slf"] % 32 == 0
 
 
+def test_combine_is_folded_in_by_context_length(monkeypatch):
+    """By default the tensor-core kernel folds the combine in up to TC_FOLD_TOKENS compressed
+    tokens per row and launches iq_combine above; a set TC_FOLD applies to every length, and the
+    plan follows it (counter slots only when folded)."""
+    monkeypatch.setattr(iq, "TC_FOLD", None)
+    assert iq.fold_combine(iq.TC_FOLD_TOKENS) and not iq.fold_combine(iq.TC_FOLD_TOKENS + 1)
+
+    def slots(p):
+        fold = iq.fold_combine(p.tc)
+        opts = (*iq.TC_PRECISION, iq.TC_QS, fold, iq.TC_PREFETCH, iq.TC_KI8, iq.TC_VSN)
+        return iq._launch(p, "tc", None, False, 0.1, opts, None).slots
+
+    long = iq.Problem(2, 32, 8, 1, 128, 32768, 64, 3, 3, 0, False)
+    assert slots(long) == 0 and slots(dataclasses.replace(long, tc=8192)) == 2 * 8  # B x KV heads
+    for forced in (True, False):
+        monkeypatch.setattr(iq, "TC_FOLD", forced)
+        assert iq.fold_combine(1) is forced and iq.fold_combine(1 << 20) is forced
+
+
 def test_split_plan_aims_by_rows(monkeypatch):
     """Few (sequence, KV head) rows get longer splits (fewer threadgroups, less set-up), many
     rows keep enough threadgroups to fill the GPU; a set SPLIT_WARPS applies to every shape."""
@@ -175,10 +194,11 @@ def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     a = iq._plan(q, k, v, 0.125, None, None, "tc", None)
     assert iq._plan(q, k, v, 0.125, None, None, "tc", None) is a and len(iq._PLANS) == 1
     slots = 1 * 2 * 1  # folded combine: one counter per batch x KV head x row block
-    assert a[0] == iq.Problem.of(q, k, v, None) and a[2].slots == (slots if iq.TC_FOLD else 0)
-    monkeypatch.setattr(iq, "TC_FOLD", not iq.TC_FOLD)
+    fold = iq.fold_combine(40)
+    assert a[0] == iq.Problem.of(q, k, v, None) and a[2].slots == (slots if fold else 0)
+    monkeypatch.setattr(iq, "TC_FOLD", not fold)
     b = iq._plan(q, k, v, 0.125, None, None, "tc", None)
-    assert b is not a and b[2].slots == (slots if iq.TC_FOLD else 0)
+    assert b is not a and b[2].slots == (0 if fold else slots)
     q2, k2, v2 = iq.random_problem(1, 2, 4, 1, 64, 41, 3, dtype=mx.float32, seed=1)
     assert iq._plan(q2, k2, v2, 0.125, None, None, "tc", None)[0].tc == 41
     with pytest.raises(iq.Unsupported):

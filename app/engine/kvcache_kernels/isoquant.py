@@ -153,12 +153,22 @@ TC_PRECISION = tuple(
 # instead of registers (134, 3): 2-14% faster on the H200 at 9 of 11 shapes (attention_decode.json)
 TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # tensor-core kernel: the combine folded into the split kernel's last threadgroup per row block
-# (one launch per call instead of two: a kernel call costs ~9 µs of host time on the H200's
-# host) or a separate iq_combine launch (default: the fold's one-threadgroup merge added 4-9 µs
-# of GPU time at B 1-8, T 2K-32K by ncu, and in the same-session attention table the fold was
-# ahead at B 8-32, T 2K-8K but behind at every B = 1 shape; results/isoquant_ncu.json,
-# attention_decode.json)
-TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "0") == "1"
+# (one launch per call instead of two; its warps merge and rotate their own rows) or a separate
+# iq_combine launch. None (the default): folded with at most TC_FOLD_TOKENS compressed tokens per
+# row, else the launch. H200, side by side (attention_decode.json "session12_runs", call 4):
+# folded B1 T2K 10.9 -> 10.6 µs (+ 64 float tokens 13.6 -> 12.7), B8 T2K 17.5 -> 16.5, B8 T8K
+# + 64 34.0 -> 32.1, B32 T2K 35.0 -> 31.0, B32 T8K 88.8 -> 85.8, B8 T8K equal; but B8 T32K 84.3
+# -> 86.0 and B32 T32K 305 -> 308.5 (B1 T8K 14.6 -> 14.8, B1 T32K 22.6 -> 22.0).
+# ROTARYQUANT_ISOQUANT_FOLD=1 / 0 forces either.
+TC_FOLD: bool | None = {"1": True, "0": False}.get(os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", ""))
+TC_FOLD_TOKENS = 16384
+
+
+def fold_combine(tc: int) -> bool:
+    """Whether the tensor-core kernel folds the combine in for `tc` compressed tokens per row."""
+    return TC_FOLD if TC_FOLD is not None else tc <= TC_FOLD_TOKENS
+
+
 # tensor-core kernel: each warp issues its first tiles' loads before the threadgroup loads and
 # rotates the query (their DRAM latency overlaps that set-up) instead of after; within noise on
 # the H200 at every shape (attention_decode.json, the prefetch_off column)
@@ -638,7 +648,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN)
+        opts = (*TC_PRECISION, TC_QS, fold_combine(p.tc), TC_PREFETCH, TC_KI8, TC_VSN)
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

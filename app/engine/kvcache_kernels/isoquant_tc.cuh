@@ -809,13 +809,21 @@ __device__ __forceinline__ void iq_tc_warp(
 // block) (a ticket from `ctr`, reset to 0 for the next call) merges all NSP partials of rows
 // r0 .. r0+7 (< R): warp w takes rows w, w + IQ_NW, ...; its lanes walk the splits together,
 // D/32 coordinates each; then R^T once per row (compressed part), the float part added, / the
-// total weight (sink included). x, xf: [8][D] threadgroup scratch; tot: [8].
+// total weight (sink included). KIND 0/1 with D <= 128: each warp rotates and writes its own rows
+// (iq_inverse_rotate_row_warp on the head's blocks staged in srot: no barrier, no global loads
+// of the blocks); else the threadgroup rotation (iq_rotate_rows) after a barrier. x, xf: [8][D]
+// threadgroup scratch; tot: [8].
 template <int D, int KIND, typename TO, typename PR, typename PS>
 __device__ __forceinline__ void iq_tc_fold(
-    const float* po, const float* pm, const float* pl, PR rot, PS sinks, TO* out, int* ctr,
-    float* x, float* xf, float* tot, const int* ip, float log2e, int bh, int r0) {
+    const float* po, const float* pm, const float* pl, PR rot, const float* srot, PS sinks, TO* out,
+    int* ctr, float* x, float* xf, float* tot, const int* ip, float log2e, int bh, int r0) {
+  constexpr bool WARP_ROT = KIND != 2 && D <= 128;
   __shared__ int iq_last;
   const int tid = threadIdx.x;
+  // the parameters the merge reads, loaded before the ticket (not one more round trip after it)
+  const int R = ip[IQ_P_R], L = ip[IQ_P_L], G = ip[IQ_P_G], Hkv = ip[IQ_P_HKV];
+  const int nsp = ip[IQ_P_NSP], nspc = ip[IQ_P_NSPC];
+  const int has_sinks = ip[IQ_P_SINKS], HQ = ip[IQ_P_HQ];
   __syncthreads();  // every warp of this threadgroup has written its partial
   if (tid == 0) {
     __threadfence();
@@ -827,8 +835,6 @@ __device__ __forceinline__ void iq_tc_fold(
   __threadfence();  // the other threadgroups' partials are visible (read past L1: __ldcg)
   constexpr int V = D / 32;
   const float NEG_INF = __int_as_float(0xff800000);
-  const int R = ip[IQ_P_R], L = ip[IQ_P_L], G = ip[IQ_P_G], Hkv = ip[IQ_P_HKV];
-  const int nsp = ip[IQ_P_NSP], nspc = ip[IQ_P_NSPC];
   const int h = bh % Hkv, b = bh / Hkv;
   const int nrow = min(8, R - r0);
   const int warp = tid / 32, lane = tid % 32;
@@ -843,7 +849,7 @@ __device__ __forceinline__ void iq_tc_fold(
       for (int s = lane; s < nsp; s += 32) M = fmaxf(M, __ldcg(pm + base + long(s) * R));
       for (int m = 16; m > 0; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
       float sink = NEG_INF;
-      if (ip[IQ_P_SINKS] != 0) {
+      if (has_sinks != 0) {
         sink = float(sinks[h * G + (r0 + r) / L]) * log2e;
         M = fmaxf(M, sink);
       }
@@ -865,20 +871,39 @@ __device__ __forceinline__ void iq_tc_fold(
         for (int i = 0; i < V; ++i) of[i] += w * __ldcg(po + row * D + lane + 32 * i);
       }
     }
+    if constexpr (WARP_ROT) {
+      if (r < nrow) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      x[r * D + lane + 32 * i] = oc[i];
-      xf[r * D + lane + 32 * i] = of[i];
+        for (int i = 0; i < V; ++i) x[r * D + lane + 32 * i] = oc[i];
+        __syncwarp();
+        iq_inverse_rotate_row_warp<D, KIND>(x + r * D, srot, 0, lane);
+        __syncwarp();
+        const float inv = t > 0.0f ? 1.0f / t : 0.0f;
+        const int row = r0 + r;
+        const long ob = ((long(b) * HQ + h * G + row / L) * L + row % L) * D;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          out[ob + lane + 32 * i] = static_cast<TO>((x[r * D + lane + 32 * i] + of[i]) * inv);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        x[r * D + lane + 32 * i] = oc[i];
+        xf[r * D + lane + 32 * i] = of[i];
+      }
+      if (lane == 0) tot[r] = t;
     }
-    if (lane == 0) tot[r] = t;
   }
-  __syncthreads();
-  iq_rotate_rows<D, 8, KIND, IQ_NW * 32>(x, xf + 8 * D, rot, h, true, tid);  // ends with a barrier
-  for (int i = tid; i < nrow * D; i += IQ_NW * 32) {
-    const int r = i / D, d = i % D, row = r0 + r;
-    const float inv = tot[r] > 0.0f ? 1.0f / tot[r] : 0.0f;
-    const long oi = ((long(b) * ip[IQ_P_HQ] + h * G + row / L) * L + row % L) * D + d;
-    out[oi] = static_cast<TO>((x[i] + xf[i]) * inv);
+  if constexpr (!WARP_ROT) {
+    __syncthreads();
+    iq_rotate_rows<D, 8, KIND, IQ_NW * 32>(x, xf + 8 * D, rot, h, true, tid);  // ends with a barrier
+    for (int i = tid; i < nrow * D; i += IQ_NW * 32) {
+      const int r = i / D, d = i % D, row = r0 + r;
+      const float inv = tot[r] > 0.0f ? 1.0f / tot[r] : 0.0f;
+      const long oi = ((long(b) * HQ + h * G + row / L) * L + row % L) * D + d;
+      out[oi] = static_cast<TO>((x[i] + xf[i]) * inv);
+    }
   }
   if (tid == 0) *ctr = 0;  // ready for the next call that draws this slot
 }
@@ -929,6 +954,7 @@ __device__ __forceinline__ void iq_tc_fold(
   // where they are used (after the first barrier), the query scale's load waited behind the
   // threadgroups' first tiles in flight (H200, B8 T32K: ~1.6% of the kernel's warp samples).
   const float fp_q = fparams[1], fp_kinv = fparams[3], fp_vinv = fparams[4];
+  const float fp_l2e = FOLD ? fparams[2] : 0.0f;
   // Threadgroup roles by linear block id: the compressed splits' threadgroups first, the float
   // window's after them, so the block scheduler (which starts threadgroups in that order) starts
   // these last. As blockIdx (x >= NCB in every (y, z)) they changed which SMs got one more
@@ -981,12 +1007,14 @@ __device__ __forceinline__ void iq_tc_fold(
   static_assert((D * 4) % IQ_NT == 0, "whole rounds of the threadgroup over the blocks");
   constexpr int NROT = KIND == 2 ? 1 : D * 4 / IQ_NT;
   __shared__ float iq_rot[KIND == 2 ? 1 : D * 4];
+  // (FOLD: every threadgroup, since the last one, which merges, may be a float one)
+  const bool stage_rot = KIND != 2 && (!is_fp || FOLD);
   float rotv[NROT];
-  if (KIND != 2 && !is_fp) {
+  if (stage_rot) {
     for (int j = 0; j < NROT; ++j) rotv[j] = float(rot[long(h) * D * 4 + iq_tid + j * IQ_NT]);
   }
   iq_load_q_rows<D, RB, IQ_NT>(iq_qs, q, qst, b, h, r0, R, G, L, iq_tid);
-  if (KIND != 2 && !is_fp) {
+  if (stage_rot) {
     for (int j = 0; j < NROT; ++j) iq_rot[iq_tid + j * IQ_NT] = rotv[j];
   }
   if (iq_tid < 8) {
@@ -1065,9 +1093,9 @@ __device__ __forceinline__ void iq_tc_fold(
   // threadgroup scratch for the fold: iq_qs (the query rows are no longer needed) and iq_buf
   float* iq_fx = reinterpret_cast<float*>(iq_buf);
   if (FOLD) {
-    iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, sinks, out,
+    iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, iq_rot, sinks, out,
                             const_cast<int*>(counters) + (bh * int(gridDim.y) + by), iq_qs,
-                            iq_fx, iq_fx + 16 * D, iparams, fparams[2], bh, r0);
+                            iq_fx, iq_fx + 16 * D, iparams, fp_l2e, bh, r0);
   }
 }
 // @end
