@@ -134,9 +134,7 @@ def test_combine_is_folded_in_by_context_length(monkeypatch):
     assert iq.fold_combine(iq.TC_FOLD_TOKENS) and not iq.fold_combine(iq.TC_FOLD_TOKENS + 1)
 
     def slots(p):
-        fold = iq.fold_combine(p.tc)
-        opts = (*iq.TC_PRECISION, iq.TC_QS, fold, iq.TC_PREFETCH, iq.TC_KI8, iq.TC_VSN)
-        return iq._launch(p, "tc", None, False, 0.1, opts, None).slots
+        return iq._launch(p, "tc", None, False, 0.1, iq.tc_options(p.tc), None).slots
 
     long = iq.Problem(2, 32, 8, 1, 128, 32768, 64, 3, 3, 0, False)
     assert slots(long) == 0 and slots(dataclasses.replace(long, tc=8192)) == 2 * 8  # B x KV heads

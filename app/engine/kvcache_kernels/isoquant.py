@@ -93,10 +93,10 @@ def source(name: str, backend: str) -> tuple[str, str]:
 def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles; v6: its
     # float window's vector loads and threadgroup order; v7: its P V weights' scale on the partial,
-    # int8 row scales from the rotation; v8: its V levels as fp16 subnormals (VSN). MLX caches
-    # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
-    # never shares a build.
-    return f"{name}_{dtype}_v8"
+    # int8 row scales from the rotation; v8: its V levels as fp16 subnormals (VSN); v9: its set-up
+    # loads in one round trip, the fold rotating per warp. MLX caches builds by name, so a changed
+    # body gets a new name: a side-by-side run of the previous code never shares a build.
+    return f"{name}_{dtype}_v9"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -167,6 +167,12 @@ TC_FOLD_TOKENS = 16384
 def fold_combine(tc: int) -> bool:
     """Whether the tensor-core kernel folds the combine in for `tc` compressed tokens per row."""
     return TC_FOLD if TC_FOLD is not None else tc <= TC_FOLD_TOKENS
+
+
+def tc_options(tc: int) -> tuple:
+    """The tensor-core kernel's switches (_launch's opts) from the settings, for `tc` compressed
+    tokens per row."""
+    return (*TC_PRECISION, TC_QS, fold_combine(tc), TC_PREFETCH, TC_KI8, TC_VSN)
 
 
 # tensor-core kernel: each warp issues its first tiles' loads before the threadgroup loads and
@@ -648,7 +654,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = (*TC_PRECISION, TC_QS, fold_combine(p.tc), TC_PREFETCH, TC_KI8, TC_VSN)
+        opts = tc_options(p.tc)
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

@@ -838,6 +838,11 @@ __device__ __forceinline__ void iq_tc_fold(
   const int h = bh % Hkv, b = bh / Hkv;
   const int nrow = min(8, R - r0);
   const int warp = tid / 32, lane = tid % 32;
+  // where row r of the block goes in out ([B, Hq, L, D])
+  auto out_row = [&](int r) {
+    const int row = r0 + r;
+    return ((long(b) * HQ + h * G + row / L) * L + row % L) * D;
+  };
   for (int r = warp; r < 8; r += IQ_NW) {
     float oc[V], of[V];
 #pragma unroll
@@ -879,8 +884,7 @@ __device__ __forceinline__ void iq_tc_fold(
         iq_inverse_rotate_row_warp<D, KIND>(x + r * D, srot, 0, lane);
         __syncwarp();
         const float inv = t > 0.0f ? 1.0f / t : 0.0f;
-        const int row = r0 + r;
-        const long ob = ((long(b) * HQ + h * G + row / L) * L + row % L) * D;
+        const long ob = out_row(r);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           out[ob + lane + 32 * i] = static_cast<TO>((x[r * D + lane + 32 * i] + of[i]) * inv);
@@ -899,10 +903,9 @@ __device__ __forceinline__ void iq_tc_fold(
     __syncthreads();
     iq_rotate_rows<D, 8, KIND, IQ_NW * 32>(x, xf + 8 * D, rot, h, true, tid);  // ends with a barrier
     for (int i = tid; i < nrow * D; i += IQ_NW * 32) {
-      const int r = i / D, d = i % D, row = r0 + r;
+      const int r = i / D;
       const float inv = tot[r] > 0.0f ? 1.0f / tot[r] : 0.0f;
-      const long oi = ((long(b) * HQ + h * G + row / L) * L + row % L) * D + d;
-      out[oi] = static_cast<TO>((x[i] + xf[i]) * inv);
+      out[out_row(r) + i % D] = static_cast<TO>((x[i] + xf[i]) * inv);
     }
   }
   if (tid == 0) *ctr = 0;  // ready for the next call that draws this slot
