@@ -264,8 +264,7 @@ def main() -> None:
         return fn
 
     # the defaults, then each option flipped: Q fragments in registers instead of shared
-    # memory, the combine folded into the split kernel and as its own launch (the default picks
-    # by context length), the first
+    # memory, the combine folded into the split kernel and as its own launch, the first
     # tiles' loads issued after the query rotation instead of before, Q K^T on fp16 tensor cores
     # instead of int8 ones (or the other way round), P V's V levels from the fp16 table instead of
     # as subnormals (or the other way round); at short contexts also
@@ -313,7 +312,7 @@ def main() -> None:
             "subtracted; like torch's events it includes launch gaps, not host time",
             kernel_options=dict(
                 qsmem=iq.TC_QS,
-                fold=iq.TC_FOLD if iq.TC_FOLD is not None else f"<= {iq.TC_FOLD_TOKENS} tokens",
+                fold=iq.TC_FOLD,
                 prefetch=iq.TC_PREFETCH,
                 qk_int8=iq.TC_KI8,
                 pv_subnormal=iq.TC_VSN,

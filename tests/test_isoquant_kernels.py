@@ -126,21 +126,19 @@ def test_split_plan_covers_every_token():
         assert plan["sl"] % 32 == 0 and plan["slf"] % 32 == 0
 
 
-def test_combine_is_folded_in_by_context_length(monkeypatch):
-    """By default the tensor-core kernel folds the combine in up to TC_FOLD_TOKENS compressed
-    tokens per row and launches iq_combine above; a set TC_FOLD applies to every length, and the
-    plan follows it (counter slots only when folded)."""
-    monkeypatch.setattr(iq, "TC_FOLD", None)
-    assert iq.fold_combine(iq.TC_FOLD_TOKENS) and not iq.fold_combine(iq.TC_FOLD_TOKENS + 1)
+def test_combine_is_folded_in_unless_turned_off(monkeypatch):
+    """The tensor-core kernel folds the combine in at every length by default; TC_FOLD off takes
+    the iq_combine launch, and the plan follows (counter slots only when folded)."""
 
     def slots(p):
-        return iq._launch(p, "tc", None, False, 0.1, iq.tc_options(p.tc), None).slots
+        return iq._launch(p, "tc", None, False, 0.1, iq.tc_options(), None).slots
 
     long = iq.Problem(2, 32, 8, 1, 128, 32768, 64, 3, 3, 0, False)
-    assert slots(long) == 0 and slots(dataclasses.replace(long, tc=8192)) == 2 * 8  # B x KV heads
-    for forced in (True, False):
-        monkeypatch.setattr(iq, "TC_FOLD", forced)
-        assert iq.fold_combine(1) is forced and iq.fold_combine(1 << 20) is forced
+    short = dataclasses.replace(long, tc=8192)
+    monkeypatch.setattr(iq, "TC_FOLD", True)
+    assert slots(long) == slots(short) == 2 * 8  # B x KV heads
+    monkeypatch.setattr(iq, "TC_FOLD", False)
+    assert slots(long) == slots(short) == 0
 
 
 def test_split_plan_aims_by_rows(monkeypatch):
@@ -192,7 +190,7 @@ def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     a = iq._plan(q, k, v, 0.125, None, None, "tc", None)
     assert iq._plan(q, k, v, 0.125, None, None, "tc", None) is a and len(iq._PLANS) == 1
     slots = 1 * 2 * 1  # folded combine: one counter per batch x KV head x row block
-    fold = iq.fold_combine(40)
+    fold = iq.TC_FOLD
     assert a[0] == iq.Problem.of(q, k, v, None) and a[2].slots == (slots if fold else 0)
     monkeypatch.setattr(iq, "TC_FOLD", not fold)
     b = iq._plan(q, k, v, 0.125, None, None, "tc", None)

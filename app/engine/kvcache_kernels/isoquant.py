@@ -94,9 +94,10 @@ def _kernel_name(name: str, dtype: str) -> str:
     # v3: packed format 2; v4: the tensor-core kernel's stream; v5: its 32-token tiles; v6: its
     # float window's vector loads and threadgroup order; v7: its P V weights' scale on the partial,
     # int8 row scales from the rotation; v8: its V levels as fp16 subnormals (VSN); v9: its set-up
-    # loads in one round trip, the fold rotating per warp. MLX caches builds by name, so a changed
-    # body gets a new name: a side-by-side run of the previous code never shares a build.
-    return f"{name}_{dtype}_v9"
+    # loads in one round trip, the fold rotating per warp; v10: the fold's merge 8 splits per round
+    # trip, its place recomputed after the tile loop. MLX caches builds by name, so a changed body
+    # gets a new name: a side-by-side run of the previous code never shares a build.
+    return f"{name}_{dtype}_v10"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -153,26 +154,19 @@ TC_PRECISION = tuple(
 # instead of registers (134, 3): 2-14% faster on the H200 at 9 of 11 shapes (attention_decode.json)
 TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # tensor-core kernel: the combine folded into the split kernel's last threadgroup per row block
-# (one launch per call instead of two; its warps merge and rotate their own rows) or a separate
-# iq_combine launch. None (the default): folded with at most TC_FOLD_TOKENS compressed tokens per
-# row, else the launch. H200, side by side (attention_decode.json "session12_runs", call 4):
-# folded B1 T2K 10.9 -> 10.6 µs (+ 64 float tokens 13.6 -> 12.7), B8 T2K 17.5 -> 16.5, B8 T8K
-# + 64 34.0 -> 32.1, B32 T2K 35.0 -> 31.0, B32 T8K 88.8 -> 85.8, B8 T8K equal; but B8 T32K 84.3
-# -> 86.0 and B32 T32K 305 -> 308.5 (B1 T8K 14.6 -> 14.8, B1 T32K 22.6 -> 22.0).
-# ROTARYQUANT_ISOQUANT_FOLD=1 / 0 forces either.
-TC_FOLD: bool | None = {"1": True, "0": False}.get(os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", ""))
-TC_FOLD_TOKENS = 16384
+# (one launch per call instead of two; its warps merge and rotate their own rows, loading 8 splits
+# at a time) or a separate iq_combine launch. H200, side by side (attention_decode.json
+# "session13_runs", call 1), combine launch vs folded: B1 T2K 10.5 -> 10.0 µs (+ 64 float tokens
+# 12.9 -> 12.4), B8 T2K 17.1 -> 15.7, B8 T8K 30.3 -> 30.3, B8 T32K 84.1 -> 83.9, B8 T128K 299.0 ->
+# 297.7, B32 T8K 88.1 -> 84.5, B32 T32K 302 -> 299. (Session 12's fold lost at 32K and above: its
+# build kept the threadgroup's place and a float parameter live through the tile loop, which ptxas
+# then scheduled ~2% slower.) ROTARYQUANT_ISOQUANT_FOLD=0 takes the launch.
+TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "1") == "1"
 
 
-def fold_combine(tc: int) -> bool:
-    """Whether the tensor-core kernel folds the combine in for `tc` compressed tokens per row."""
-    return TC_FOLD if TC_FOLD is not None else tc <= TC_FOLD_TOKENS
-
-
-def tc_options(tc: int) -> tuple:
-    """The tensor-core kernel's switches (_launch's opts) from the settings, for `tc` compressed
-    tokens per row."""
-    return (*TC_PRECISION, TC_QS, fold_combine(tc), TC_PREFETCH, TC_KI8, TC_VSN)
+def tc_options() -> tuple:
+    """The tensor-core kernel's switches (_launch's opts) from the settings."""
+    return (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN)
 
 
 # tensor-core kernel: each warp issues its first tiles' loads before the threadgroup loads and
@@ -654,7 +648,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = tc_options(p.tc)
+        opts = tc_options()
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

@@ -805,6 +805,22 @@ __device__ __forceinline__ void iq_tc_warp(
   }
 }
 
+// Threadgroup roles by linear block id: the compressed splits' threadgroups first, the float
+// window's after them (bx >= ncb), so the block scheduler (which starts threadgroups in that
+// order) starts these last. As blockIdx (x >= NCB in every (y, z)) they changed which SMs got one
+// more compressed threadgroup than the others (H200, B8 T8K: 33.6 us without float tokens, 41.5
+// with 64 of them and 41.6 with their walk skipped; ordered last, 36.7).
+__device__ __forceinline__ void iq_tc_place(int ncb, int& bx, int& by, int& bz) {
+  const int gx = int(gridDim.x), gy = int(gridDim.y);
+  const int lin = int(blockIdx.x) + gx * (int(blockIdx.y) + gy * int(blockIdx.z));
+  const int npk = ncb * gy * int(gridDim.z);
+  const int n = lin < npk ? ncb : gx - ncb;
+  const int f = lin < npk ? lin : lin - npk;
+  bx = (lin < npk ? 0 : ncb) + f % n;
+  by = (f / n) % gy;
+  bz = f / (n * gy);
+}
+
 // The combine, folded into the split kernel: the threadgroup that finishes last for (bh, row
 // block) (a ticket from `ctr`, reset to 0 for the next call) merges all NSP partials of rows
 // r0 .. r0+7 (< R): warp w takes rows w, w + IQ_NW, ...; its lanes walk the splits together,
@@ -816,7 +832,7 @@ __device__ __forceinline__ void iq_tc_warp(
 template <int D, int KIND, typename TO, typename PR, typename PS>
 __device__ __forceinline__ void iq_tc_fold(
     const float* po, const float* pm, const float* pl, PR rot, const float* srot, PS sinks, TO* out,
-    int* ctr, float* x, float* xf, float* tot, const int* ip, float log2e, int bh, int r0) {
+    int* counters, float* x, float* xf, float* tot, const int* ip, const float* fp) {
   constexpr bool WARP_ROT = KIND != 2 && D <= 128;
   __shared__ int iq_last;
   const int tid = threadIdx.x;
@@ -824,6 +840,13 @@ __device__ __forceinline__ void iq_tc_fold(
   const int R = ip[IQ_P_R], L = ip[IQ_P_L], G = ip[IQ_P_G], Hkv = ip[IQ_P_HKV];
   const int nsp = ip[IQ_P_NSP], nspc = ip[IQ_P_NSPC];
   const int has_sinks = ip[IQ_P_SINKS], HQ = ip[IQ_P_HQ];
+  const float log2e = fp[2];
+  // the threadgroup's place again (not kept live through the tile loop, where one or two more
+  // registers changed how ptxas scheduled the loop against the build without the fold)
+  int bx, by, bh;
+  iq_tc_place(ip[IQ_P_NCB], bx, by, bh);
+  const int r0 = by * 8;
+  int* ctr = counters + (bh * int(gridDim.y) + by);
   __syncthreads();  // every warp of this threadgroup has written its partial
   if (tid == 0) {
     __threadfence();
@@ -843,52 +866,65 @@ __device__ __forceinline__ void iq_tc_fold(
     const int row = r0 + r;
     return ((long(b) * HQ + h * G + row / L) * L + row % L) * D;
   };
-  for (int r = warp; r < 8; r += IQ_NW) {
+  // Warp w merges rows w, w + IQ_NW, ... (decode's 4 query rows: one each), CH splits at a time
+  // with every load of a chunk in flight at once: the loads do not wait for the maximum (a running
+  // maximum rescales the sums per chunk). One L2 round trip per 8 splits, where the maximum, then 4
+  // splits at a time took 3 at B8 (8 splits) and 9 at B1 (32).
+  constexpr int CH = 8;
+  for (int r = warp; r < nrow; r += IQ_NW) {
+    const long base = long(bh) * nsp * R + r0 + r;
+    // the sink's logit starts the running maximum with weight 1
+    float M = has_sinks != 0 ? float(sinks[h * G + (r0 + r) / L]) * log2e : NEG_INF;
+    float t = M == NEG_INF ? 0.0f : 1.0f;
     float oc[V], of[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) oc[i] = of[i] = 0.0f;
-    float t = 0.0f;
-    if (r < nrow) {
-      const long base = long(bh) * nsp * R + r0 + r;
-      float M = NEG_INF;
-      for (int s = lane; s < nsp; s += 32) M = fmaxf(M, __ldcg(pm + base + long(s) * R));
-      for (int m = 16; m > 0; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
-      float sink = NEG_INF;
-      if (has_sinks != 0) {
-        sink = float(sinks[h * G + (r0 + r) / L]) * log2e;
-        M = fmaxf(M, sink);
-      }
-      const float mb = M == NEG_INF ? 0.0f : M;
-      t = exp2f(sink - mb);
-#pragma unroll 4
-      for (int s = 0; s < nspc; ++s) {
-        const long row = base + long(s) * R;
-        const float w = exp2f(__ldcg(pm + row) - mb);
-        t += w * __ldcg(pl + row);
+    for (int s0 = 0; s0 < nsp; s0 += CH) {
+      float vm[CH], vl[CH], vo[CH][V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) oc[i] += w * __ldcg(po + row * D + lane + 32 * i);
-      }
-      for (int s = nspc; s < nsp; ++s) {
-        const long row = base + long(s) * R;
-        const float w = exp2f(__ldcg(pm + row) - mb);
-        t += w * __ldcg(pl + row);
+      for (int c = 0; c < CH; ++c) {
+        const bool in = s0 + c < nsp;
+        const long row = base + long(in ? s0 + c : 0) * R;
+        vm[c] = in ? __ldcg(pm + row) : NEG_INF;
+        vl[c] = __ldcg(pl + row);
 #pragma unroll
-        for (int i = 0; i < V; ++i) of[i] += w * __ldcg(po + row * D + lane + 32 * i);
+        for (int i = 0; i < V; ++i) vo[c][i] = __ldcg(po + row * D + lane + 32 * i);
+      }
+      float n = M;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) n = fmaxf(n, vm[c]);
+      const float mb = n == NEG_INF ? 0.0f : n;
+      const float sc = exp2f(M - mb);
+      M = n;
+      t *= sc;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        oc[i] *= sc;
+        of[i] *= sc;
+      }
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const float w = exp2f(vm[c] - mb);  // 0 past nsp
+        const float wc = s0 + c < nspc ? w : 0.0f;  // compressed splits first, then float ones
+        t += w * vl[c];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          oc[i] += wc * vo[c][i];
+          of[i] += (w - wc) * vo[c][i];
+        }
       }
     }
     if constexpr (WARP_ROT) {
-      if (r < nrow) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) x[r * D + lane + 32 * i] = oc[i];
-        __syncwarp();
-        iq_inverse_rotate_row_warp<D, KIND>(x + r * D, srot, 0, lane);
-        __syncwarp();
-        const float inv = t > 0.0f ? 1.0f / t : 0.0f;
-        const long ob = out_row(r);
+      for (int i = 0; i < V; ++i) x[r * D + lane + 32 * i] = oc[i];
+      __syncwarp();
+      iq_inverse_rotate_row_warp<D, KIND>(x + r * D, srot, 0, lane);
+      __syncwarp();
+      const float inv = t > 0.0f ? 1.0f / t : 0.0f;
+      const long ob = out_row(r);
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          out[ob + lane + 32 * i] = static_cast<TO>((x[r * D + lane + 32 * i] + of[i]) * inv);
-        }
+      for (int i = 0; i < V; ++i) {
+        out[ob + lane + 32 * i] = static_cast<TO>((x[r * D + lane + 32 * i] + of[i]) * inv);
       }
     } else {
 #pragma unroll
@@ -957,23 +993,8 @@ __device__ __forceinline__ void iq_tc_fold(
   // where they are used (after the first barrier), the query scale's load waited behind the
   // threadgroups' first tiles in flight (H200, B8 T32K: ~1.6% of the kernel's warp samples).
   const float fp_q = fparams[1], fp_kinv = fparams[3], fp_vinv = fparams[4];
-  const float fp_l2e = FOLD ? fparams[2] : 0.0f;
-  // Threadgroup roles by linear block id: the compressed splits' threadgroups first, the float
-  // window's after them, so the block scheduler (which starts threadgroups in that order) starts
-  // these last. As blockIdx (x >= NCB in every (y, z)) they changed which SMs got one more
-  // compressed threadgroup than the others (H200, B8 T8K: 33.6 us without float tokens, 41.5 with
-  // 64 of them and 41.6 with their walk skipped; ordered last, 36.7).
-  int bx, by, bz;
-  {
-    const int gx = int(gridDim.x), gy = int(gridDim.y);
-    const int lin = iq_bx + gx * (iq_by + gy * iq_bz);
-    const int npk = NCB * gy * int(gridDim.z);
-    const int n = lin < npk ? NCB : gx - NCB;
-    const int f = lin < npk ? lin : lin - npk;
-    bx = (lin < npk ? 0 : NCB) + f % n;
-    by = (f / n) % gy;
-    bz = f / (n * gy);
-  }
+  int bx, by, bz;  // this threadgroup's role
+  iq_tc_place(NCB, bx, by, bz);
   const int bh = bz;
   const int b = bh / Hkv;
   const int h = bh % Hkv;
@@ -1097,8 +1118,8 @@ __device__ __forceinline__ void iq_tc_fold(
   float* iq_fx = reinterpret_cast<float*>(iq_buf);
   if (FOLD) {
     iq_tc_fold<D, KIND, TO>(part_o, part_m, part_l, rot, iq_rot, sinks, out,
-                            const_cast<int*>(counters) + (bh * int(gridDim.y) + by), iq_qs,
-                            iq_fx, iq_fx + 16 * D, iparams, fp_l2e, bh, r0);
+                            const_cast<int*>(counters), iq_qs, iq_fx, iq_fx + 16 * D, iparams,
+                            fparams);
   }
 }
 // @end
