@@ -16,14 +16,14 @@ from app.engine.kvcache_kernels import isoquant as iq
 
 NVCC = shutil.which("nvcc")
 _TC = dict(
-    D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16", FOLD=False, PF=True,
+    D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16", FOLD=True, PF=True,
     KI8=True, VSN=True,
 )  # fmt: skip
 CONFIGS = {
     "iq_fused_tc": [
         _TC,
         {**_TC, "KI8": False, "VSN": False},
-        {**_TC, "QS": True, "FOLD": True, "PF": False, "KI8": False},
+        {**_TC, "QS": True, "FOLD": False, "PF": False, "KI8": False},
         {
             **_TC,
             "D": 64,

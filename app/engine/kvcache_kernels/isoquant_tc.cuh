@@ -670,6 +670,26 @@ __device__ __forceinline__ void iq_tc_warp(
         o[mt][3] *= a1;
       }
     }
+    // PAIRV (a full tile at D 128): lanes gid and gid ^ 1 read the same tokens' rows in the same
+    // block, codes 0-15 (words 0 and 1) and 16-31 (word 2 and the codes 24-31 gathered from the
+    // three words' top bits: iq_top8). Instead of every lane gathering the top codes of all 8 of
+    // its tokens (half of them for nothing), each lane gathers 4, the even one for its odd partner's
+    // second k-step, and one shuffle hands them over.
+    constexpr bool PAIRV = FULL && D == 128 && VSN;
+    uint32_t vtop[PAIRV ? 4 : 1], vrecv[PAIRV ? 4 : 1];
+    const bool vodd = (gid & 1) != 0;
+    if constexpr (PAIRV) {
+      const int tt = 16 * (vodd ? 0 : 1) + 2 * tig;  // the odd lane's first k-step, the even's second
+      const int tok4[4] = {tt, tt + 1, tt + 8, tt + 9};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t w[3];
+        iq_tc_block<FULL>(vc_ + tok4[j] * vs_ + 12 * (gid >> 1), w);
+        vtop[j] = iq_top8(w[0], w[1], w[2]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
+    }
 #pragma unroll
     for (int h = 0; h < IQ_TILE / 16; ++h) {
       // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
@@ -684,10 +704,24 @@ __device__ __forceinline__ void iq_tc_warp(
       // V codes of those four tokens over the lane's D/8 coordinates
       const int t0_ = 16 * h + 2 * tig;
       uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_) * vs_, gid, va);
-      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
-      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
-      iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
+      if constexpr (PAIRV) {
+        // word 0 (even lane) or 2 (odd), raw; word 1 (even) or the gathered top codes (odd)
+        auto pv = [&](int t, int j, uint32_t S[NVS]) {
+          const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
+          S[0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
+          const uint32_t w1 = iq_tc_word<FULL>(row + 4);
+          S[1] = vodd ? (h == 0 ? vtop[j] : vrecv[j]) : w1;
+        };
+        pv(t0_, 0, va);
+        pv(t0_ + 1, 1, vb);
+        pv(t0_ + 8, 2, vcc);
+        pv(t0_ + 9, 3, vd);
+      } else {
+        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_) * vs_, gid, va);
+        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
+        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
+        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
+      }
 #pragma unroll
       for (int q = 0; q < NVS; ++q) {
         // selectors of the 4 m-tiles: tokens (2tig, 2tig+1) and (2tig+8, 2tig+9)
