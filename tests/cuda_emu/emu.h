@@ -7,6 +7,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -105,6 +106,14 @@ inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // defaul
 inline uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
 template <uint32_t M>
 inline uint32_t iq_and_or(uint32_t x, uint32_t c) { return (x & M) | c; }
+// the f16x2 add of -0 returns the high half's bits in both halves; a NaN pattern would not
+// come back unchanged on the GPU, so it fails here
+inline uint32_t iq_hi16(uint32_t x, uint32_t nz) {
+  const uint32_t h = x >> 16;
+  if (((h >> 10) & 0x1Fu) == 0x1Fu || nz != 0x80008000u) std::abort();
+  return h | (h << 16);
+}
+inline uint32_t iq_neg_zero2() { return 0x80008000u; }
 inline float iq_ex2(float x) {
   const float r = std::exp2(x);
   return r < 1.17549435e-38f ? 0.0f : r;  // ftz

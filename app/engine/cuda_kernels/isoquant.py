@@ -61,6 +61,23 @@ __device__ __forceinline__ uint32_t iq_and_or(uint32_t x, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(M), "r"(c));
   return r;
 }
+// The high 16 bits of x in both halves, on the FMA pipe instead of a shift on the integer pipe
+// (the tile loop's bottleneck): an f16x2 add of nz = -0 in both halves to x's high half swizzled
+// into both (HADD2 with .H1_H1), which returns every non-NaN fp16 bit pattern unchanged,
+// subnormals included (no .ftz). Callers pass selector words whose high halves are never NaN
+// (exponent bits not all ones) and nz from a register ptxas cannot fold (it would drop the add).
+__device__ __forceinline__ uint32_t iq_hi16(uint32_t x, uint32_t nz) {
+  uint32_t r;
+  asm("{\n .reg .b16 l, h;\n .reg .b32 hh;\n mov.b32 {l, h}, %1;\n mov.b32 hh, {h, h};\n"
+      " add.rn.f16x2 %0, hh, %2;\n}" : "=r"(r) : "r"(x), "r"(nz));
+  return r;
+}
+// -0 in both fp16 halves (iq_hi16's nz), from an asm ptxas does not see through
+__device__ __forceinline__ uint32_t iq_neg_zero2() {
+  uint32_t r;
+  asm volatile("mov.b32 %0, 0x80008000;" : "=r"(r));
+  return r;
+}
 // a hint: the 128-byte line at p into L1 (and L2)
 __device__ __forceinline__ void iq_prefetch(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));

@@ -271,11 +271,11 @@ __device__ __forceinline__ void iq_vsn_sel(uint32_t a, uint32_t b, uint32_t c80,
 // The two A registers of one m-tile's selector word (rows gid, gid + 8): VSN, one permute each
 // through the L + 128 byte table; else iq_lut4 through the fp16 table.
 template <bool VSN>
-__device__ __forceinline__ void iq_tc_vregs(uint32_t sel, const uint32_t vtab[4], uint32_t& lo,
-                                            uint32_t& hi) {
+__device__ __forceinline__ void iq_tc_vregs(uint32_t sel, const uint32_t vtab[4], uint32_t nz,
+                                            uint32_t& lo, uint32_t& hi) {
   if constexpr (VSN) {
     lo = iq_prmt(vtab[0], vtab[1], sel);
-    hi = iq_prmt(vtab[0], vtab[1], sel >> 16);
+    hi = iq_prmt(vtab[0], vtab[1], iq_hi16(sel, nz));
   } else {
     iq_lut4(sel, vtab, lo, hi);
   }
@@ -547,6 +547,7 @@ __device__ __forceinline__ void iq_tc_warp(
   } else {
     iq_level_table(lvv, vtab);
   }
+  const uint32_t nz = iq_neg_zero2();  // for iq_hi16
   // KI8: the integer score is in units of the query row's scale / 254
   const float kmul = KI8 ? kinv * qm[gid] * (1.0f / 254.0f) : kinv;
   // A fragments of Q: row gid = fp16 part of query row gid, row gid + 8 = its remainder.
@@ -595,7 +596,7 @@ __device__ __forceinline__ void iq_tc_warp(
         for (int ks = 0; ks < D / 32; ++ks) {
           const uint4 f = qf[ks * 32 + lane];
           const uint32_t b0 = iq_prmt(k8[0], k8[1], S[ks]);
-          const uint32_t b1 = iq_prmt(k8[0], k8[1], S[ks] >> 16);
+          const uint32_t b1 = iq_prmt(k8[0], k8[1], iq_hi16(S[ks], nz));
           iq_imma(ci, f.x, f.y, f.z, f.w, b0, b1);
         }
         c[nt][0] = float(254 * ci[0] + ci[2]);  // |.| < 2^31 for D <= 128
@@ -736,8 +737,8 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           uint32_t a0_, a1_, a2_, a3_;
-          iq_tc_vregs<VSN>(sab[j], vtab, a0_, a1_);
-          iq_tc_vregs<VSN>(scd[j], vtab, a2_, a3_);
+          iq_tc_vregs<VSN>(sab[j], vtab, nz, a0_, a1_);
+          iq_tc_vregs<VSN>(scd[j], vtab, nz, a2_, a3_);
           iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
           if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
         }
