@@ -19,7 +19,8 @@
 //     padded query rows.
 // Codes reach the selectors as the packed rows' nibble words (packing.py: codes 0-23 of a block
 // by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
-// nibbles into bytes (2 logic ops per 4 selectors).
+// nibbles into bytes (2 logic ops per 4 selectors). A selector word's high half reaches a permute
+// through iq_hi16 (FMA pipe) rather than a shift: the tile loop is bound by the integer pipe.
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
 //   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid (nt < 4);
 //       k-step kt uses codes tig*D/4 + 4kt + {0,1} (b0) and + {2,3} (b1) (KI8: k-step ks of 32
