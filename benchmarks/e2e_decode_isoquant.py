@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -126,8 +127,6 @@ def decode_tok_s(model, caches, steps: int, warmup: int = WARMUP):
     """One step at a time, each evaluated before the next is built (no overlap): (tok/s,
     median ms to build a step's graph on the host, median ms to evaluate it, slowest step ms:
     a step that compresses a batch of 16 tokens in every layer)."""
-    import statistics
-
     tok = mx.array([[1]])
     for _ in range(warmup):
         tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
@@ -160,8 +159,6 @@ def _set_mode(mode: str, fold_default: bool) -> None:
 
 
 def _record(mode: str, ctx: int, tps_rounds: list, unpiped: tuple, caches) -> dict:
-    import statistics
-
     tps = statistics.median(tps_rounds)
     sync, build_ms, eval_ms, max_ms = unpiped
     kv = sum(kvcache.cache_nbytes([c]) for c in caches)

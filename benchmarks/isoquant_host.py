@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 import timeit
@@ -38,8 +39,6 @@ def build_and_encode_us(fn, calls=32, reps=60) -> tuple[float, float]:
     """Host µs per call to build `calls` independent calls' graph, and to encode them for the GPU
     (mx.async_eval: MLX's eval_gpu of each node, graph nodes, the launch), medians over reps; the
     GPU work of one batch finishes before the next is built."""
-    import statistics
-
     build, enc = [], []
     for i in range(reps + 5):
         t0 = time.perf_counter()

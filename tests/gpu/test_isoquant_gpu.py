@@ -187,9 +187,9 @@ def test_folded_combine_reuses_counter_slots_and_survives_concurrent_calls(monke
     s = 1.0 / math.sqrt(128)
     with mx.stream(mx.cpu):
         refs = [iq.attention_reference(q, k, v, s) for q, k, v in probs]
-    slots = iq._launch(iq.Problem.of(*probs[0], None), "tc", None, False, s,
-                       (*iq.TC_PRECISION, iq.TC_QS, True, iq.TC_PREFETCH, iq.TC_KI8, iq.TC_VSN), iq.SPLIT_WARPS, mx.float32).slots  # fmt: skip
     monkeypatch.setattr(iq, "TC_FOLD", True)
+    slots = iq._launch(iq.Problem.of(*probs[0], None), "tc", None, False, s, iq.tc_options(),
+                       iq.SPLIT_WARPS, mx.float32).slots  # fmt: skip
     monkeypatch.setattr(iq, "COUNTER_RING", 2 * slots)
     monkeypatch.setattr(iq, "_ring", [None, 0])
     for (q, k, v), ref in zip(probs, refs, strict=True):  # one at a time: slots reused

@@ -635,12 +635,13 @@ _PLANS_MAX = 1024
 
 def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
     kf, vf = keys.fp, values.fp
+    opts = tc_options()
     key = (
         q.shape, q.dtype, keys.codes.shape, values.codes.shape,
         None if kf is None else kf.shape, None if vf is None else vf.shape,
         keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
         keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
-        TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN, SPLIT_WARPS, BACKEND,
+        opts, SPLIT_WARPS, BACKEND,
     )  # fmt: skip
     hit = _PLANS.get(key)
     if hit is None:
@@ -648,7 +649,6 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        opts = tc_options()
         run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
