@@ -296,20 +296,39 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
   return f;
 }
 
-// The forward rotation of the threadgroup's RB query rows in place, by warps and shuffles: no
-// barriers (the threadgroup version, iq_rotate_rows, takes ~10). D/4 lanes per row, lane j holding
-// coordinates 4j..4j+3 (one SO(4) block): iq_wht_row_warp (KIND 0), then block j (KIND 0 and 1). blocks: head h's [D/4][4][4] in shared memory. Rows are scaled by `post` on the
-// way out; qm (KI8, else null): each row's int8 scale (iq_i8_row_scale of its largest |value|).
-// The caller puts a barrier before the rows are read by other warps.
+// The forward rotation of the threadgroup's RB query rows, by warps and shuffles: no barriers
+// (the threadgroup version, iq_rotate_rows, takes ~10). D/4 lanes per row, lane j holding
+// coordinates 4j..4j+3 (one SO(4) block): iq_wht_row_warp (KIND 0), then block j (KIND 0 and 1).
+// blocks: head h's [D/4][4][4] in shared memory. Rows are scaled by `post` on the way out. Only
+// the block's nrows query rows are rotated (the rest are zero: decode's 4 query rows per KV head
+// fill half of the 8), so a warp pass over rows past them only writes what they would have.
+// Without qf the rows are rotated in place. KI8 (qf, qm): each row's int8 scale (iq_i8_row_scale
+// of its largest |value|) to qm, and its Q K^T A fragments straight from the registers to qf
+// ([D/32][32] uint4, iq_tc_qfrag_i8's layout: lane j's 4 coordinates are half (4j % (D/4)) / 4 of
+// k-step (4j % (D/4)) / 8 at tig 4j / (D/4)); x is then not written. (The fragments were built in
+// a pass of their own after a barrier: H200, B8 T8K, a per-warp %globaltimer trace: rotation 1.95
+// us, fragments 0.67 us and two barriers; this pass, at 4 of 8 rows, ~1 us.)
+// The caller puts a barrier before the rows or fragments are read by other warps.
 template <int D, int RB, int KIND>
 __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* blocks, float post,
-                                                    int warp, int lane, float* qm) {
+                                                    int warp, int lane, float* qm, uint4* qf,
+                                                    int nrows) {
   constexpr int LPR = D / 4;       // lanes per row
   constexpr int RPW = 32 / LPR;    // rows per warp pass
   const int sub = lane / LPR;      // row within the pass
   const int j = lane % LPR;        // block of this lane
+  // KI8: where this lane's 4 coordinates go in the row's fragments (32-bit words of qf)
+  const int fw = ((((4 * j) % (D / 4)) / 8) * 32 + (4 * j) / (D / 4)) * 4 + (((4 * j) % 8) / 4) * 2;
   for (int r0 = warp * RPW; r0 < RB; r0 += IQ_NW * RPW) {
-    float* row = x + (r0 + sub) * D + 4 * j;
+    const int rr = r0 + sub;
+    if (r0 >= nrows) {  // the whole pass is past the block's rows (warp-uniform)
+      if (qf != nullptr) {
+        *reinterpret_cast<uint2*>(reinterpret_cast<uint32_t*>(qf) + fw + 16 * rr) = make_uint2(0u, 0u);
+        if (j == 0) qm[rr] = 1.0f;
+      }
+      continue;
+    }
+    float* row = x + rr * D + 4 * j;
     const float4 in = *reinterpret_cast<const float4*>(row);
     float v[4] = {in.x, in.y, in.z, in.w};
     if (KIND == 0) iq_wht_row_warp<D>(v, j);
@@ -320,12 +339,17 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
       y[a] = (mb[4 * a] * v[0] + mb[4 * a + 1] * v[1] + mb[4 * a + 2] * v[2] + mb[4 * a + 3] * v[3]) *
              post;
     }
-    *reinterpret_cast<float4*>(row) = make_float4(y[0], y[1], y[2], y[3]);
-    if (qm != nullptr) {  // KI8: the row's scale from its largest |value| (its LPR lanes)
+    if (qf == nullptr) {
+      *reinterpret_cast<float4*>(row) = make_float4(y[0], y[1], y[2], y[3]);
+    } else {  // KI8: the row's scale from its largest |value| (its LPR lanes), then its fragments
       float m = fmaxf(fmaxf(fabsf(y[0]), fabsf(y[1])), fmaxf(fabsf(y[2]), fabsf(y[3])));
 #pragma unroll
       for (int o = LPR / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (j == 0) qm[r0 + sub] = iq_i8_row_scale(m);
+      const float sc = iq_i8_row_scale(m);
+      if (j == 0) qm[rr] = sc;
+      uint2 f;
+      iq_i8_split4(y, 1.0f / sc, f.x, f.y);
+      *reinterpret_cast<uint2*>(reinterpret_cast<uint32_t*>(qf) + fw + 16 * rr) = f;
     }
   }
 }
@@ -1100,7 +1124,8 @@ __device__ __forceinline__ void iq_tc_fold(
   __syncthreads();
   const float qscale = fp_q * (is_fp ? 1.0f : rsqrtf(float(D)));
   if (KIND != 2 && !is_fp) {
-    iq_rotate_rows_warp<D, RB, KIND>(iq_qs, iq_rot, qscale, warp, lane, KI8 ? iq_qm : nullptr);
+    iq_rotate_rows_warp<D, RB, KIND>(iq_qs, iq_rot, qscale, warp, lane, KI8 ? iq_qm : nullptr,
+                                     KI8 ? iq_qf : nullptr, R - r0);
   } else {
     if (KIND == 2 && !is_fp) iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
     for (int i = iq_tid; i < RB * D; i += IQ_NT) {
@@ -1108,21 +1133,19 @@ __device__ __forceinline__ void iq_tc_fold(
     }
   }
   __syncthreads();
-  if (KI8 && !is_fp) {
-    if (KIND == 2) {  // the rows' scales (the warp rotation of KIND 0/1 wrote them)
-      for (int r = warp; r < RB; r += IQ_NW) {
-        float m = 0.0f;
-        for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(iq_qs[r * D + d]));
-        m = iq_warp_max(m);
-        if (lane == 0) iq_qm[r] = iq_i8_row_scale(m);
-      }
-      __syncthreads();
+  if (KI8 && KIND == 2 && !is_fp) {  // (KIND 0/1: the warp rotation wrote the fragments)
+    for (int r = warp; r < RB; r += IQ_NW) {  // the rows' scales
+      float m = 0.0f;
+      for (int d = lane; d < D; d += 32) m = fmaxf(m, fabsf(iq_qs[r * D + d]));
+      m = iq_warp_max(m);
+      if (lane == 0) iq_qm[r] = iq_i8_row_scale(m);
     }
+    __syncthreads();
     for (int i = iq_tid; i < (D / 32) * 32; i += IQ_NT) {
       iq_qf[i] = iq_tc_qfrag_i8<D>(iq_qs, iq_qm, i / 32, (i % 32) >> 2, i & 3);
     }
     __syncthreads();
-  } else if (QS && !is_fp) {
+  } else if (!KI8 && QS && !is_fp) {
     for (int i = iq_tid; i < (D / 16) * 32; i += IQ_NT) {
       iq_qf[i] = iq_tc_qfrag<D, QLO>(iq_qs, i / 32, (i % 32) >> 2, i & 3);
     }
