@@ -307,7 +307,8 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
 // ([D/32][32] uint4, iq_tc_qfrag_i8's layout: lane j's 4 coordinates are half (4j % (D/4)) / 4 of
 // k-step (4j % (D/4)) / 8 at tig 4j / (D/4)); x is then not written. (The fragments were built in
 // a pass of their own after a barrier: H200, B8 T8K, a per-warp %globaltimer trace: rotation 1.95
-// us, fragments 0.67 us and two barriers; this pass, at 4 of 8 rows, ~1 us.)
+// us over two passes, fragments 0.67 us, two barriers ~0.35 us; this one pass ~1.3 us. The same
+// rotation with 8 lanes per row, decode's 4 rows in one warp, took 1.6-2.4 us.)
 // The caller puts a barrier before the rows or fragments are read by other warps.
 template <int D, int RB, int KIND>
 __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* blocks, float post,
