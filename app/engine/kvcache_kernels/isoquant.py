@@ -165,11 +165,6 @@ TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "1") == "1"
 
 
-def tc_options() -> tuple:
-    """The tensor-core kernel's switches (_launch's opts) from the settings."""
-    return (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN)
-
-
 # tensor-core kernel: each warp issues its first tiles' loads before the threadgroup loads and
 # rotates the query (their DRAM latency overlaps that set-up) instead of after; within noise on
 # the H200 at every shape (attention_decode.json, the prefetch_off column)
@@ -183,6 +178,13 @@ TC_KI8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_KI8", "1") == "1"
 # isoquant_tc.cuh, VSN) when the V codebook is on the int8 grid, instead of the fp16 level table
 # (two permutes per register and the token pairing)
 TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
+
+
+def tc_options() -> tuple:
+    """The tensor-core kernel's switches (_launch's opts) from the settings."""
+    return (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN)
+
+
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
 # row block) rows and the compressed tokens per row: chosen on GPU time (benchmarks/gpu_clock.py)
 # from side-by-side sweeps on the H200 (results/attention_decode.json "sweep", "session11_runs",

@@ -322,9 +322,10 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
   const int fw = ((((4 * j) % (D / 4)) / 8) * 32 + (4 * j) / (D / 4)) * 4 + (((4 * j) % 8) / 4) * 2;
   for (int r0 = warp * RPW; r0 < RB; r0 += IQ_NW * RPW) {
     const int rr = r0 + sub;
+    uint2* frag = reinterpret_cast<uint2*>(reinterpret_cast<uint32_t*>(qf) + fw + 16 * rr);
     if (r0 >= nrows) {  // the whole pass is past the block's rows (warp-uniform)
       if (qf != nullptr) {
-        *reinterpret_cast<uint2*>(reinterpret_cast<uint32_t*>(qf) + fw + 16 * rr) = make_uint2(0u, 0u);
+        *frag = make_uint2(0u, 0u);
         if (j == 0) qm[rr] = 1.0f;
       }
       continue;
@@ -350,7 +351,7 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
       if (j == 0) qm[rr] = sc;
       uint2 f;
       iq_i8_split4(y, 1.0f / sc, f.x, f.y);
-      *reinterpret_cast<uint2*>(reinterpret_cast<uint32_t*>(qf) + fw + 16 * rr) = f;
+      *frag = f;
     }
   }
 }
