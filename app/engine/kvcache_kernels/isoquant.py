@@ -96,9 +96,10 @@ def _kernel_name(name: str, dtype: str) -> str:
     # int8 row scales from the rotation; v8: its V levels as fp16 subnormals (VSN); v9: its set-up
     # loads in one round trip, the fold rotating per warp; v10: the fold's merge 8 splits per round
     # trip, its place recomputed after the tile loop; v11: the query's int8 fragments from the warp
-    # rotation, padded rows skipped. MLX caches builds by name, so a changed body gets a new name:
-    # a side-by-side run of the previous code never shares a build.
-    return f"{name}_{dtype}_v11"
+    # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid. MLX caches
+    # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
+    # never shares a build.
+    return f"{name}_{dtype}_v12"
 
 
 # -- kernels built once at import ----------------------------------------------------------

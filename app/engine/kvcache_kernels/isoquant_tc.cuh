@@ -871,16 +871,27 @@ __device__ __forceinline__ void iq_tc_warp(
 // window's after them (bx >= ncb), so the block scheduler (which starts threadgroups in that
 // order) starts these last. As blockIdx (x >= NCB in every (y, z)) they changed which SMs got one
 // more compressed threadgroup than the others (H200, B8 T8K: 33.6 us without float tokens, 41.5
-// with 64 of them and 41.6 with their walk skipped; ordered last, 36.7).
+// with 64 of them and 41.6 with their walk skipped; ordered last, 36.7). Compressed threadgroups
+// go rows first, splits last, so a row block's splits are spread over the grid (and over the
+// threadgroups' ages on their SMs) rather than started side by side on neighbouring SMs. H200,
+// side by side (attention_decode.json "session15_runs", call 6): B8 T8K 27.7 -> 26.6 us, B8 T32K
+// 75.7 -> 74.2, B32 T8K 76.8 -> 75.7, B32 T2K 26.9 -> 26.3, B8 T2K 13.6 -> 13.2; B = 1 within
+// 0.3 us either way (few rows: the grid is under one wave).
 __device__ __forceinline__ void iq_tc_place(int ncb, int& bx, int& by, int& bz) {
   const int gx = int(gridDim.x), gy = int(gridDim.y);
   const int lin = int(blockIdx.x) + gx * (int(blockIdx.y) + gy * int(blockIdx.z));
-  const int npk = ncb * gy * int(gridDim.z);
-  const int n = lin < npk ? ncb : gx - ncb;
-  const int f = lin < npk ? lin : lin - npk;
-  bx = (lin < npk ? 0 : ncb) + f % n;
-  by = (f / n) % gy;
-  bz = f / (n * gy);
+  const int rows = gy * int(gridDim.z);
+  const int npk = ncb * rows;
+  if (lin < npk) {
+    bx = lin / rows;
+    by = (lin % rows) % gy;
+    bz = (lin % rows) / gy;
+  } else {
+    const int n = gx - ncb, f = lin - npk;
+    bx = ncb + f % n;
+    by = (f / n) % gy;
+    bz = f / (n * gy);
+  }
 }
 
 // The combine, folded into the split kernel: the threadgroup that finishes last for (bh, row
