@@ -883,9 +883,10 @@ __device__ __forceinline__ void iq_tc_place(int ncb, int& bx, int& by, int& bz) 
   const int rows = gy * int(gridDim.z);
   const int npk = ncb * rows;
   if (lin < npk) {
+    const int f = lin % rows;
     bx = lin / rows;
-    by = (lin % rows) % gy;
-    bz = (lin % rows) / gy;
+    by = f % gy;
+    bz = f / gy;
   } else {
     const int n = gx - ncb, f = lin - npk;
     bx = ncb + f % n;
