@@ -161,6 +161,15 @@ def test_split_plan_aims_by_rows(monkeypatch):
     assert iq.split_plan(tiny, iq.TC_RB, merged=True)["sl"] == 32
     assert iq.split_plan(tiny, iq.TC_RB)["sl"] == 64
     assert iq.split_plan(more, iq.TC_RB, merged=True)["sl"] == 64
+    # the same short context with a float window (decode at B1): 256 warps, 64-token splits, for
+    # the tensor-core kernel only; not with more rows or more compressed tokens
+    monkeypatch.setattr(iq, "SPLIT_WARPS", None)
+    assert iq.split_warps(8, 2048, 64) == 256 and iq.split_warps(8, 2048) == 1024
+    assert iq.split_warps(8, 2049, 64) == 1024 and iq.split_warps(16, 2048, 64) == 2048
+    window = iq.Problem(1, 32, 8, 1, 128, 2048, 64, 3, 3, 0, False)
+    plan = iq.split_plan(window, iq.TC_RB, merged=True)
+    assert plan["sl"] == 64 and plan["ncb"] == 8
+    assert iq.split_plan(window, iq.TC_RB)["sl"] == iq.split_plan(tiny, iq.TC_RB)["sl"] == 64
 
 
 def test_float_window_plan_spreads_the_decode_tail_when_rows_are_few():

@@ -194,17 +194,24 @@ def tc_options() -> tuple:
 # wave at 4 per SM, where 3072 gave 768 (1.45 waves) and 1536 at 256 rows 512 with two warps idle
 # (session 12, after the cheaper set-up: B32 T8K 91.1 -> 87.6 µs, B16 T8K 52.3 -> 48.6, B8 T32K
 # 86.0 -> 84.9, B8 T128K 306.7 -> 300.9, B8 T8K and B32 T2K / T32K equal); except with more than
-# 64 rows of over 32K tokens, 3072 (B32 T128K 1115 vs 1136 µs).
+# 64 rows of over 32K tokens, 3072 (B32 T128K 1115 vs 1136 µs). The tensor-core kernel with <= 8
+# rows of <= 2K compressed tokens and a float window (decode at B1, short context) aims for 256
+# (64-token splits instead of 32: half the threadgroups and partials; session 18, side by side,
+# "session18_runs": B1 T2K + 64 float 11.85 -> 10.7 µs, + 72 12.1 -> 10.55; without the window
+# 9.3 -> 9.4 and at T8K + 64 14.2 -> 15.8, so neither takes it).
 # A set value (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
 SPLIT_WARPS: int | None = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS") or 0) or None
 
 
-def split_warps(rows: int, tokens: int = 0) -> int:
+def split_warps(rows: int, tokens: int = 0, float_tokens: int = 0) -> int:
     """Warps the default split plan aims for with `rows` (sequence, KV head, row block) rows of
-    `tokens` compressed tokens each."""
+    `tokens` compressed tokens each; `float_tokens`: the float window's, for the tensor-core
+    kernel's plan (0 for the scalar kernel's)."""
     if SPLIT_WARPS:
         return SPLIT_WARPS
-    return 1024 if rows <= 8 else 3072 if rows > 64 and tokens > 32768 else 2048
+    if rows <= 8:
+        return 256 if float_tokens and tokens <= 2048 else 1024
+    return 3072 if rows > 64 and tokens > 32768 else 2048
 
 
 NW = 4  # warps per threadgroup (IQ_NW)
@@ -515,7 +522,8 @@ def split_plan(
     if split_len is None:
         tokens = p.tc * p.b * p.hkv
         min_len = 256 if tokens > 1 << 18 else (32 if merged and tokens <= 1 << 14 else 64)
-        split_len = max(min_len, _cdiv(p.tc, _cdiv(warps or split_warps(heads, p.tc), heads)))
+        aim = warps or split_warps(heads, p.tc, p.tf if merged else 0)
+        split_len = max(min_len, _cdiv(p.tc, _cdiv(aim, heads)))
     g = TC_TILE if merged else 32  # tokens: the tensor-core kernel's tile, the scalar kernel's warp
     sl = max(g, _cdiv(split_len, g) * g)
     ncb = _cdiv(_cdiv(p.tc, sl), NW)
