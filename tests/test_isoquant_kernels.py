@@ -161,8 +161,9 @@ def test_split_plan_aims_by_rows(monkeypatch):
     assert iq.split_plan(tiny, iq.TC_RB, merged=True)["sl"] == 32
     assert iq.split_plan(tiny, iq.TC_RB)["sl"] == 64
     assert iq.split_plan(more, iq.TC_RB, merged=True)["sl"] == 64
-    # the same short context with a float window (decode at B1): 256 warps, 64-token splits, for
-    # the tensor-core kernel only; not with more rows or more compressed tokens
+    # the same short context with a float window (decode at B1): 256 warps, 64-token splits for
+    # the tensor-core kernel; not with more rows or more compressed tokens; the scalar kernel's
+    # plan stays at its 64-token minimum
     monkeypatch.setattr(iq, "SPLIT_WARPS", None)
     assert iq.split_warps(8, 2048, 64) == 256 and iq.split_warps(8, 2048) == 1024
     assert iq.split_warps(8, 2049, 64) == 1024 and iq.split_warps(16, 2048, 64) == 2048
