@@ -10,6 +10,7 @@ import importlib
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from app.engine import kvcache_kernels as kk
@@ -368,6 +369,42 @@ def test_emulated_tc_float_window_aligned_or_not(emulated, misalign, monkeypatch
         out = iq.fused_attention(q, k, v, _scale(d), None, None, [90, 33], variant="tc")
         tol = 8e-3 if dtype == mx.bfloat16 else TOL
         assert iq.rel_error(out, ref) < tol, (d, tf, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("misalign", (False, True))
+def test_emulated_tc_query_rows_in_vector_loads_or_not(emulated, misalign, monkeypatch):
+    """The tensor-core kernel reads decode's query rows in 16-byte loads when they are 16-byte
+    aligned, else element by element (q passed one element past a 16-byte boundary): both
+    match the reference, with 4 query rows of 8 (padded rows zero), with 16 (two row blocks),
+    at D 64 and 128 and in all three dtypes."""
+    harness = pytest.importorskip("cuda_emu.harness")
+    monkeypatch.setattr(harness.EmuKernel, "misalign", frozenset({"q"} if misalign else ()))
+    for d, g, dtype in ((128, 4, mx.bfloat16), (64, 16, mx.float16), (128, 3, mx.float32)):
+        q, k, v = iq.random_problem(2, 2, g, 1, d, 70, 5, dtype=dtype, seed=g + d)
+        ref = iq.attention_reference(q, k, v, _scale(d), None, None, [70, 41])
+        out = iq.fused_attention(q, k, v, _scale(d), None, None, [70, 41], variant="tc")
+        tol = 8e-3 if dtype == mx.bfloat16 else TOL
+        assert iq.rel_error(out, ref) < tol, (d, g, dtype)
+
+
+def test_tc_table_words_hold_the_levels():
+    """The tensor-core kernel's level tables, built on the host (tc_table_words): each byte
+    plane decodes back to the levels: int8 bytes, L + 128 bytes (VSN), fp16 bits in two planes."""
+
+    def planes(words):
+        return [(w >> (8 * i)) & 0xFF for w in words for i in range(4)]
+
+    ints = [-113.0, -71.0, -40.0, -13.0, 13.0, 40.0, 71.0, 113.0]
+    b = planes(iq.tc_table_words(ints, "int8"))
+    assert [x - 256 if x > 127 else x for x in b[:8]] == ints and b[8:] == [0] * 8
+    b = planes(iq.tc_table_words(ints, "vsn"))
+    assert [x - 128 for x in b[:8]] == ints and all(x < 128 for x in b[:4])
+    lv = [-2.152, -1.344, -0.756, -0.245, 0.245, 0.756, 1.344, 2.152]
+    b = planes(iq.tc_table_words(lv, "fp16"))
+    bits = np.array([lo | hi << 8 for lo, hi in zip(b[:8], b[8:], strict=True)], np.uint16)
+    assert np.array_equal(bits.view(np.float16), np.asarray(lv, np.float32).astype(np.float16))
+    assert all(0 <= w < 1 << 32 for w in iq.tc_table_words(lv, "fp16"))
 
 
 @pytest.mark.slow

@@ -96,10 +96,11 @@ def _kernel_name(name: str, dtype: str) -> str:
     # int8 row scales from the rotation; v8: its V levels as fp16 subnormals (VSN); v9: its set-up
     # loads in one round trip, the fold rotating per warp; v10: the fold's merge 8 splits per round
     # trip, its place recomputed after the tile loop; v11: the query's int8 fragments from the warp
-    # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid. MLX caches
+    # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid; v13: its
+    # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads. MLX caches
     # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
     # never shares a build.
-    return f"{name}_{dtype}_v12"
+    return f"{name}_{dtype}_v13"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -360,14 +361,34 @@ def _iparams(p: Problem, **kw) -> mx.array:
 
 @functools.lru_cache(maxsize=1024)
 def _iparams_cached(p: Problem, kw: tuple) -> mx.array:
-    v = [0] * 16
+    v = [0] * 24
     v[0], v[1], v[2], v[3], v[4], v[7], v[11], v[13] = (
         p.tc, p.tf, p.length, p.rows, p.g, p.hkv, p.hq, p.b,
     )  # fmt: skip
     names = {"sl": 5, "ncb": 6, "nsp": 8, "nspc": 9, "slf": 10, "sinks": 12}
     for k, val in kw:
-        v[names[k]] = int(val)
+        if k == "tab":  # IQ_P_TAB: the tensor-core kernel's level tables (tc_table_words)
+            v[16:24] = [w - (1 << 32) if w >= 1 << 31 else w for w in val]
+        else:
+            v[names[k]] = int(val)
     return mx.array(v, mx.int32)
+
+
+def tc_table_words(levels, form: str) -> tuple[int, ...]:
+    """The tensor-core kernel's level table of 8 levels as 4 uint32 words (isoquant_tc.cuh):
+    "fp16": the levels' fp16 bits as byte planes (words 0-1 the low bytes of levels 0-7, 2-3 the
+    high bytes); "int8": the integer levels as bytes (word 0 levels 0-3, word 1 levels 4-7);
+    "vsn": the integer levels + 128 as bytes. Rounding as the GPU's (to nearest, ties to even)."""
+    lv = np.asarray([float(x) for x in levels], np.float32)
+    if form == "fp16":
+        h = lv.astype(np.float16).view(np.uint16).astype(np.uint32)
+        planes = np.concatenate([h & 0xFF, h >> 8])
+    else:
+        planes = (np.rint(lv).astype(np.int64) + (128 if form == "vsn" else 0)) & 0xFF
+        planes = np.concatenate([planes, np.zeros(8, np.int64)])
+    return tuple(
+        int(sum(int(planes[4 * w + i]) << (8 * i) for i in range(4))) for w in range(4)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -565,25 +586,28 @@ def _launch(
     output's (the tensor-core kernel writes it when it folds the combine in)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
-    ip = _iparams(
-        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
-        sinks=has_sinks,
-    )  # fmt: skip
     nbh = p.b * p.hkv
-    levels, kinv, vinv = None, 1.0, 1.0
+    levels, kinv, vinv, tab = None, 1.0, 1.0, ()
     if variant == "tc":
         (lvk, kinv, ki8), (lvv, vinv, vi8) = (
             _tc_levels_cached(p.dim, p.kb),
             _tc_levels_cached(p.dim, p.vb),
         )
         levels = (lvk, lvv)
+        use_i8 = bool(opts[5] and ki8)
+        use_vsn = bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist()))
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
-        tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", opts[5] and ki8)]
-        tmpl += [("VSN", bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist())))]
+        tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", use_i8), ("VSN", use_vsn)]
+        tab = tc_table_words(lvk.tolist(), "int8" if use_i8 else "fp16")
+        tab += tc_table_words(lvv.tolist(), "vsn" if use_vsn else "fp16")
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
+    ip = _iparams(
+        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
+        sinks=has_sinks, **({"tab": tab} if tab else {}),
+    )  # fmt: skip
     nsp = plan["nsp"]
     out_shapes = [(nbh, nsp, p.rows, p.dim), (nbh, nsp, p.rows), (nbh, nsp, p.rows)]
     if variant == "tc":
@@ -591,7 +615,11 @@ def _launch(
     return _Launch(
         kern="iq_fused_tc" if variant == "tc" else "iq_fused_scalar",
         template=tuple(tmpl),
-        grid=(32 * NW * (plan["ncb"] + plan["nfb"]), plan["nrb"], nbh),
+        grid=(
+            (32 * NW * plan["nrb"] * nbh, plan["ncb"] + plan["nfb"], 1)
+            if variant == "tc"
+            else (32 * NW * (plan["ncb"] + plan["nfb"]), plan["nrb"], nbh)
+        ),
         out_shapes=out_shapes,
         ip=ip,
         fp=_fparams(scale, kinv, vinv),

@@ -23,14 +23,14 @@
 #define IQ_NW 4     // warps (simdgroups) per threadgroup of every attention kernel
 #define IQ_NT 128   // threads per threadgroup = 32 * IQ_NW
 
-// iparams (int32[16]) of the fused kernels and the combine
+// iparams (int32[24]) of the fused kernels and the combine
 #define IQ_P_TC 0     // compressed tokens (buffer length; per-row valid length comes from lens[b])
 #define IQ_P_TF 1     // float tokens
 #define IQ_P_L 2      // queries per head
 #define IQ_P_R 3      // rows per KV head = G * L
 #define IQ_P_G 4      // query heads per KV head
 #define IQ_P_SL 5     // compressed tokens per warp split
-#define IQ_P_NCB 6    // threadgroups along x that read compressed tokens (the rest read float tokens)
+#define IQ_P_NCB 6    // threadgroups a row block has for compressed tokens (the rest read float tokens)
 #define IQ_P_HKV 7
 #define IQ_P_NSP 8    // warp splits in all = grid.x / 128 * IQ_NW
 #define IQ_P_NSPC 9   // of which compressed = NCB * IQ_NW (they come first)
@@ -38,6 +38,7 @@
 #define IQ_P_HQ 11
 #define IQ_P_SINKS 12 // 1 when the sinks input holds one logit per query head
 #define IQ_P_B 13     // batch
+#define IQ_P_TAB 16   // tensor-core kernel: its K level table (4 words), then V's (tc_table_words)
 
 // Packed rows (packing.py, format 2). 3-bit rows come in blocks of 32 codes: three 32-bit
 // words whose nibbles hold codes 0-23 in their low 3 bits and codes 24-31 bit-sliced across

@@ -66,22 +66,10 @@ __device__ __forceinline__ void iq_lut4(uint32_t sel, const uint32_t tab[4], uin
   b1 = iq_prmt(lo, hi, 0x7362);
 }
 
-// fp16 level table as byte planes: tab[0..1] low bytes of levels 0-7, tab[2..3] high bytes.
-__device__ __forceinline__ void iq_level_table(const float* lv, uint32_t tab[4]) {
-  tab[0] = tab[1] = tab[2] = tab[3] = 0u;
-  for (int c = 0; c < 8; ++c) {
-    const uint32_t hbits = __half_as_ushort(__float2half_rn(lv[c]));
-    tab[c >> 2] |= (hbits & 0xFFu) << (8 * (c & 3));
-    tab[2 + (c >> 2)] |= (hbits >> 8) << (8 * (c & 3));
-  }
-}
-
-// KI8: int8 level table, levels 0-3 in t[0] and 4-7 in t[1] (the host passes integers in
-// [-127, 127]: codebook.int8_lloyd_max divided by its scale)
-__device__ __forceinline__ void iq_level_table8(const float* lv, uint32_t t[2]) {
-  t[0] = t[1] = 0u;
-  for (int c = 0; c < 8; ++c) t[c >> 2] |= (uint32_t(__float2int_rn(lv[c])) & 0xFFu) << (8 * (c & 3));
-}
+// The level tables come from the host (isoquant.py, tc_table_words; iparams[IQ_P_TAB ..]): fp16
+// ones as byte planes (words 0-1: the low bytes of levels 0-7, 2-3: their high bytes), KI8's as
+// the int8 levels (word 0: levels 0-3, 1: 4-7), VSN's as L + 128 bytes (iq_tc_vregs). Built per
+// lane from the levels they took ~70 instructions a warp in the set-up.
 
 // KI8: a query row's scale (its largest |value| / 127; 1 for a zero row)
 __device__ __forceinline__ float iq_i8_row_scale(float m) { return m > 0.0f ? m / 127.0f : 1.0f; }
@@ -245,11 +233,7 @@ __device__ __forceinline__ void iq_tc_pair(uint32_t a, uint32_t b, uint32_t sel[
 // sign of byte i (0) into the high bytes. The partial then holds 2^-24 sum P' (L + 128): the
 // warp scales by 2^24 and takes off 128 sum P' at its end. One permute per register instead of
 // two permutes per register plus the token pairing (iq_tc_pair, iq_lut4).
-__device__ __forceinline__ void iq_level_table_vsn(const float* lv, uint32_t t[2]) {
-  t[0] = t[1] = 0u;
-  for (int c = 0; c < 8; ++c) t[c >> 2] |= (uint32_t(__float2int_rn(lv[c]) + 128) & 0xFFu) << (8 * (c & 3));
-}
-
+//
 // A VSN selector pair from 4 nibbles (code, pad, code, pad) per 16 bits: codes to 3 bits, pads to
 // 8 | (pad & 3). c80: 0x80808080 in a register (a LOP3 takes one immediate: (x & 0x37373737) | c80
 // is then one instruction, where two immediates made ptxas emit two).
@@ -438,6 +422,38 @@ __device__ __forceinline__ bool iq_float_vec(const T* kf, long ks, const T* vf, 
          (vs * long(sizeof(T))) % 16 == 0;
 }
 
+// The threadgroup's RB query rows into x ([RB][D] floats, rows past R zero). Decode (L == 1) with
+// unit-stride, 16-byte aligned rows: one 16-byte load per thread and chunk, rows at row0 + r * rs;
+// else iq_load_q_rows (an element at a time, four 64-bit stride products each: ~45 instructions
+// per element, ~360 of the set-up's ~1070 per warp at B8 T8K).
+template <int D, int RB, int NTH, typename T, typename PS>
+__device__ __forceinline__ void iq_tc_load_q_rows(float* x, const T* q, PS qst, int b, int h,
+                                                  int r0, int R, int G, int L, int tid) {
+  constexpr int E = 16 / int(sizeof(T));  // elements per chunk
+  constexpr int NCH = RB * D / E;
+  const T* row0 = q + b * qst[0] + (h * G + r0) * qst[1];
+  const long rs = qst[1];
+  if (L == 1 && qst[3] == 1 && iq_aligned16(row0) && (rs * long(sizeof(T))) % 16 == 0) {
+#pragma unroll
+    for (int i = tid; i < NCH; i += NTH) {
+      const int r = i / (D / E);
+      float f[E];
+      if (r0 + r < R) {
+        iq_ld_row<E>(row0 + r * rs + (i % (D / E)) * E, f);
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) f[e] = 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < E; e += 4) {
+        *reinterpret_cast<float4*>(x + i * E + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+      }
+    }
+  } else {
+    iq_load_q_rows<D, RB, NTH>(x, q, qst, b, h, r0, R, G, L, tid);
+  }
+}
+
 // s[r] += <qs[r], k_j>, the row in chunks of 64 bytes (all loads of a chunk before its FMAs)
 template <int D, int RB, int KB, typename T, typename PKN>
 __device__ __forceinline__ void iq_token_scores(IqFloatVec, float* s, const float* qs,
@@ -537,6 +553,15 @@ struct IqStream {
   }
 };
 
+// Where coordinate d of query row r sits in a row of the warps' merge (iq_tc_warp's end): d with
+// its low bits XORed by (d / 32, r / 2), so a store of one accumulator by the 32 lanes (rows 2tig
+// + e, coordinates gid * D/8 + c) hits 32 banks; the plain index put them on 2 (16-way conflicts:
+// ~1 us of the merge's 32 stores a lane, four warps), and rows read along d stay conflict-free.
+template <int D>
+__device__ __forceinline__ int iq_tc_swz(int d, int r) {
+  return d ^ ((((d >> 5) & (D / 32 - 1)) << 2) | ((r >> 1) & 3));
+}
+
 // One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
 // zero); then the threadgroup's warps (all of them call this) merge and write one partial.
 // stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory; stream: its cp.async stream
@@ -545,7 +570,7 @@ struct IqStream {
 // a pointer that may be null: the struct then stays in registers, not local memory.)
 template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN>
 __device__ __forceinline__ void iq_tc_warp(
-    const float* qs, const uint4* qf, const float* qm, const float* lvk, const float* lvv, const uint8_t* kc, long ks,
+    const float* qs, const uint4* qf, const float* qm, const uint32_t* tab, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
     int t1, int lane, float kinv, float vinv, uint8_t* stage, float* red, float* po, float* pm,
     float* pl, long prow, int r0, int R, IqStream<D>& stream, bool streams, bool prefetched) {
@@ -559,20 +584,28 @@ __device__ __forceinline__ void iq_tc_warp(
   const int gid = lane >> 2;
   const int tig = lane & 3;
   const float NEG_INF = __int_as_float(0xff800000);
+  // (tab holds the 8 words twice and odd lanes read the second copy: read at one address, the
+  // words went to uniform registers, copied to ordinary ones before each permute: +166
+  // instructions in the tile loop)
+  const uint32_t tab_s = iq_smem(tab) + 32u * uint32_t(lane & 1);
   uint32_t ktab[4], vtab[4], k8[2];
   if (KI8) {
-    iq_level_table8(lvk, k8);
+    k8[0] = iq_lds32(tab_s);
+    k8[1] = iq_lds32(tab_s + 4u);
   } else {
-    iq_level_table(lvk, ktab);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ktab[i] = iq_lds32(tab_s + 4u * i);
   }
   // VSN: 0x80808080 as a value ptxas cannot fold back into an immediate (the positive levels'
   // bytes are >= 128)
   uint32_t c80 = 0u;
   if (VSN) {
-    iq_level_table_vsn(lvv, vtab);
+    vtab[0] = iq_lds32(tab_s + 16u);
+    vtab[1] = iq_lds32(tab_s + 20u);
     c80 = vtab[1] & 0x80808080u;
   } else {
-    iq_level_table(lvv, vtab);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vtab[i] = iq_lds32(tab_s + 16u + 4u * i);
   }
   const uint32_t nz = iq_neg_zero2();  // for iq_hi16
   // KI8: the integer score is in units of the query row's scale / 254
@@ -835,11 +868,11 @@ __device__ __forceinline__ void iq_tc_warp(
     for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
     const float mine = rm[warp * 8 + r];
     const float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax) * vsc;
-    float* out = ro + (warp * 8 + r) * D + gid * (D / 8);
+    float* out = ro + (warp * 8 + r) * D;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      out[iq_tc_vcode(mt, 0)] = o[mt][e] * f;
-      out[iq_tc_vcode(mt, 1)] = o[mt][2 + e] * f;
+      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 0), r)] = o[mt][e] * f;
+      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 1), r)] = o[mt][2 + e] * f;
     }
   }
   __syncthreads();
@@ -848,7 +881,7 @@ __device__ __forceinline__ void iq_tc_warp(
     const int r = i / D;
     float acc = 0.0f;
 #pragma unroll
-    for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r) * D + i % D];
+    for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r) * D + iq_tc_swz<D>(i % D, r)];
     po[(prow + r0) * D + i] = acc;
   }
   if (threadIdx.x < nrow) {
@@ -867,31 +900,25 @@ __device__ __forceinline__ void iq_tc_warp(
   }
 }
 
-// Threadgroup roles by linear block id: the compressed splits' threadgroups first, the float
-// window's after them (bx >= ncb), so the block scheduler (which starts threadgroups in that
-// order) starts these last. As blockIdx (x >= NCB in every (y, z)) they changed which SMs got one
-// more compressed threadgroup than the others (H200, B8 T8K: 33.6 us without float tokens, 41.5
-// with 64 of them and 41.6 with their walk skipped; ordered last, 36.7). Compressed threadgroups
-// go rows first, splits last, so a row block's splits are spread over the grid (and over the
-// threadgroups' ages on their SMs) rather than started side by side on neighbouring SMs. H200,
-// side by side (attention_decode.json "session15_runs", call 6): B8 T8K 27.7 -> 26.6 us, B8 T32K
-// 75.7 -> 74.2, B32 T8K 76.8 -> 75.7, B32 T2K 26.9 -> 26.3, B8 T2K 13.6 -> 13.2; B = 1 within
-// 0.3 us either way (few rows: the grid is under one wave).
-__device__ __forceinline__ void iq_tc_place(int ncb, int& bx, int& by, int& bz) {
-  const int gx = int(gridDim.x), gy = int(gridDim.y);
-  const int lin = int(blockIdx.x) + gx * (int(blockIdx.y) + gy * int(blockIdx.z));
-  const int rows = gy * int(gridDim.z);
-  const int npk = ncb * rows;
-  if (lin < npk) {
-    const int f = lin % rows;
-    bx = lin / rows;
-    by = f % gy;
-    bz = f / gy;
+// Threadgroup roles: the grid is [row blocks of every (batch, KV head)] x [splits] (blockIdx.x,
+// .y), so the linear block id runs rows first, splits last: a row block's splits are spread over
+// the grid (and over the threadgroups' ages on their SMs) rather than started side by side on
+// neighbouring SMs (H200, side by side, attention_decode.json "session15_runs", call 6: B8 T8K
+// 27.7 -> 26.6 us, B8 T32K 75.7 -> 74.2, B32 T8K 76.8 -> 75.7, B32 T2K 26.9 -> 26.3, B8 T2K 13.6
+// -> 13.2; B = 1 within 0.3 us either way), and the float window's splits (y >= NCB) come after
+// every compressed one, so the block scheduler (which starts threadgroups in that order) starts
+// them last (B8 T8K, 64 float tokens: 41.5 us with them among the compressed ones, 36.7 after).
+// No integer division where a (batch, KV head) has one row block (decode: R <= 8).
+__device__ __forceinline__ void iq_tc_place(int R, int& bx, int& by, int& bz) {
+  bx = int(blockIdx.y);
+  const int f = int(blockIdx.x);
+  if (R <= 8) {
+    by = 0;
+    bz = f;
   } else {
-    const int n = gx - ncb, f = lin - npk;
-    bx = ncb + f % n;
-    by = (f / n) % gy;
-    bz = f / (n * gy);
+    const int nrb = (R + 7) / 8;
+    by = f % nrb;
+    bz = f / nrb;
   }
 }
 
@@ -918,14 +945,14 @@ __device__ __forceinline__ void iq_tc_fold(
   // the threadgroup's place again (not kept live through the tile loop, where one or two more
   // registers changed how ptxas scheduled the loop against the build without the fold)
   int bx, by, bh;
-  iq_tc_place(ip[IQ_P_NCB], bx, by, bh);
+  iq_tc_place(R, bx, by, bh);
   const int r0 = by * 8;
-  int* ctr = counters + (bh * int(gridDim.y) + by);
+  int* ctr = counters + int(blockIdx.x);  // one slot per row block
   __syncthreads();  // every warp of this threadgroup has written its partial
   if (tid == 0) {
     __threadfence();
     const int ticket = atomicAdd(ctr, 1);
-    iq_last = ticket == int(gridDim.x) - 1;
+    iq_last = ticket == int(gridDim.y) - 1;
   }
   __syncthreads();
   if (!iq_last) return;
@@ -1023,8 +1050,9 @@ __device__ __forceinline__ void iq_tc_fold(
 // @end
 
 // @kernel iq_fused_tc
-// Same grid and inputs as iq_fused_scalar with RB = 8 rows per threadgroup, plus sinks and
-// counters (B*Hkv*row blocks int32 zeros, a fresh slot range per call: iq_tc_fold); partials:
+// The inputs of iq_fused_scalar with RB = 8 rows per threadgroup, plus sinks and
+// counters (B*Hkv*row blocks int32 zeros, a fresh slot range per call: iq_tc_fold); grid: row
+// blocks x splits (iq_tc_place; the scalar kernel's is splits x row blocks x B*Hkv); partials:
 // one per threadgroup for compressed tokens (its warps merged: NSPC = NCB), one per warp for
 // float ones; out: the attention output, written by the last threadgroup of each row block
 // (FOLD; without it, out is left unwritten and iq_combine merges the partials).
@@ -1049,8 +1077,7 @@ __device__ __forceinline__ void iq_tc_fold(
   constexpr int BUF = BUF0 > RED ? BUF0 : RED;
   __shared__ __align__(16) float iq_qs[RB * D];
   __shared__ __align__(16) uint8_t iq_buf[BUF];
-  __shared__ float iq_lk[16];
-  __shared__ float iq_lv[16];
+  __shared__ uint32_t iq_tab[16];  // the K and V level tables (iparams[IQ_P_TAB ..]), twice
   // QS: the warps' shared Q fragments ([D/16][32]; KI8: [D/32][32] int8 ones)
   __shared__ uint4 iq_qf[QS || KI8 ? (D / 16) * 32 : 1];
   __shared__ float iq_qm[RB];  // KI8: the query rows' scales
@@ -1068,7 +1095,7 @@ __device__ __forceinline__ void iq_tc_fold(
   // threadgroups' first tiles in flight (H200, B8 T32K: ~1.6% of the kernel's warp samples).
   const float fp_q = fparams[1], fp_kinv = fparams[3], fp_vinv = fparams[4];
   int bx, by, bz;  // this threadgroup's role
-  iq_tc_place(NCB, bx, by, bz);
+  iq_tc_place(R, bx, by, bz);
   const int bh = bz;
   const int b = bh / Hkv;
   const int h = bh % Hkv;
@@ -1097,11 +1124,8 @@ __device__ __forceinline__ void iq_tc_fold(
   // then the stores.
   const int t0 = (bx * IQ_NW + warp) * iparams[IQ_P_SL];
   const int t1 = min(t0 + iparams[IQ_P_SL], min(iparams[IQ_P_TC], int(lens[b])));
-  float lvk_ = 0.0f, lvv_ = 0.0f;
-  if (iq_tid < 8) {
-    lvk_ = float(lv_k[iq_tid]);
-    lvv_ = float(lv_v[iq_tid]);
-  }
+  uint32_t tab_ = 0u;
+  if (iq_tid < 16) tab_ = uint32_t(iparams[IQ_P_TAB + (iq_tid & 7)]);
   static_assert((D * 4) % IQ_NT == 0, "whole rounds of the threadgroup over the blocks");
   constexpr int NROT = KIND == 2 ? 1 : D * 4 / IQ_NT;
   __shared__ float iq_rot[KIND == 2 ? 1 : D * 4];
@@ -1111,14 +1135,11 @@ __device__ __forceinline__ void iq_tc_fold(
   if (stage_rot) {
     for (int j = 0; j < NROT; ++j) rotv[j] = float(rot[long(h) * D * 4 + iq_tid + j * IQ_NT]);
   }
-  iq_load_q_rows<D, RB, IQ_NT>(iq_qs, q, qst, b, h, r0, R, G, L, iq_tid);
+  iq_tc_load_q_rows<D, RB, IQ_NT>(iq_qs, q, qst, b, h, r0, R, G, L, iq_tid);
   if (stage_rot) {
     for (int j = 0; j < NROT; ++j) iq_rot[iq_tid + j * IQ_NT] = rotv[j];
   }
-  if (iq_tid < 8) {
-    iq_lk[iq_tid] = lvk_;
-    iq_lv[iq_tid] = lvv_;
-  }
+  if (iq_tid < 16) iq_tab[iq_tid] = tab_;
   // This warp's head's code and norm rows.
   const uint8_t* kc = k_codes + b * k_codes_strides[0] + h * k_codes_strides[1];
   const __half* kn = k_norms + b * k_norms_strides[0] + h * k_norms_strides[1];
@@ -1167,7 +1188,7 @@ __device__ __forceinline__ void iq_tc_fold(
   }
   if (!is_fp) {
     iq_tc_warp<D, QLO, PLO, QS, KI8, VSN>(
-        iq_qs, iq_qf, iq_qm, iq_lk, iq_lv, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fp_kinv,
+        iq_qs, iq_qf, iq_qm, iq_tab, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fp_kinv,
         fp_vinv, stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
         (long(bh) * nsp + bx) * R, r0, R, stream, streams, pre);
   } else {
@@ -1176,11 +1197,11 @@ __device__ __forceinline__ void iq_tc_fold(
     float o[RB * (D / 32)];
     float* pw = iq_pw + warp * RB * 32;
     if (iq_float_vec(kf, kfs, vf, vfs)) {
-      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloatVec(), iq_qs, iq_lk, iq_lv, pw, kf, kfs,
+      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloatVec(), iq_qs, nullptr, nullptr, pw, kf, kfs,
                                             k_norms, 0L, vf, vfs, v_norms, 0L, tf0, tf1, r0, L,
                                             Tf, lane, m, l, o);
     } else {
-      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloat(), iq_qs, iq_lk, iq_lv, pw, kf, kfs, k_norms,
+      iq_warp_attend<D, RB, KB, VB, CAUSAL>(IqFloat(), iq_qs, nullptr, nullptr, pw, kf, kfs, k_norms,
                                             0L, vf, vfs, v_norms, 0L, tf0, tf1, r0, L, Tf, lane,
                                             m, l, o);
     }
