@@ -32,7 +32,7 @@
 #define IQ_P_SL 5     // compressed tokens per warp split
 #define IQ_P_NCB 6    // threadgroups a row block has for compressed tokens (the rest read float tokens)
 #define IQ_P_HKV 7
-#define IQ_P_NSP 8    // warp splits in all = grid.x / 128 * IQ_NW
+#define IQ_P_NSP 8    // partials a row block has (compressed, then float ones)
 #define IQ_P_NSPC 9   // of which compressed = NCB * IQ_NW (they come first)
 #define IQ_P_SLF 10   // float tokens per warp split
 #define IQ_P_HQ 11
