@@ -68,7 +68,11 @@ _PART_OUT = ["part_o", "part_m", "part_l"]
 # in the compiled kernel's name), and the q/fp dtype is part of our name (see _kernel_name).
 SPECS: dict[str, tuple[list[str], list[str]]] = {
     "iq_fused_scalar": (_FUSED_IN, _PART_OUT),
-    "iq_fused_tc": (_FUSED_IN + ["sinks", "counters"], _PART_OUT + ["out"]),
+    # (its level tables come in iparams: tc_table_words)
+    "iq_fused_tc": (
+        [n for n in _FUSED_IN if n not in ("lv_k", "lv_v")] + ["sinks", "counters"],
+        _PART_OUT + ["out"],
+    ),
     "iq_combine": (["part_o", "part_m", "part_l", "rot", "sinks", "iparams", "fparams"], ["out"]),
     "iq_qk_dot": (["q", "k_codes", "k_norms", "rot", "lv_k", "iparams", "fparams"], ["scores"]),
     "iq_softmax": (["scores", "sinks", "lens", "iparams"], ["probs"]),
@@ -97,10 +101,10 @@ def _kernel_name(name: str, dtype: str) -> str:
     # loads in one round trip, the fold rotating per warp; v10: the fold's merge 8 splits per round
     # trip, its place recomputed after the tile loop; v11: the query's int8 fragments from the warp
     # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid; v13: its
-    # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads. MLX caches
-    # builds by name, so a changed body gets a new name: a side-by-side run of the previous code
+    # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads; v14: its
+    # inputs without the level arrays it no longer reads. MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the previous code
     # never shares a build.
-    return f"{name}_{dtype}_v13"
+    return f"{name}_{dtype}_v14"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -368,7 +372,7 @@ def _iparams_cached(p: Problem, kw: tuple) -> mx.array:
     names = {"sl": 5, "ncb": 6, "nsp": 8, "nspc": 9, "slf": 10, "sinks": 12}
     for k, val in kw:
         if k == "tab":  # IQ_P_TAB: the tensor-core kernel's level tables (tc_table_words)
-            v[16:24] = [w - (1 << 32) if w >= 1 << 31 else w for w in val]
+            v[16:24] = np.asarray(val, np.uint32).view(np.int32).tolist()
         else:
             v[names[k]] = int(val)
     return mx.array(v, mx.int32)
@@ -381,14 +385,12 @@ def tc_table_words(levels, form: str) -> tuple[int, ...]:
     "vsn": the integer levels + 128 as bytes. Rounding as the GPU's (to nearest, ties to even)."""
     lv = np.asarray([float(x) for x in levels], np.float32)
     if form == "fp16":
-        h = lv.astype(np.float16).view(np.uint16).astype(np.uint32)
+        h = lv.astype(np.float16).view(np.uint16)
         planes = np.concatenate([h & 0xFF, h >> 8])
     else:
         planes = (np.rint(lv).astype(np.int64) + (128 if form == "vsn" else 0)) & 0xFF
         planes = np.concatenate([planes, np.zeros(8, np.int64)])
-    return tuple(
-        int(sum(int(planes[4 * w + i]) << (8 * i) for i in range(4))) for w in range(4)
-    )
+    return tuple(int(w) for w in planes.astype("<u1").view("<u4"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -567,7 +569,6 @@ class _Launch:
     ip: mx.array
     fp: mx.array
     fp_combine: mx.array
-    levels: tuple  # (K levels, V levels) or None: the quantizers' own
     slots: int  # counter slots of the folded combine (tensor-core kernel), else 0
 
 
@@ -587,13 +588,12 @@ def _launch(
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     nbh = p.b * p.hkv
-    levels, kinv, vinv, tab = None, 1.0, 1.0, ()
+    kinv, vinv, tab = 1.0, 1.0, ()
     if variant == "tc":
         (lvk, kinv, ki8), (lvv, vinv, vi8) = (
             _tc_levels_cached(p.dim, p.kb),
             _tc_levels_cached(p.dim, p.vb),
         )
-        levels = (lvk, lvv)
         use_i8 = bool(opts[5] and ki8)
         use_vsn = bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist()))
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
@@ -624,7 +624,6 @@ def _launch(
         ip=ip,
         fp=_fparams(scale, kinv, vinv),
         fp_combine=_fparams(scale),
-        levels=levels,
         slots=nbh * plan["nrb"] if variant == "tc" and opts[3] else 0,
     )
 
@@ -635,10 +634,11 @@ def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, s
     fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
     fpk = fpk if fpk.dtype == dt else fpk.astype(dt)
     fpv = fpv if fpv.dtype == dt else fpv.astype(dt)
-    lvk, lvv = run.levels or (keys.quantizer.levels, values.quantizer.levels)
+    # the scalar kernel reads the quantizers' levels; the tensor-core one its tables in run.ip
+    lv = [] if variant == "tc" else [keys.quantizer.levels, values.quantizer.levels]
     inputs = [
         q, keys.codes, keys.norms, values.codes, values.norms, fpk, fpv,
-        _rot_array(keys.rotation), lvk, lvv, _lens(p, lens), run.ip, run.fp,
+        _rot_array(keys.rotation), *lv, _lens(p, lens), run.ip, run.fp,
     ]  # fmt: skip
     out_dtypes = [mx.float32] * 3
     if variant == "tc":
