@@ -181,7 +181,7 @@ def bench_shape(rows, b, t, with_torch, variants):
 
 
 # the library's settings a benchmark variant may change
-SETTINGS = ("TC_QS", "TC_FOLD", "TC_PREFETCH", "TC_KI8", "TC_VSN", "SPLIT_WARPS")
+SETTINGS = ("TC_QS", "TC_FOLD", "TC_PREFETCH", "TC_KI8", "TC_VSN", "TC_PV8", "SPLIT_WARPS")
 
 
 @contextlib.contextmanager
@@ -213,8 +213,12 @@ def check_accuracy() -> dict:
     with settings(TC_KI8=not ki8):  # the tensor-core kernel's other Q K^T path
         other = iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant="tc")
     res["tc_qk_" + ("fp16" if ki8 else "int8")] = iq.rel_error(other, ref)
+    pv8 = iq.TC_PV8
+    with settings(TC_PV8=not pv8):  # the tensor-core kernel's other P V path
+        other = iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant="tc")
+    res["tc_pv_" + ("subnormal" if pv8 else "int8")] = iq.rel_error(other, ref)
     vsn = iq.TC_VSN
-    with settings(TC_VSN=not vsn):  # the tensor-core kernel's other V lookup
+    with settings(TC_VSN=not vsn, TC_PV8=False):  # the fp16 P V path's other V lookup
         other = iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant="tc")
     res["tc_pv_" + ("fp16_table" if vsn else "subnormal")] = iq.rel_error(other, ref)
     res["unfused"] = iq.rel_error(iq.unfused_attention(q, k, v, 1 / math.sqrt(D)), ref)
@@ -252,10 +256,12 @@ def main() -> None:
         prefetch=None,
         ki8=None,
         vsn=None,
+        pv8=None,
     ):
         changed = dict(
-            TC_QS=qs, TC_FOLD=fold, TC_PREFETCH=prefetch, TC_KI8=ki8, TC_VSN=vsn, SPLIT_WARPS=warps
-        )
+            TC_QS=qs, TC_FOLD=fold, TC_PREFETCH=prefetch, TC_KI8=ki8, TC_VSN=vsn, TC_PV8=pv8,
+            SPLIT_WARPS=warps,
+        )  # fmt: skip
 
         def fn(q, k, v, s):
             with settings(**changed):
@@ -266,8 +272,9 @@ def main() -> None:
     # the defaults, then each option flipped: Q fragments in registers instead of shared
     # memory, the combine folded into the split kernel and as its own launch, the first
     # tiles' loads issued after the query rotation instead of before, Q K^T on fp16 tensor cores
-    # instead of int8 ones (or the other way round), P V's V levels from the fp16 table instead of
-    # as subnormals (or the other way round); at short contexts also
+    # instead of int8 ones (or the other way round), P V on fp16 tensor cores with the V levels as
+    # subnormals instead of on int8 ones (or the other way round), and there from the fp16 table
+    # instead of as subnormals (or the other way round); at short contexts also
     # fixed splits of 16 and 32 tokens (1 and 2 tiles per warp) instead of the plan's
     fused = {
         "isoquant_fused": with_opts(),
@@ -278,8 +285,11 @@ def main() -> None:
             prefetch=not iq.TC_PREFETCH
         ),
         "isoquant_fused_qk_" + ("fp16" if iq.TC_KI8 else "int8"): with_opts(ki8=not iq.TC_KI8),
-        "isoquant_fused_pv_" + ("fp16_table" if iq.TC_VSN else "subnormal"): with_opts(
-            vsn=not iq.TC_VSN
+        "isoquant_fused_pv_" + ("subnormal" if iq.TC_PV8 else "int8"): with_opts(
+            pv8=not iq.TC_PV8
+        ),
+        "isoquant_fused_pv_" + ("fp16_table" if iq.TC_VSN else "subnormal_vsn"): with_opts(
+            vsn=not iq.TC_VSN, pv8=False
         ),
     }
     short = {
@@ -316,6 +326,7 @@ def main() -> None:
                 prefetch=iq.TC_PREFETCH,
                 qk_int8=iq.TC_KI8,
                 pv_subnormal=iq.TC_VSN,
+                pv_int8=iq.TC_PV8,
                 split_warps=iq.SPLIT_WARPS,
                 precision=list(iq.TC_PRECISION),
             ),  # fmt: skip

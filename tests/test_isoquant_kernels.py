@@ -447,7 +447,47 @@ def test_emulated_tc_subnormal_and_table_pv_both_match_the_reference(emulated, d
     # V codes 5 or 6 (levels ~40 and ~71) everywhere: packed rows of those codes
     rows = pack_codes(mx.random.randint(5, 7, (1, 2, 1500, d)).astype(mx.uint8), 3)
     v = dataclasses.replace(v, codes=rows)
+    monkeypatch.setattr(iq, "TC_PV8", False)  # (PV8, taken at 4 rows, supersedes VSN)
     _tc_both_ways_match_the_reference(q, k, v, d, "TC_VSN", "VSN", monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", (64, 128))
+def test_emulated_tc_int8_pv_matches_the_reference_through_its_rescales(emulated, d, monkeypatch):
+    """P V on the int8 tensor cores (PV8: P' in two int8 parts against kappa = 127 / nu, int32
+    accumulators) and with the subnormal V table: both within the bound, where the accumulators
+    are rescaled again and again: scores that keep growing along the tokens (a new maximum in
+    most tiles), V norms of 0 for the first 40 tokens (nu unset: the sums kept in units of 1)
+    that then grow ~1000x (nu doubling ~10 times), 2 and 4 query rows, a ragged tail tile."""
+    for g in (4, 2):
+        q, k, v = iq.random_problem(1, 2, g, 1, d, 1500, 5, dtype=mx.float32, seed=5 * d + g)
+        t = mx.arange(1500, dtype=mx.float32)
+        ramp = mx.where(t < 40, 0.0, mx.power(2.0, (t - 40) / 146.0))[None, None, :]
+        v = dataclasses.replace(v, norms=(v.norms.astype(mx.float32) * ramp).astype(mx.float16))
+        # K norms rising along the tokens: later tiles keep raising the running maximum
+        k = dataclasses.replace(
+            k, norms=(k.norms.astype(mx.float32) * (1 + t / 300)[None, None, :]).astype(mx.float16)
+        )
+        q = q * 3.0
+        _tc_both_ways_match_the_reference(q, k, v, d, "TC_PV8", "PV8", monkeypatch)
+
+
+def test_pv8_is_taken_only_where_it_applies(monkeypatch):
+    """PV8 needs int8 Q K^T, at most 4 rows per (sequence, KV head) and a warp-rotated query:
+    decode with 4 query heads per KV head takes it; 8 query heads, the fp16 Q K^T path or the
+    dense rotation fall back to the subnormal V table."""
+
+    def template(g, kind="v3", length=1):
+        q, k, v = iq.random_problem(1, 2, g, length, 128, 300, 0, kind=kind, dtype=mx.float32)
+        _, _, run = iq._plan(q, k, v, _scale(128), None, None, "tc", None)
+        t = dict(run.template)
+        return t["PV8"], t["VSN"]
+
+    assert template(4) == (True, False) and template(1) == (True, False)
+    assert template(8) == (False, True) and template(4, length=2) == (False, True)
+    assert template(4, "dense")[0] is False
+    monkeypatch.setattr(iq, "TC_KI8", False)
+    assert template(4)[0] is False
 
 
 def test_vsn_takes_only_symmetric_int8_tables():

@@ -3,6 +3,7 @@
 // become function statics, barriers are std::barrier, warp shuffles and mma.sync exchange
 // values through per-warp buffers. Correctness only: nothing here says anything about speed.
 #pragma once
+#include <algorithm>
 #include <array>
 #include <barrier>
 #include <cmath>
@@ -84,9 +85,27 @@ inline float __int_as_float(int i) {
   std::memcpy(&f, &i, 4);
   return f;
 }
+inline uint32_t __float_as_uint(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;  // one rounded add, never folded with its neighbours
+  return r;
+}
+// per 16-bit half: the unsigned maximum; 0xFFFF where a > b, else 0
+inline uint32_t __vmaxu2(uint32_t a, uint32_t b) {
+  const uint32_t lo = std::max(a & 0xFFFFu, b & 0xFFFFu), hi = std::max(a >> 16, b >> 16);
+  return lo | (hi << 16);
+}
+inline uint32_t __vcmpgtu2(uint32_t a, uint32_t b) {
+  return ((a & 0xFFFFu) > (b & 0xFFFFu) ? 0xFFFFu : 0u) | ((a >> 16) > (b >> 16) ? 0xFFFF0000u : 0u);
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline float min(float a, float b) { return a < b ? a : b; }
 inline float max(float a, float b) { return a > b ? a : b; }
 
@@ -107,6 +126,8 @@ inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // defaul
 inline uint32_t iq_prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
 template <uint32_t M>
 inline uint32_t iq_and_or(uint32_t x, uint32_t c) { return (x & M) | c; }
+template <uint32_t M>
+inline uint32_t iq_bitsel(uint32_t a, uint32_t c) { return (a & M) | (c & ~M); }
 // the f16x2 add of -0 returns the high half's bits in both halves; a NaN pattern would not
 // come back unchanged on the GPU, so it fails here
 inline uint32_t iq_hi16(uint32_t x, uint32_t nz) {

@@ -61,6 +61,13 @@ __device__ __forceinline__ uint32_t iq_and_or(uint32_t x, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(M), "r"(c));
   return r;
 }
+// (a & M) | (c & ~M) as one LOP3 (written in C, ptxas rebuilt it from two masked operands)
+template <uint32_t M>
+__device__ __forceinline__ uint32_t iq_bitsel(uint32_t a, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE2;" : "=r"(r) : "r"(a), "n"(M), "r"(c));
+  return r;
+}
 // The high 16 bits of x in both halves, on the FMA pipe instead of a shift on the integer pipe
 // (the tile loop's bottleneck): an f16x2 add of nz = -0 in both halves to x's high half swizzled
 // into both (HADD2 with .H1_H1), which returns every non-NaN fp16 bit pattern unchanged,

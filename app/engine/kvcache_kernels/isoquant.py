@@ -102,9 +102,10 @@ def _kernel_name(name: str, dtype: str) -> str:
     # trip, its place recomputed after the tile loop; v11: the query's int8 fragments from the warp
     # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid; v13: its
     # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads; v14: its
-    # inputs without the level arrays it no longer reads. MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the previous code
-    # never shares a build.
-    return f"{name}_{dtype}_v14"
+    # inputs without the level arrays it no longer reads; v15: P V on the int8 tensor cores (PV8).
+    # MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the
+    # previous code never shares a build.
+    return f"{name}_{dtype}_v15"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -184,11 +185,18 @@ TC_KI8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_KI8", "1") == "1"
 # isoquant_tc.cuh, VSN) when the V codebook is on the int8 grid, instead of the fp16 level table
 # (two permutes per register and the token pairing)
 TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
+# tensor-core kernel: P V on the int8 tensor cores as well (isoquant_tc.cuh, PV8) when Q K^T is
+# (KI8), the V codebook is on the int8 grid and a (sequence, KV head) has at most 4 query rows
+# (decode with up to 4 query heads per KV head): one byte permute per 4 V codes instead of 2,
+# half the mma; P' quantized in two int8 parts
+TC_PV8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PV8", "1") == "1"
+# PV8's int32 accumulators hold up to 127 * 127 per token and part: tokens per warp below this
+PV8_MAX_SPLIT = 1 << 17
 
 
 def tc_options() -> tuple:
     """The tensor-core kernel's switches (_launch's opts) from the settings."""
-    return (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN)
+    return (*TC_PRECISION, TC_QS, TC_FOLD, TC_PREFETCH, TC_KI8, TC_VSN, TC_PV8)
 
 
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
@@ -583,7 +591,7 @@ def _launch(
     warps: int,
     dtype=mx.float32,
 ):
-    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN) template switches; dtype: the
+    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN, PV8) template switches; dtype: the
     output's (the tensor-core kernel writes it when it folds the combine in)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
@@ -595,12 +603,18 @@ def _launch(
             _tc_levels_cached(p.dim, p.vb),
         )
         use_i8 = bool(opts[5] and ki8)
-        use_vsn = bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist()))
+        use_pv8 = bool(
+            opts[7] and use_i8 and vi8 and p.kind != KIND_CODES["dense"] and p.rows <= 4
+            and plan["sl"] < PV8_MAX_SPLIT
+        )  # fmt: skip
+        use_vsn = bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist())) and not use_pv8
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
         tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", use_i8), ("VSN", use_vsn)]
+        tmpl += [("PV8", use_pv8)]
         tab = tc_table_words(lvk.tolist(), "int8" if use_i8 else "fp16")
-        tab += tc_table_words(lvv.tolist(), "vsn" if use_vsn else "fp16")
+        vform = "int8" if use_pv8 else "vsn" if use_vsn else "fp16"
+        tab += tc_table_words(lvv.tolist(), vform)
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]

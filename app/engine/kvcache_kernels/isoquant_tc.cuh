@@ -17,6 +17,10 @@
 //   O^T += V^T P'^T: A = V codes (rows = 16 coordinates, k = 16 tokens; two k-steps per tile), one
 //     mma per 16 coordinates and k-step: half as many mma and accumulators as O = P' V with 16
 //     padded query rows.
+//     PV8 (<= 4 query rows, KI8): m16n8k32 int8 -> int32 instead, one k-step per tile, A = V
+//     codes of 4 tokens per register (one byte permute per 4 codes into the exact int8 table),
+//     B = P' in two int8 parts (columns 0-3 part 1 of rows 0-3, 4-7 part 2: the query rows 4-7
+//     are copies of 0-3, so each lane quantizes its own scores); see iq_pv8_sel, iq_tc_warp.
 // Codes reach the selectors as the packed rows' nibble words (packing.py: codes 0-23 of a block
 // by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
 // nibbles into bytes (2 logic ops per 4 selectors). A selector word's high half reaches a permute
@@ -266,6 +270,43 @@ __device__ __forceinline__ void iq_tc_vregs(uint32_t sel, const uint32_t vtab[4]
   }
 }
 
+// PV8 (P V on the int8 tensor cores, m16n8k32: the whole tile is one k-step): an A register
+// holds the levels of 4 tokens at one coordinate, one byte permute through the exact int8 V
+// table. Selectors from 4 tokens' nibble words (codes c0..c7 of the lane's range, nibbles' top
+// bits raw): W[j] has the selector (t0, t1, t2, t3) of coordinate x_j in its low 16 bits and of
+// y_j in its high 16 bits, (x_j, y_j) = (0, 2), (4, 6), (1, 3), (5, 7): iq_tc_vcode's m-tiles.
+// Bytes of e01 / o01 pair tokens 0 and 1 at the even / odd coordinates (only t1 and t3 are
+// masked: t0's and t2's top bits never reach a selector); 14 instructions per 32 codes, as VSN's
+// selectors took for 32, with half the lookups.
+__device__ __forceinline__ void iq_pv8_sel(uint32_t t0, uint32_t t1, uint32_t t2, uint32_t t3,
+                                           uint32_t W[4]) {
+  const uint32_t m1 = t1 & 0x77777777u, m3 = t3 & 0x77777777u;
+  const uint32_t e01 = iq_bitsel<0x07070707u>(t0, m1 << 4);
+  const uint32_t o01 = iq_bitsel<0x07070707u>(t0 >> 4, m1);
+  const uint32_t e23 = iq_bitsel<0x07070707u>(t2, m3 << 4);
+  const uint32_t o23 = iq_bitsel<0x07070707u>(t2 >> 4, m3);
+  W[0] = iq_prmt(e01, e23, 0x5140);
+  W[1] = iq_prmt(e01, e23, 0x7362);
+  W[2] = iq_prmt(o01, o23, 0x5140);
+  W[3] = iq_prmt(o01, o23, 0x7362);
+}
+
+// PV8: 4 quantized P' values (iq_pv8_quant's words, their low bytes) as one B register
+__device__ __forceinline__ uint32_t iq_pv8_pack(uint32_t y0, uint32_t y1, uint32_t y2, uint32_t y3) {
+  return iq_prmt(iq_prmt(y0, y1, 0x0040), iq_prmt(y2, y3, 0x0040), 0x5410);
+}
+
+// PV8: x in [0, 127] as a word whose low byte is the lane's int8 part: round(x) (lanes of rows
+// 0-3: s2 = 0, k1 = 1) or round(254 x) - 254 round(x) = round(254 (x - round(x))), in [-127, 127]
+// (rows 4-7: s2 = 254, k1 = -254). Adding 1.5 * 2^23 rounds to an integer in the low mantissa
+// bits (to nearest, ties to even, as the reference's np.rint); the offsets' low 22 bits are 0.
+__device__ __forceinline__ uint32_t iq_pv8_quant(float x, float s2, int k1) {
+  constexpr float MAGIC = 12582912.0f;
+  const uint32_t f1 = __float_as_uint(__fadd_rn(x, MAGIC));
+  const uint32_t f2 = __float_as_uint(fmaf(x, s2, MAGIC));
+  return f1 * uint32_t(k1) + f2;
+}
+
 // A fragment of Q for k-step kt of lane (gid, tig): (hi, lo) of query row gid at codes
 // tig*D/4 + 4kt + {0,1} and + {2,3} (lo = the fp16 rounding remainder, 0 without QLO).
 template <int D, bool QLO>
@@ -293,8 +334,11 @@ __device__ __forceinline__ uint4 iq_tc_qfrag(const float* qs, int kt, int gid, i
 // a pass of their own after a barrier: H200, B8 T8K, a per-warp %globaltimer trace: rotation 1.95
 // us over two passes, fragments 0.67 us, two barriers ~0.35 us; this one pass ~1.3 us. The same
 // rotation with 8 lanes per row, decode's 4 rows in one warp, took 1.6-2.4 us.)
+// DUP (KI8, nrows <= 4): rows 4-7 of the fragments and scales are copies of rows 0-3, stored
+// with them (PV8's A rows: the lanes of row r + 4 compute row r's scores, then quantize its P'
+// part 2); the passes over rows 4-7 are skipped.
 // The caller puts a barrier before the rows or fragments are read by other warps.
-template <int D, int RB, int KIND>
+template <int D, int RB, int KIND, bool DUP = false>
 __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* blocks, float post,
                                                     int warp, int lane, float* qm, uint4* qf,
                                                     int nrows) {
@@ -305,12 +349,17 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
   // KI8: where this lane's 4 coordinates go in the row's fragments (32-bit words of qf)
   const int fw = ((((4 * j) % (D / 4)) / 8) * 32 + (4 * j) / (D / 4)) * 4 + (((4 * j) % 8) / 4) * 2;
   for (int r0 = warp * RPW; r0 < RB; r0 += IQ_NW * RPW) {
+    if (DUP && r0 >= 4) break;  // (warp-uniform)
     const int rr = r0 + sub;
     uint2* frag = reinterpret_cast<uint2*>(reinterpret_cast<uint32_t*>(qf) + fw + 16 * rr);
     if (r0 >= nrows) {  // the whole pass is past the block's rows (warp-uniform)
       if (qf != nullptr) {
         *frag = make_uint2(0u, 0u);
         if (j == 0) qm[rr] = 1.0f;
+        if (DUP) {
+          frag[32] = make_uint2(0u, 0u);  // row rr + 4: 64 words on
+          if (j == 0) qm[rr + 4] = 1.0f;
+        }
       }
       continue;
     }
@@ -336,6 +385,10 @@ __device__ __forceinline__ void iq_rotate_rows_warp(float* x, const float* block
       uint2 f;
       iq_i8_split4(y, 1.0f / sc, f.x, f.y);
       *frag = f;
+      if (DUP) {
+        frag[32] = f;
+        if (j == 0) qm[rr + 4] = sc;
+      }
     }
   }
 }
@@ -569,7 +622,7 @@ __device__ __forceinline__ int iq_tc_swz(int d, int r) {
 // into them, used when `streams` (contiguous, aligned rows: iq_tc_streams), else the rows are
 // read directly; prefetched: the stream's prologue was issued by the caller. (A reference, not
 // a pointer that may be null: the struct then stays in registers, not local memory.)
-template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN>
+template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN, bool PV8>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* qm, const uint32_t* tab, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
@@ -600,7 +653,10 @@ __device__ __forceinline__ void iq_tc_warp(
   // VSN: 0x80808080 as a value ptxas cannot fold back into an immediate (the positive levels'
   // bytes are >= 128)
   uint32_t c80 = 0u;
-  if (VSN) {
+  if (PV8) {
+    vtab[0] = iq_lds32(tab_s + 16u);
+    vtab[1] = iq_lds32(tab_s + 20u);
+  } else if (VSN) {
     vtab[0] = iq_lds32(tab_s + 16u);
     vtab[1] = iq_lds32(tab_s + 20u);
     c80 = vtab[1] & 0x80808080u;
@@ -627,12 +683,26 @@ __device__ __forceinline__ void iq_tc_warp(
   }
   // O^T accumulators: m-tile mt, (c0, c1) = coordinate row gid, query rows 2tig, 2tig+1;
   // (c2, c3) = coordinate row gid + 8
-  float o[MT][4];
+  float o[PV8 ? 1 : MT][4];
+  // PV8: the accumulators in int32, columns 0-3 = part 1 of query rows 0-3, 4-7 = part 2 (a
+  // lane's (c0, c1) are columns 2tig, 2tig+1), in units of 1/kappa (part 2: 1/(254 kappa)) where
+  // P' = p |v| is quantized as kappa P' = part 1 + part 2 / 254, kappa = 127 / nu and nu (a
+  // power of two) bounds the V norms seen so far: a tile with a larger norm, like one with a
+  // larger maximum score, rescales the accumulators (rounded back to integers).
+  int oi[PV8 ? MT : 1][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  for (int mt = 0; mt < (PV8 ? 1 : MT); ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+#pragma unroll
+  for (int mt = 0; mt < (PV8 ? MT : 1); ++mt) oi[mt][0] = oi[mt][1] = oi[mt][2] = oi[mt][3] = 0;
   float m = NEG_INF, l = 0.0f;  // running max and sum of query row gid (l: this lane's tokens)
   float ps = 0.0f;  // VSN: sum of this lane's P' (query row gid), rescaled with the accumulators
   const float vsc = rsqrtf(float(D)) * vinv;
+  // PV8: nu's fp16 bits in both halves (0: no tile yet), log2(kappa), and this lane's part:
+  // rows 0-3 (gid < 4) quantize part 1, their copies in rows 4-7 part 2
+  uint32_t nu2 = 0u;
+  float lk = 0.0f;
+  const float ps2 = gid >= 4 ? 254.0f : 0.0f;
+  const int pk1 = gid >= 4 ? -254 : 1;
 
   // One tile of IQ_TILE tokens: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
   // full: IqBool<true> when nv == IQ_TILE (no clamps, no masks). kc_ .. vn_: global pointers, or
@@ -708,100 +778,210 @@ __device__ __forceinline__ void iq_tc_warp(
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float n = fmaxf(m, mx);
-    const float base = n == NEG_INF ? 0.0f : n;
+    // PV8: the running maximum is kept as an integer (its ceiling: p <= 1 still, 1 bit of the
+    // int8 range given up), so a rescale is a power of two, an arithmetic shift of the integer
+    // accumulators, and a rarer one
+    const float base = n == NEG_INF ? 0.0f : PV8 ? ceilf(n) : n;
     const float a = iq_ex2(m - base);
-    m = n;
+    if constexpr (PV8) {
+      // shift of this lane's row (31: the first tile, whose accumulators are 0)
+      const int kr = m == NEG_INF ? 31 : int(base - m);
+      m = n == NEG_INF ? n : base;
+      // columns 2tig, 2tig+1 are query rows (2tig) & 3, (2tig+1) & 3: shifts from lanes 4 * row
+      const int k0 = __shfl_sync(0xffffffffu, kr, 4 * ((2 * tig) & 3));
+      const int k1 = __shfl_sync(0xffffffffu, kr, 4 * ((2 * tig + 1) & 3));
+      // a V norm of the tile above nu (positive fp16 bits order as unsigned integers)
+      const uint32_t vmx = __vmaxu2(__vmaxu2(nvs[0], nvs[1]), __vmaxu2(nvs[2], nvs[3]));
+      const bool grow = __vmaxu2(vmx, nu2) != nu2;
+      if (__any_sync(0xffffffffu, (k0 | k1) != 0 || grow)) {
+        int gj = 0;  // nu's growth: a shift too
+        if (__any_sync(0xffffffffu, grow)) {  // nu: the next power of two over the tile's norms
+          uint32_t u = max(vmx & 0xFFFFu, vmx >> 16);
+          u = max(u, __shfl_xor_sync(0xffffffffu, u, 1));
+          u = max(u, __shfl_xor_sync(0xffffffffu, u, 2));
+          const uint32_t nn = (max(u, 0x0400u) + 0x03FFu) & 0x7C00u;  // >= 2^-14
+          // nu = 2^(e - 15) for the exponent bits e
+          const float lkn = 6.98868468677f - float(int(nn >> 10) - 15);  // log2(127 / nu)
+          // kappa's ratio, a power of two once nu was set (before, the accumulators are 0)
+          gj = max(0, min(int(lk - lkn), 31));
+          l *= exp2f(lkn - lk);
+          lk = lkn;
+          nu2 = nn | (nn << 16);
+        }
+        const int s0 = min(k0 + gj, 31), s1 = min(k1 + gj, 31);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {  // (rounding toward -inf: < 1 unit of 1 / 254 kappa)
+          oi[mt][0] >>= s0;
+          oi[mt][1] >>= s1;
+          oi[mt][2] >>= s0;
+          oi[mt][3] >>= s1;
+        }
+      }
+    } else {
+      m = n;
+    }
+    // PV8: p kappa (the sum l too is in units of 1/kappa)
+    const float pbase = PV8 ? base - lk : base;
     float lsum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      c[nt][0] = iq_ex2(c[nt][0] - base);
-      c[nt][1] = iq_ex2(c[nt][1] - base);
+      c[nt][0] = iq_ex2(c[nt][0] - pbase);
+      c[nt][1] = iq_ex2(c[nt][1] - pbase);
       lsum += c[nt][0] + c[nt][1];
     }
     l = l * a + lsum;
     if (VSN) ps *= a;
-    // the accumulators hold query rows 2tig and 2tig+1: their factors live in lanes 8tig, 8tig+4
-    const float a0 = __shfl_sync(0xffffffffu, a, 8 * tig);
-    const float a1 = __shfl_sync(0xffffffffu, a, 8 * tig + 4);
-    if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
+    if constexpr (!PV8) {
+      // the accumulators hold query rows 2tig and 2tig+1: their factors live in lanes 8tig, 8tig+4
+      const float a0 = __shfl_sync(0xffffffffu, a, 8 * tig);
+      const float a1 = __shfl_sync(0xffffffffu, a, 8 * tig + 4);
+      if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        o[mt][0] *= a0;
-        o[mt][1] *= a1;
-        o[mt][2] *= a0;
-        o[mt][3] *= a1;
+        for (int mt = 0; mt < MT; ++mt) {
+          o[mt][0] *= a0;
+          o[mt][1] *= a1;
+          o[mt][2] *= a0;
+          o[mt][3] *= a1;
+        }
       }
     }
-    // PAIRV (a full tile at D 128): lanes gid and gid ^ 1 read the same tokens' rows in the same
-    // block, codes 0-15 (words 0 and 1) and 16-31 (word 2 and the codes 24-31 gathered from the
-    // three words' top bits: iq_top8). Instead of every lane gathering the top codes of all 8 of
-    // its tokens (half of them for nothing), each lane gathers 4, the even one for its odd partner's
-    // second k-step, and one shuffle hands them over.
-    constexpr bool PAIRV = FULL && D == 128 && VSN;
-    uint32_t vtop[PAIRV ? 4 : 1], vrecv[PAIRV ? 4 : 1];
-    const bool vodd = (gid & 1) != 0;
-    if constexpr (PAIRV) {
-      const int tt = 16 * (vodd ? 0 : 1) + 2 * tig;  // the odd lane's first k-step, the even's second
-      const int tok4[4] = {tt, tt + 1, tt + 8, tt + 9};
+    if constexpr (PV8) {
+      // B fragments: k = 4tig + j (b0) and 16 + 4tig + j (b1) are tokens 2tig + (0, 1, 8, 9)[j]
+      // (+ 16): this lane's own columns of Q K^T, so P' needs no exchange; n = gid: part 1 of
+      // query row gid (gid < 4) or part 2 of row gid - 4
+      uint32_t y[NT][2];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t w[3];
-        iq_tc_block<FULL>(vc_ + tok4[j] * vs_ + 12 * (gid >> 1), w);
-        vtop[j] = iq_top8(w[0], w[1], w[2]);
+      for (int nt = 0; nt < NT; ++nt) {
+        const __half2 w = *reinterpret_cast<const __half2*>(&nvs[nt]);
+        y[nt][0] = iq_pv8_quant(c[nt][0] * __low2float(w), ps2, pk1);
+        y[nt][1] = iq_pv8_quant(c[nt][1] * __high2float(w), ps2, pk1);
       }
+      const uint32_t pb0 = iq_pv8_pack(y[0][0], y[0][1], y[1][0], y[1][1]);
+      const uint32_t pb1 = iq_pv8_pack(y[2][0], y[2][1], y[3][0], y[3][1]);
+      // V codes of the 8 tokens (group g = 0: b0's, 1: b1's), D/64 nibble words each
+      uint32_t vw[2][4][NVS];
+      if constexpr (FULL && D == 128) {
+        // as PAIRV below: the odd lane's codes 24-31 of group 0 are its own, of group 1 its even
+        // partner's (which reads the same rows)
+        const bool vodd = (gid & 1) != 0;
+        uint32_t vtop[4], vrecv[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
-    }
+        for (int j = 0; j < 4; ++j) {
+          uint32_t w[3];
+          const int t = 16 * (vodd ? 0 : 1) + 2 * tig + (j & 1) + 8 * (j >> 1);
+          iq_tc_block<FULL>(vc_ + t * vs_ + 12 * (gid >> 1), w);
+          vtop[j] = iq_top8(w[0], w[1], w[2]);
+        }
 #pragma unroll
-    for (int h = 0; h < IQ_TILE / 16; ++h) {
-      // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
-      uint32_t pb0, pb1, pl0, pl1;
-      const __half2 w0 = *reinterpret_cast<const __half2*>(&nvs[2 * h]);
-      const __half2 w1 = *reinterpret_cast<const __half2*>(&nvs[2 * h + 1]);
-      const float x0 = c[2 * h][0] * __low2float(w0), y0 = c[2 * h][1] * __high2float(w0);
-      const float x1 = c[2 * h + 1][0] * __low2float(w1), y1 = c[2 * h + 1][1] * __high2float(w1);
-      iq_split_h2(x0, y0, pb0, pl0);
-      iq_split_h2(x1, y1, pb1, pl1);
-      if (VSN) ps += (x0 + y0) + (x1 + y1);
-      // V codes of those four tokens over the lane's D/8 coordinates
-      const int t0_ = 16 * h + 2 * tig;
-      uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-      if constexpr (PAIRV) {
-        // word 0 (even lane) or 2 (odd), raw; word 1 (even) or the gathered top codes (odd)
-        auto pv = [&](int t, int j, uint32_t S[NVS]) {
-          const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
-          S[0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
-          const uint32_t w1 = iq_tc_word<FULL>(row + 4);
-          S[1] = vodd ? (h == 0 ? vtop[j] : vrecv[j]) : w1;
-        };
-        pv(t0_, 0, va);
-        pv(t0_ + 1, 1, vb);
-        pv(t0_ + 8, 2, vcc);
-        pv(t0_ + 9, 3, vd);
+        for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int t = 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1);
+            const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
+            vw[g][j][0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
+            const uint32_t w1 = iq_tc_word<FULL>(row + 4);
+            vw[g][j][1] = vodd ? (g == 0 ? vtop[j] : vrecv[j]) : w1;
+          }
+        }
       } else {
-        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_) * vs_, gid, va);
-        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
-        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
-        iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int t = 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1);
+            iq_tc_vcodes<D, FULL, decltype(vc_), true>(vc_ + tok(t) * vs_, gid, vw[g][j]);
+          }
+        }
       }
 #pragma unroll
       for (int q = 0; q < NVS; ++q) {
-        // selectors of the 4 m-tiles: tokens (2tig, 2tig+1) and (2tig+8, 2tig+9)
-        uint32_t sab[4], scd[4];
-        if constexpr (VSN) {
-          iq_vsn_sel(va[q], vb[q], c80, sab);
-          iq_vsn_sel(vcc[q], vd[q], c80, scd);
-        } else {
-          iq_tc_pair(va[q], vb[q], sab);
-          iq_tc_pair(vcc[q], vd[q], scd);
-        }
+        uint32_t w0[4], w1[4];
+        iq_pv8_sel(vw[0][0][q], vw[0][1][q], vw[0][2][q], vw[0][3][q], w0);
+        iq_pv8_sel(vw[1][0][q], vw[1][1][q], vw[1][2][q], vw[1][3][q], w1);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          uint32_t a0_, a1_, a2_, a3_;
-          iq_tc_vregs<VSN>(sab[j], vtab, nz, a0_, a1_);
-          iq_tc_vregs<VSN>(scd[j], vtab, nz, a2_, a3_);
-          iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
-          if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], w0[j]);
+          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w0[j], nz));
+          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], w1[j]);
+          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w1[j], nz));
+          iq_imma(oi[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
+        }
+      }
+    } else {
+      // PAIRV (a full tile at D 128): lanes gid and gid ^ 1 read the same tokens' rows in the
+      // same block, codes 0-15 (words 0 and 1) and 16-31 (word 2 and the codes 24-31 gathered
+      // from the three words' top bits: iq_top8). Instead of every lane gathering the top codes
+      // of all 8 of its tokens (half of them for nothing), each lane gathers 4, the even one for
+      // its odd partner's second k-step, and one shuffle hands them over.
+      constexpr bool PAIRV = FULL && D == 128 && VSN;
+      uint32_t vtop[PAIRV ? 4 : 1], vrecv[PAIRV ? 4 : 1];
+      const bool vodd = (gid & 1) != 0;
+      if constexpr (PAIRV) {
+        // the odd lane's first k-step, the even's second
+        const int tt = 16 * (vodd ? 0 : 1) + 2 * tig;
+        const int tok4[4] = {tt, tt + 1, tt + 8, tt + 9};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t w[3];
+          iq_tc_block<FULL>(vc_ + tok4[j] * vs_ + 12 * (gid >> 1), w);
+          vtop[j] = iq_top8(w[0], w[1], w[2]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
+      }
+#pragma unroll
+      for (int h = 0; h < IQ_TILE / 16; ++h) {
+        // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
+        uint32_t pb0, pb1, pl0, pl1;
+        const __half2 w0 = *reinterpret_cast<const __half2*>(&nvs[2 * h]);
+        const __half2 w1 = *reinterpret_cast<const __half2*>(&nvs[2 * h + 1]);
+        const float x0 = c[2 * h][0] * __low2float(w0), y0 = c[2 * h][1] * __high2float(w0);
+        const float x1 = c[2 * h + 1][0] * __low2float(w1), y1 = c[2 * h + 1][1] * __high2float(w1);
+        iq_split_h2(x0, y0, pb0, pl0);
+        iq_split_h2(x1, y1, pb1, pl1);
+        if (VSN) ps += (x0 + y0) + (x1 + y1);
+        // V codes of those four tokens over the lane's D/8 coordinates
+        const int t0_ = 16 * h + 2 * tig;
+        uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
+        if constexpr (PAIRV) {
+          // word 0 (even lane) or 2 (odd), raw; word 1 (even) or the gathered top codes (odd)
+          auto pv = [&](int t, int j, uint32_t S[NVS]) {
+            const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
+            S[0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
+            const uint32_t w1 = iq_tc_word<FULL>(row + 4);
+            S[1] = vodd ? (h == 0 ? vtop[j] : vrecv[j]) : w1;
+          };
+          pv(t0_, 0, va);
+          pv(t0_ + 1, 1, vb);
+          pv(t0_ + 8, 2, vcc);
+          pv(t0_ + 9, 3, vd);
+        } else {
+          iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_) * vs_, gid, va);
+          iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
+          iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 8) * vs_, gid, vcc);
+          iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 9) * vs_, gid, vd);
+        }
+#pragma unroll
+        for (int q = 0; q < NVS; ++q) {
+          // selectors of the 4 m-tiles: tokens (2tig, 2tig+1) and (2tig+8, 2tig+9)
+          uint32_t sab[4], scd[4];
+          if constexpr (VSN) {
+            iq_vsn_sel(va[q], vb[q], c80, sab);
+            iq_vsn_sel(vcc[q], vd[q], c80, scd);
+          } else {
+            iq_tc_pair(va[q], vb[q], sab);
+            iq_tc_pair(vcc[q], vd[q], scd);
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t a0_, a1_, a2_, a3_;
+            iq_tc_vregs<VSN>(sab[j], vtab, nz, a0_, a1_);
+            iq_tc_vregs<VSN>(scd[j], vtab, nz, a2_, a3_);
+            iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
+            if (PLO) iq_mma(o[4 * q + j], a0_, a1_, a2_, a3_, pl0, pl1);
+          }
         }
       }
     }
@@ -848,6 +1028,9 @@ __device__ __forceinline__ void iq_tc_warp(
       o[mt][3] = fmaf(o[mt][3], 16777216.0f, -s1);
     }
   }
+  // PV8: 1 / kappa, for the sums and the accumulators (part 2's columns also / 254)
+  const float ik = PV8 ? exp2f(-lk) : 1.0f;
+  if (PV8) l *= ik;
   // The threadgroup's IQ_NW warps merge into one partial (rows r0 .. r0+7 at prow + r):
   // red = [IQ_NW][8] maxima, [IQ_NW][8] sums, then [IQ_NW][8][D] rescaled accumulators (it
   // overlays the warps' stages: every warp must be done streaming first).
@@ -868,12 +1051,15 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
     for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
     const float mine = rm[warp * 8 + r];
-    const float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax) * vsc;
+    float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax) * vsc;
+    if (PV8) f *= tig >= 2 ? ik * (1.0f / 254.0f) : ik;  // PV8: r is a column (rows 4-7: part 2)
     float* out = ro + (warp * 8 + r) * D;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 0), r)] = o[mt][e] * f;
-      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 1), r)] = o[mt][2 + e] * f;
+      const float v0 = PV8 ? float(oi[mt][e]) : o[PV8 ? 0 : mt][e];
+      const float v1 = PV8 ? float(oi[mt][2 + e]) : o[PV8 ? 0 : mt][2 + e];
+      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 0), r)] = v0 * f;
+      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 1), r)] = v1 * f;
     }
   }
   __syncthreads();
@@ -883,6 +1069,10 @@ __device__ __forceinline__ void iq_tc_warp(
     float acc = 0.0f;
 #pragma unroll
     for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r) * D + iq_tc_swz<D>(i % D, r)];
+    if (PV8) {  // + part 2 (rows <= 4)
+#pragma unroll
+      for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r + 4) * D + iq_tc_swz<D>(i % D, r + 4)];
+    }
     po[(prow + r0) * D + i] = acc;
   }
   if (threadIdx.x < nrow) {
@@ -1062,10 +1252,13 @@ __device__ __forceinline__ void iq_tc_fold(
 // as a second mma; PF issues the first tiles' loads before the query set-up; KI8 computes Q K^T on
 // the int8 tensor cores: the K table must hold integers in [-127, 127], QLO and QS are then moot;
 // VSN takes the V levels as fp16 subnormals: the V table must hold integers in [-127, 127], the
-// four lowest negative).
+// four lowest negative; PV8 computes P V on the int8 tensor cores: with KI8 and KIND 0/1, at
+// most 4 rows per (batch, KV head) and fewer than 2^17 tokens per warp (int32 accumulators),
+// the V table holding the int8 levels; VSN is then moot).
 // Float splits use the scalar warp walk.
 {
   constexpr int RB = 8;
+  static_assert(!PV8 || (KI8 && KIND != 2), "PV8 takes the int8 fragments of the warp rotation");
   constexpr int KB = 3;
   constexpr int VB = 3;
   // one buffer, three uses in turn: rotation scratch, then either the warps' cp.async stages
@@ -1160,7 +1353,7 @@ __device__ __forceinline__ void iq_tc_fold(
   __syncthreads();
   const float qscale = fp_q * (is_fp ? 1.0f : rsqrtf(float(D)));
   if (KIND != 2 && !is_fp) {
-    iq_rotate_rows_warp<D, RB, KIND>(iq_qs, iq_rot, qscale, warp, lane, KI8 ? iq_qm : nullptr,
+    iq_rotate_rows_warp<D, RB, KIND, PV8>(iq_qs, iq_rot, qscale, warp, lane, KI8 ? iq_qm : nullptr,
                                      KI8 ? iq_qf : nullptr, R - r0);
   } else {
     if (KIND == 2 && !is_fp) iq_rotate_rows<D, RB, KIND, IQ_NT>(iq_qs, iq_tmp, rot, h, false, iq_tid);
@@ -1188,7 +1381,7 @@ __device__ __forceinline__ void iq_tc_fold(
     __syncthreads();
   }
   if (!is_fp) {
-    iq_tc_warp<D, QLO, PLO, QS, KI8, VSN>(
+    iq_tc_warp<D, QLO, PLO, QS, KI8, VSN && !PV8, PV8>(
         iq_qs, iq_qf, iq_qm, iq_tab, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fp_kinv,
         fp_vinv, stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
         (long(bh) * nsp + bx) * R, r0, R, stream, streams, pre);
