@@ -591,8 +591,8 @@ def _launch(
     warps: int,
     dtype=mx.float32,
 ):
-    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN, PV8) template switches; dtype: the
-    output's (the tensor-core kernel writes it when it folds the combine in)."""
+    """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN, PV8) template switches;
+    dtype: the output's (the tensor-core kernel writes it when it folds the combine in)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     nbh = p.b * p.hkv

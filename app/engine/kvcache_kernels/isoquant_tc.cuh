@@ -800,10 +800,11 @@ __device__ __forceinline__ void iq_tc_warp(
           u = max(u, __shfl_xor_sync(0xffffffffu, u, 1));
           u = max(u, __shfl_xor_sync(0xffffffffu, u, 2));
           const uint32_t nn = (max(u, 0x0400u) + 0x03FFu) & 0x7C00u;  // >= 2^-14
-          // nu = 2^(e - 15) for the exponent bits e
-          const float lkn = 6.98868468677f - float(int(nn >> 10) - 15);  // log2(127 / nu)
-          // kappa's ratio, a power of two once nu was set (before, the accumulators are 0)
-          gj = max(0, min(int(lk - lkn), 31));
+          // nu = 2^(e - 15) for the exponent bits e; kappa's ratio is 2^-(e - e0) once nu was
+          // set (e0 > 0: the shift from the integer exponents, not from the rounded lk)
+          const int e = int(nn >> 10), e0 = int((nu2 >> 10) & 0x1Fu);
+          const float lkn = 6.98868468677f - float(e - 15);  // log2(127 / nu)
+          gj = e0 == 0 ? 0 : min(e - e0, 31);  // (before nu was set the accumulators are 0)
           l *= exp2f(lkn - lk);
           lk = lkn;
           nu2 = nn | (nn << 16);
