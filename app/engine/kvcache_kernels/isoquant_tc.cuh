@@ -796,10 +796,11 @@ __device__ __forceinline__ void iq_tc_warp(
       if (__any_sync(0xffffffffu, (k0 | k1) != 0 || grow)) {
         int gj = 0;  // nu's growth: a shift too
         if (__any_sync(0xffffffffu, grow)) {  // nu: the next power of two over the tile's norms
-          uint32_t u = max(vmx & 0xFFFFu, vmx >> 16);
-          u = max(u, __shfl_xor_sync(0xffffffffu, u, 1));
-          u = max(u, __shfl_xor_sync(0xffffffffu, u, 2));
-          const uint32_t nn = (max(u, 0x0400u) + 0x03FFu) & 0x7C00u;  // >= 2^-14
+          // (the low halves: the maxima of both halves and of the tig lanes, then >= 2^-14)
+          uint32_t u = __vmaxu2(vmx, vmx >> 16);
+          u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 1));
+          u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 2));
+          const uint32_t nn = ((__vmaxu2(u, 0x0400u) & 0xFFFFu) + 0x03FFu) & 0x7C00u;
           // nu = 2^(e - 15) for the exponent bits e; kappa's ratio is 2^-(e - e0) once nu was
           // set (e0 > 0: the shift from the integer exponents, not from the rounded lk)
           const int e = int(nn >> 10), e0 = int((nu2 >> 10) & 0x1Fu);
