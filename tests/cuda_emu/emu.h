@@ -94,13 +94,10 @@ inline float __fadd_rn(float a, float b) {
   volatile float r = a + b;  // one rounded add, never folded with its neighbours
   return r;
 }
-// per 16-bit half: the unsigned maximum; 0xFFFF where a > b, else 0
+// per 16-bit half: the unsigned maximum
 inline uint32_t __vmaxu2(uint32_t a, uint32_t b) {
   const uint32_t lo = std::max(a & 0xFFFFu, b & 0xFFFFu), hi = std::max(a >> 16, b >> 16);
   return lo | (hi << 16);
-}
-inline uint32_t __vcmpgtu2(uint32_t a, uint32_t b) {
-  return ((a & 0xFFFFu) > (b & 0xFFFFu) ? 0xFFFFu : 0u) | ((a >> 16) > (b >> 16) ? 0xFFFF0000u : 0u);
 }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }

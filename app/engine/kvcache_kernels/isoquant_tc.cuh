@@ -847,6 +847,32 @@ __device__ __forceinline__ void iq_tc_warp(
         }
       }
     }
+    // PAIRV's reads (a full tile at D 128, both P V paths): lanes gid and gid ^ 1 read the same
+    // tokens' rows in the same block, codes 0-15 (words 0 and 1) and 16-31 (word 2 and the codes
+    // 24-31 gathered from the three words' top bits: iq_top8). Instead of every lane gathering
+    // the top codes of all 8 of its tokens (half of them for nothing), each lane gathers 4 (tokens
+    // 16 * (odd ? 0 : 1) + 2tig + (0, 1, 8, 9)[j]: the odd lane's first 16 tokens, the even one's
+    // second, which are its odd partner's), and one shuffle hands them over (vrecv).
+    const bool vodd = (gid & 1) != 0;
+    auto pair_tops = [&](auto* vtop, auto* vrecv) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t w[3];
+        const int t = 16 * (vodd ? 0 : 1) + 2 * tig + (j & 1) + 8 * (j >> 1);
+        iq_tc_block<FULL>(vc_ + t * vs_ + 12 * (gid >> 1), w);
+        vtop[j] = iq_top8(w[0], w[1], w[2]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
+    };
+    // token t's two nibble words: word 0 (even lane) or 2 (odd), raw; word 1 (even) or the
+    // gathered top codes `top` (odd)
+    auto pair_words = [&](int t, uint32_t top, auto* S) {
+      const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
+      S[0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
+      const uint32_t w1 = iq_tc_word<FULL>(row + 4);
+      S[1] = vodd ? top : w1;
+    };
     if constexpr (PV8) {
       // B fragments: k = 4tig + j (b0) and 16 + 4tig + j (b1) are tokens 2tig + (0, 1, 8, 9)[j]
       // (+ 16): this lane's own columns of Q K^T, so P' needs no exchange; n = gid: part 1 of
@@ -862,29 +888,15 @@ __device__ __forceinline__ void iq_tc_warp(
       const uint32_t pb1 = iq_pv8_pack(y[2][0], y[2][1], y[3][0], y[3][1]);
       // V codes of the 8 tokens (group g = 0: b0's, 1: b1's), D/64 nibble words each
       uint32_t vw[2][4][NVS];
-      if constexpr (FULL && D == 128) {
-        // as PAIRV below: the odd lane's codes 24-31 of group 0 are its own, of group 1 its even
-        // partner's (which reads the same rows)
-        const bool vodd = (gid & 1) != 0;
+      if constexpr (FULL && D == 128) {  // PAIRV's reads: group g is the odd lane's k-step g
         uint32_t vtop[4], vrecv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t w[3];
-          const int t = 16 * (vodd ? 0 : 1) + 2 * tig + (j & 1) + 8 * (j >> 1);
-          iq_tc_block<FULL>(vc_ + t * vs_ + 12 * (gid >> 1), w);
-          vtop[j] = iq_top8(w[0], w[1], w[2]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
+        pair_tops(vtop, vrecv);
 #pragma unroll
         for (int g = 0; g < 2; ++g) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int t = 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1);
-            const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
-            vw[g][j][0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
-            const uint32_t w1 = iq_tc_word<FULL>(row + 4);
-            vw[g][j][1] = vodd ? (g == 0 ? vtop[j] : vrecv[j]) : w1;
+            pair_words(t, g == 0 ? vtop[j] : vrecv[j], vw[g][j]);
           }
         }
       } else {
@@ -912,27 +924,9 @@ __device__ __forceinline__ void iq_tc_warp(
         }
       }
     } else {
-      // PAIRV (a full tile at D 128): lanes gid and gid ^ 1 read the same tokens' rows in the
-      // same block, codes 0-15 (words 0 and 1) and 16-31 (word 2 and the codes 24-31 gathered
-      // from the three words' top bits: iq_top8). Instead of every lane gathering the top codes
-      // of all 8 of its tokens (half of them for nothing), each lane gathers 4, the even one for
-      // its odd partner's second k-step, and one shuffle hands them over.
       constexpr bool PAIRV = FULL && D == 128 && VSN;
       uint32_t vtop[PAIRV ? 4 : 1], vrecv[PAIRV ? 4 : 1];
-      const bool vodd = (gid & 1) != 0;
-      if constexpr (PAIRV) {
-        // the odd lane's first k-step, the even's second
-        const int tt = 16 * (vodd ? 0 : 1) + 2 * tig;
-        const int tok4[4] = {tt, tt + 1, tt + 8, tt + 9};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t w[3];
-          iq_tc_block<FULL>(vc_ + tok4[j] * vs_ + 12 * (gid >> 1), w);
-          vtop[j] = iq_top8(w[0], w[1], w[2]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) vrecv[j] = __shfl_xor_sync(0xffffffffu, vtop[j], 4);
-      }
+      if constexpr (PAIRV) pair_tops(vtop, vrecv);
 #pragma unroll
       for (int h = 0; h < IQ_TILE / 16; ++h) {
         // B fragment of P'^T for tokens 16h + (2tig, 2tig+1 | 2tig+8, 2tig+9); n = query row gid
@@ -948,17 +942,11 @@ __device__ __forceinline__ void iq_tc_warp(
         const int t0_ = 16 * h + 2 * tig;
         uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
         if constexpr (PAIRV) {
-          // word 0 (even lane) or 2 (odd), raw; word 1 (even) or the gathered top codes (odd)
-          auto pv = [&](int t, int j, uint32_t S[NVS]) {
-            const auto row = vc_ + t * vs_ + 12 * (gid >> 1);
-            S[0] = iq_tc_word<FULL>(row + (vodd ? 8 : 0));
-            const uint32_t w1 = iq_tc_word<FULL>(row + 4);
-            S[1] = vodd ? (h == 0 ? vtop[j] : vrecv[j]) : w1;
-          };
-          pv(t0_, 0, va);
-          pv(t0_ + 1, 1, vb);
-          pv(t0_ + 8, 2, vcc);
-          pv(t0_ + 9, 3, vd);
+          const uint32_t* top = h == 0 ? vtop : vrecv;
+          pair_words(t0_, top[0], va);
+          pair_words(t0_ + 1, top[1], vb);
+          pair_words(t0_ + 8, top[2], vcc);
+          pair_words(t0_ + 9, top[3], vd);
         } else {
           iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_) * vs_, gid, va);
           iq_tc_vcodes<D, FULL, decltype(vc_), VSN>(vc_ + tok(t0_ + 1) * vs_, gid, vb);
