@@ -653,13 +653,10 @@ __device__ __forceinline__ void iq_tc_warp(
   // VSN: 0x80808080 as a value ptxas cannot fold back into an immediate (the positive levels'
   // bytes are >= 128)
   uint32_t c80 = 0u;
-  if (PV8) {
+  if (PV8 || VSN) {  // two words: 8 byte levels
     vtab[0] = iq_lds32(tab_s + 16u);
     vtab[1] = iq_lds32(tab_s + 20u);
-  } else if (VSN) {
-    vtab[0] = iq_lds32(tab_s + 16u);
-    vtab[1] = iq_lds32(tab_s + 20u);
-    c80 = vtab[1] & 0x80808080u;
+    if (VSN) c80 = vtab[1] & 0x80808080u;
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) vtab[i] = iq_lds32(tab_s + 16u + 4u * i);
