@@ -239,6 +239,12 @@ def main() -> None:
     ap.add_argument("--sweep-only", action="store_true", help="only the variant sweep")
     ap.add_argument("--no-sweep", action="store_true", help="only the table")
     ap.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="the table's default call (and its float window), mx.fast and torch only: no "
+        "variant columns (the whole table in about a third of the GPU time)",
+    )
+    ap.add_argument(
         "--shapes", nargs="*", metavar="BxT", help="table shapes (default: every B x T)"
     )
     args = ap.parse_args()
@@ -296,6 +302,8 @@ def main() -> None:
         "isoquant_fused_split64": with_opts(split_len=64),
         "isoquant_fused_split32": with_opts(split_len=32),
     }
+    if args.defaults_only:
+        fused, short = {"isoquant_fused": fused["isoquant_fused"]}, {}
     shapes = [(8, 32768)] if args.quick else [(b, t) for b in BS for t in TS]
     if args.shapes:
         shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
@@ -382,7 +390,10 @@ def print_summary(rows) -> None:
             if host.get(("isoquant_fused", b, t)) is None:
                 continue
             cells = [
-                f"{gpu.get((k, b, t)) or 0:6.1f} ({host.get((k, b, t)) or 0:6.1f})" for k in names
+                f"{gpu.get((k, b, t)) or 0:6.1f} ({host[(k, b, t)]:6.1f})"
+                if host.get((k, b, t))
+                else "-"  # not timed (--defaults-only)
+                for k in names
             ]
             tt = host.get(("torch_sdpa_bf16", b, t))
             d_g, d_h = gpu.get(("isoquant_fused", b, t)), host[("isoquant_fused", b, t)]

@@ -102,10 +102,12 @@ def _kernel_name(name: str, dtype: str) -> str:
     # trip, its place recomputed after the tile loop; v11: the query's int8 fragments from the warp
     # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid; v13: its
     # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads; v14: its
-    # inputs without the level arrays it no longer reads; v15: P V on the int8 tensor cores (PV8).
+    # inputs without the level arrays it no longer reads; v15: P V on the int8 tensor cores (PV8);
+    # (v16: session 22's cluster fold, not kept) v17: PV8's exponents with kmul fused, P' in two
+    # instructions a value, nu's growth voted before the maximum.
     # MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the
     # previous code never shares a build.
-    return f"{name}_{dtype}_v15"
+    return f"{name}_{dtype}_v17"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -190,7 +192,8 @@ TC_VSN = os.environ.get("ROTARYQUANT_ISOQUANT_TC_VSN", "1") == "1"
 # (decode with up to 4 query heads per KV head): one byte permute per 4 V codes instead of 2,
 # half the mma; P' quantized in two int8 parts
 TC_PV8 = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PV8", "1") == "1"
-# PV8's int32 accumulators hold up to 127 * 127 per token and part: tokens per warp below this
+# PV8's int32 accumulators hold up to 127 * 128 per token and part (part 2 reaches -128): tokens per
+# warp below this
 PV8_MAX_SPLIT = 1 << 17
 
 

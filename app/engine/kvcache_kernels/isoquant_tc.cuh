@@ -19,7 +19,8 @@
 //     padded query rows.
 //     PV8 (<= 4 query rows, KI8): m16n8k32 int8 -> int32 instead, one k-step per tile, A = V
 //     codes of 4 tokens per register (one byte permute per 4 codes into the exact int8 table),
-//     B = P' in two int8 parts (columns 0-3 part 1 of rows 0-3, 4-7 part 2: the query rows 4-7
+//     B = P' in two int8 parts (256 kappa P' = 256 part 1 + part 2; columns 0-3 part 1 of rows
+//     0-3, 4-7 part 2: the query rows 4-7
 //     are copies of 0-3, so each lane quantizes its own scores); see iq_pv8_sel, iq_tc_warp.
 // Codes reach the selectors as the packed rows' nibble words (packing.py: codes 0-23 of a block
 // by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
@@ -296,15 +297,16 @@ __device__ __forceinline__ uint32_t iq_pv8_pack(uint32_t y0, uint32_t y1, uint32
   return iq_prmt(iq_prmt(y0, y1, 0x0040), iq_prmt(y2, y3, 0x0040), 0x5410);
 }
 
-// PV8: x in [0, 127] as a word whose low byte is the lane's int8 part: round(x) (lanes of rows
-// 0-3: s2 = 0, k1 = 1) or round(254 x) - 254 round(x) = round(254 (x - round(x))), in [-127, 127]
-// (rows 4-7: s2 = 254, k1 = -254). Adding 1.5 * 2^23 rounds to an integer in the low mantissa
-// bits (to nearest, ties to even, as the reference's np.rint); the offsets' low 22 bits are 0.
-__device__ __forceinline__ uint32_t iq_pv8_quant(float x, float s2, int k1) {
-  constexpr float MAGIC = 12582912.0f;
-  const uint32_t f1 = __float_as_uint(__fadd_rn(x, MAGIC));
-  const uint32_t f2 = __float_as_uint(fmaf(x, s2, MAGIC));
-  return f1 * uint32_t(k1) + f2;
+// PV8: y = c v = 256 x, x in [0, 127], as a word whose low byte is the lane's int8 part of x. One
+// rounding, R = round(y) (to nearest, ties to even, as the reference's np.rint), then R = 256
+// part 1 + part 2: part 1 = (R + 128) >> 8 in [0, 127] (lanes of rows 0-3: off = 1.5 * 2^23 +
+// 128, sh = 8), part 2 = R - 256 part 1 in [-128, 127], R's low byte as an int8 (rows 4-7: off =
+// 1.5 * 2^23, sh = 0). Adding 1.5 * 2^23 rounds to an integer in the low mantissa bits (the
+// offset's low 22 bits are 0 but for the 128, so y + off's bits are 0x4B400000 + R (+ 128)).
+// The parts of a row's two lanes come from the same c and v, so they always sum to R / 256 (two
+// instructions a value; x rounded once, then round(x) and round(254 (x - round(x))) took four).
+__device__ __forceinline__ uint32_t iq_pv8_quant(float c, float v, float off, uint32_t sh) {
+  return __float_as_uint(fmaf(c, v, off)) >> sh;
 }
 
 // A fragment of Q for k-step kt of lane (gid, tig): (hi, lo) of query row gid at codes
@@ -682,8 +684,8 @@ __device__ __forceinline__ void iq_tc_warp(
   // (c2, c3) = coordinate row gid + 8
   float o[PV8 ? 1 : MT][4];
   // PV8: the accumulators in int32, columns 0-3 = part 1 of query rows 0-3, 4-7 = part 2 (a
-  // lane's (c0, c1) are columns 2tig, 2tig+1), in units of 1/kappa (part 2: 1/(254 kappa)) where
-  // P' = p |v| is quantized as kappa P' = part 1 + part 2 / 254, kappa = 127 / nu and nu (a
+  // lane's (c0, c1) are columns 2tig, 2tig+1), in units of 1/kappa (part 2: 1/(256 kappa)) where
+  // P' = p |v| is quantized as kappa P' = part 1 + part 2 / 256, kappa = 127 / nu and nu (a
   // power of two) bounds the V norms seen so far: a tile with a larger norm, like one with a
   // larger maximum score, rescales the accumulators (rounded back to integers).
   int oi[PV8 ? MT : 1][4];
@@ -698,8 +700,8 @@ __device__ __forceinline__ void iq_tc_warp(
   // rows 0-3 (gid < 4) quantize part 1, their copies in rows 4-7 part 2
   uint32_t nu2 = 0u;
   float lk = 0.0f;
-  const float ps2 = gid >= 4 ? 254.0f : 0.0f;
-  const int pk1 = gid >= 4 ? -254 : 1;
+  const float poff = gid >= 4 ? 12582912.0f : 12583040.0f;  // iq_pv8_quant's offset and shift
+  const uint32_t psh = gid >= 4 ? 0u : 8u;
 
   // One tile of IQ_TILE tokens: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
   // full: IqBool<true> when nv == IQ_TILE (no clamps, no masks). kc_ .. vn_: global pointers, or
@@ -758,8 +760,12 @@ __device__ __forceinline__ void iq_tc_warp(
     // 0). The factor vsc goes on the merged partial in fp32: in P' = p |v| vsc (~0.002 p |v|)
     // the fp16 operand fell into the subnormal range for p below ~0.003 (H200 table's problem:
     // relative error 2.7e-4 with it in P', 5.4e-5 without).
+    // The scores without kmul (> 0): it goes on after the maximum, and into the exponents' FFMA
+    // (c kv kmul - base took two multiplies and a subtraction a score). The maximum as a tree
+    // (depth 3, not a chain of 8): it heads the tile's chain of dependent steps.
     uint32_t nvs[NT];
-    float mx = NEG_INF;
+    static_assert(NT == 4, "the maximum's tree");
+    float cm[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       float kv[2];  // the K norms of tokens 8nt + 2tig + (0, 1)
@@ -768,64 +774,63 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const bool ok = FULL || 8 * nt + 2 * tig + e < nv;
-        c[nt][e] = ok ? c[nt][e] * (kv[e] * kmul) : NEG_INF;
-        mx = fmaxf(mx, c[nt][e]);
+        c[nt][e] = ok ? c[nt][e] * kv[e] : NEG_INF;
+      }
+      cm[nt] = fmaxf(c[nt][0], c[nt][1]);
+    }
+    // PV8: nu's growth (a shift of the accumulators too, by gj) first: it depends on the V norms
+    // alone, so lk is final before the scores' maximum is, and the exponents and P' do not wait
+    // for the vote on the accumulators' shift (below, just before the P V mma: the V codes'
+    // selectors are built before it). With one vote for both after the maximum, everything past
+    // that branch waited for the maximum's chain and the vote (the V codes' reads included).
+    int gj = 0;
+    if constexpr (PV8) {
+      // a V norm of the tile above nu (positive fp16 bits order as unsigned integers)
+      const uint32_t vmx = __vmaxu2(__vmaxu2(nvs[0], nvs[1]), __vmaxu2(nvs[2], nvs[3]));
+      const bool grow = __vmaxu2(vmx, nu2) != nu2;
+      if (__any_sync(0xffffffffu, grow)) {  // nu: the next power of two over the tile's norms
+        // (the low halves: the maxima of both halves and of the tig lanes, then >= 2^-14)
+        uint32_t u = __vmaxu2(vmx, vmx >> 16);
+        u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 1));
+        u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 2));
+        const uint32_t nn = ((__vmaxu2(u, 0x0400u) & 0xFFFFu) + 0x03FFu) & 0x7C00u;
+        // nu = 2^(e - 15) for the exponent bits e; kappa's ratio is 2^-(e - e0) once nu was
+        // set (e0 > 0: the shift from the integer exponents, not from the rounded lk)
+        const int e = int(nn >> 10), e0 = int((nu2 >> 10) & 0x1Fu);
+        const float lkn = 6.98868468677f - float(e - 15);  // log2(127 / nu)
+        gj = e0 == 0 ? 0 : min(e - e0, 31);  // (before nu was set the accumulators are 0)
+        l *= exp2f(lkn - lk);
+        lk = lkn;
+        nu2 = nn | (nn << 16);
       }
     }
+    float mx = fmaxf(fmaxf(cm[0], cm[1]), fmaxf(cm[2], cm[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float n = fmaxf(m, mx);
+    const float n = fmaxf(m, mx * kmul);
     // PV8: the running maximum is kept as an integer (its ceiling: p <= 1 still, 1 bit of the
     // int8 range given up), so a rescale is a power of two, an arithmetic shift of the integer
     // accumulators, and a rarer one
     const float base = n == NEG_INF ? 0.0f : PV8 ? ceilf(n) : n;
     const float a = iq_ex2(m - base);
+    int k0 = 0, k1 = 0;
     if constexpr (PV8) {
       // shift of this lane's row (31: the first tile, whose accumulators are 0)
       const int kr = m == NEG_INF ? 31 : int(base - m);
       m = n == NEG_INF ? n : base;
       // columns 2tig, 2tig+1 are query rows (2tig) & 3, (2tig+1) & 3: shifts from lanes 4 * row
-      const int k0 = __shfl_sync(0xffffffffu, kr, 4 * ((2 * tig) & 3));
-      const int k1 = __shfl_sync(0xffffffffu, kr, 4 * ((2 * tig + 1) & 3));
-      // a V norm of the tile above nu (positive fp16 bits order as unsigned integers)
-      const uint32_t vmx = __vmaxu2(__vmaxu2(nvs[0], nvs[1]), __vmaxu2(nvs[2], nvs[3]));
-      const bool grow = __vmaxu2(vmx, nu2) != nu2;
-      if (__any_sync(0xffffffffu, (k0 | k1) != 0 || grow)) {
-        int gj = 0;  // nu's growth: a shift too
-        if (__any_sync(0xffffffffu, grow)) {  // nu: the next power of two over the tile's norms
-          // (the low halves: the maxima of both halves and of the tig lanes, then >= 2^-14)
-          uint32_t u = __vmaxu2(vmx, vmx >> 16);
-          u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 1));
-          u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 2));
-          const uint32_t nn = ((__vmaxu2(u, 0x0400u) & 0xFFFFu) + 0x03FFu) & 0x7C00u;
-          // nu = 2^(e - 15) for the exponent bits e; kappa's ratio is 2^-(e - e0) once nu was
-          // set (e0 > 0: the shift from the integer exponents, not from the rounded lk)
-          const int e = int(nn >> 10), e0 = int((nu2 >> 10) & 0x1Fu);
-          const float lkn = 6.98868468677f - float(e - 15);  // log2(127 / nu)
-          gj = e0 == 0 ? 0 : min(e - e0, 31);  // (before nu was set the accumulators are 0)
-          l *= exp2f(lkn - lk);
-          lk = lkn;
-          nu2 = nn | (nn << 16);
-        }
-        const int s0 = min(k0 + gj, 31), s1 = min(k1 + gj, 31);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {  // (rounding toward -inf: < 1 unit of 1 / 254 kappa)
-          oi[mt][0] >>= s0;
-          oi[mt][1] >>= s1;
-          oi[mt][2] >>= s0;
-          oi[mt][3] >>= s1;
-        }
-      }
+      k0 = __shfl_sync(0xffffffffu, kr, 4 * ((2 * tig) & 3));
+      k1 = __shfl_sync(0xffffffffu, kr, 4 * ((2 * tig + 1) & 3));
     } else {
       m = n;
     }
-    // PV8: p kappa (the sum l too is in units of 1/kappa)
-    const float pbase = PV8 ? base - lk : base;
+    // PV8: 256 p kappa (the sum l too is in units of 1/(256 kappa))
+    const float pbase = PV8 ? base - lk - 8.0f : base;
     float lsum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      c[nt][0] = iq_ex2(c[nt][0] - pbase);
-      c[nt][1] = iq_ex2(c[nt][1] - pbase);
+      c[nt][0] = iq_ex2(fmaf(c[nt][0], kmul, -pbase));
+      c[nt][1] = iq_ex2(fmaf(c[nt][1], kmul, -pbase));
       lsum += c[nt][0] + c[nt][1];
     }
     l = l * a + lsum;
@@ -878,8 +883,8 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const __half2 w = *reinterpret_cast<const __half2*>(&nvs[nt]);
-        y[nt][0] = iq_pv8_quant(c[nt][0] * __low2float(w), ps2, pk1);
-        y[nt][1] = iq_pv8_quant(c[nt][1] * __high2float(w), ps2, pk1);
+        y[nt][0] = iq_pv8_quant(c[nt][0], __low2float(w), poff, psh);
+        y[nt][1] = iq_pv8_quant(c[nt][1], __high2float(w), poff, psh);
       }
       const uint32_t pb0 = iq_pv8_pack(y[0][0], y[0][1], y[1][0], y[1][1]);
       const uint32_t pb1 = iq_pv8_pack(y[2][0], y[2][1], y[3][0], y[3][1]);
@@ -906,17 +911,32 @@ __device__ __forceinline__ void iq_tc_warp(
           }
         }
       }
+      uint32_t w0[NVS][4], w1[NVS][4];
 #pragma unroll
       for (int q = 0; q < NVS; ++q) {
-        uint32_t w0[4], w1[4];
-        iq_pv8_sel(vw[0][0][q], vw[0][1][q], vw[0][2][q], vw[0][3][q], w0);
-        iq_pv8_sel(vw[1][0][q], vw[1][1][q], vw[1][2][q], vw[1][3][q], w1);
+        iq_pv8_sel(vw[0][0][q], vw[0][1][q], vw[0][2][q], vw[0][3][q], w0[q]);
+        iq_pv8_sel(vw[1][0][q], vw[1][1][q], vw[1][2][q], vw[1][3][q], w1[q]);
+      }
+      // the accumulators' shift: a larger maximum (k0, k1 for this lane's two columns) or nu's
+      // growth (gj)
+      if (__any_sync(0xffffffffu, (k0 | k1 | gj) != 0)) {
+        const int s0 = min(k0 + gj, 31), s1 = min(k1 + gj, 31);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {  // (rounding toward -inf: < 1 unit of 1 / 256 kappa)
+          oi[mt][0] >>= s0;
+          oi[mt][1] >>= s1;
+          oi[mt][2] >>= s0;
+          oi[mt][3] >>= s1;
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < NVS; ++q) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], w0[j]);
-          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w0[j], nz));
-          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], w1[j]);
-          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w1[j], nz));
+          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], w0[q][j]);
+          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w0[q][j], nz));
+          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], w1[q][j]);
+          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w1[q][j], nz));
           iq_imma(oi[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
         }
       }
@@ -1015,9 +1035,9 @@ __device__ __forceinline__ void iq_tc_warp(
       o[mt][3] = fmaf(o[mt][3], 16777216.0f, -s1);
     }
   }
-  // PV8: 1 / kappa, for the sums and the accumulators (part 2's columns also / 254)
+  // PV8: 1 / kappa, for the accumulators (part 2's columns also / 256) and the sums (/ 256)
   const float ik = PV8 ? exp2f(-lk) : 1.0f;
-  if (PV8) l *= ik;
+  if (PV8) l *= ik * (1.0f / 256.0f);
   // The threadgroup's IQ_NW warps merge into one partial (rows r0 .. r0+7 at prow + r):
   // red = [IQ_NW][8] maxima, [IQ_NW][8] sums, then [IQ_NW][8][D] rescaled accumulators (it
   // overlays the warps' stages: every warp must be done streaming first).
@@ -1039,7 +1059,7 @@ __device__ __forceinline__ void iq_tc_warp(
     for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
     const float mine = rm[warp * 8 + r];
     float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax) * vsc;
-    if (PV8) f *= tig >= 2 ? ik * (1.0f / 254.0f) : ik;  // PV8: r is a column (rows 4-7: part 2)
+    if (PV8) f *= tig >= 2 ? ik * (1.0f / 256.0f) : ik;  // PV8: r is a column (rows 4-7: part 2)
     float* out = ro + (warp * 8 + r) * D;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
