@@ -779,10 +779,11 @@ __device__ __forceinline__ void iq_tc_warp(
       cm[nt] = fmaxf(c[nt][0], c[nt][1]);
     }
     // PV8: nu's growth (a shift of the accumulators too, by gj) first: it depends on the V norms
-    // alone, so lk is final before the scores' maximum is, and the exponents and P' do not wait
-    // for the vote on the accumulators' shift (below, just before the P V mma: the V codes'
-    // selectors are built before it). With one vote for both after the maximum, everything past
-    // that branch waited for the maximum's chain and the vote (the V codes' reads included).
+    // alone, so lk is final before the scores' maximum is, and the vote on the accumulators'
+    // shift can wait until just before the P V mma, after the V codes' selectors are built. With
+    // one vote for both after the maximum, ptxas kept the V codes' reads and selectors below that
+    // branch, behind the maximum's shuffles, the ceiling and the vote (H200, side by side: B8 T8K
+    // 24.66 -> 24.46 us, B8 T32K 69.24 -> 68.66; NOTES.md, session 23).
     int gj = 0;
     if constexpr (PV8) {
       // a V norm of the tile above nu (positive fp16 bits order as unsigned integers)
