@@ -124,6 +124,7 @@ template <uint32_t M>
 inline uint32_t iq_and_or(uint32_t x, uint32_t c) { return (x & M) | c; }
 template <uint32_t M>
 inline uint32_t iq_bitsel(uint32_t a, uint32_t c) { return (a & M) | (c & ~M); }
+inline uint32_t iq_shl4(uint32_t x) { return x << 4; }
 // the f16x2 add of -0 returns the high half's bits in both halves; a NaN pattern would not
 // come back unchanged on the GPU, so it fails here
 inline uint32_t iq_hi16(uint32_t x, uint32_t nz) {

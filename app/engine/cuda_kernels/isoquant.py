@@ -61,6 +61,13 @@ __device__ __forceinline__ uint32_t iq_and_or(uint32_t x, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(M), "r"(c));
   return r;
 }
+// x << 4 that the compiler cannot fold into the operand's mask ((x & M) << 4 written in C became
+// (x << 4) & (M << 4): two instructions where x & M is needed too)
+__device__ __forceinline__ uint32_t iq_shl4(uint32_t x) {
+  uint32_t r;
+  asm("shl.b32 %0, %1, 4;" : "=r"(r) : "r"(x));
+  return r;
+}
 // (a & M) | (c & ~M) as one LOP3 (written in C, ptxas rebuilt it from two masked operands)
 template <uint32_t M>
 __device__ __forceinline__ uint32_t iq_bitsel(uint32_t a, uint32_t c) {

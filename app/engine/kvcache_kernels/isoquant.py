@@ -104,10 +104,11 @@ def _kernel_name(name: str, dtype: str) -> str:
     # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads; v14: its
     # inputs without the level arrays it no longer reads; v15: P V on the int8 tensor cores (PV8);
     # (v16: session 22's cluster fold, not kept) v17: PV8's exponents with kmul fused, P' in two
-    # instructions a value, nu's growth voted before the maximum.
+    # instructions a value, nu's growth voted before the maximum; v18: PV8's selectors' shift kept
+    # on the masked word (iq_shl4).
     # MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the
     # previous code never shares a build.
-    return f"{name}_{dtype}_v17"
+    return f"{name}_{dtype}_v18"
 
 
 # -- kernels built once at import ----------------------------------------------------------

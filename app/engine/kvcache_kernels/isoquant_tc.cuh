@@ -282,9 +282,9 @@ __device__ __forceinline__ void iq_tc_vregs(uint32_t sel, const uint32_t vtab[4]
 __device__ __forceinline__ void iq_pv8_sel(uint32_t t0, uint32_t t1, uint32_t t2, uint32_t t3,
                                            uint32_t W[4]) {
   const uint32_t m1 = t1 & 0x77777777u, m3 = t3 & 0x77777777u;
-  const uint32_t e01 = iq_bitsel<0x07070707u>(t0, m1 << 4);
+  const uint32_t e01 = iq_bitsel<0x07070707u>(t0, iq_shl4(m1));
   const uint32_t o01 = iq_bitsel<0x07070707u>(t0 >> 4, m1);
-  const uint32_t e23 = iq_bitsel<0x07070707u>(t2, m3 << 4);
+  const uint32_t e23 = iq_bitsel<0x07070707u>(t2, iq_shl4(m3));
   const uint32_t o23 = iq_bitsel<0x07070707u>(t2 >> 4, m3);
   W[0] = iq_prmt(e01, e23, 0x5140);
   W[1] = iq_prmt(e01, e23, 0x7362);
