@@ -90,10 +90,6 @@ inline uint32_t __float_as_uint(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
-inline float __fadd_rn(float a, float b) {
-  volatile float r = a + b;  // one rounded add, never folded with its neighbours
-  return r;
-}
 // per 16-bit half: the unsigned maximum
 inline uint32_t __vmaxu2(uint32_t a, uint32_t b) {
   const uint32_t lo = std::max(a & 0xFFFFu, b & 0xFFFFu), hi = std::max(a >> 16, b >> 16);

@@ -857,12 +857,13 @@ __device__ __forceinline__ void iq_tc_warp(
     // 16 * (odd ? 0 : 1) + 2tig + (0, 1, 8, 9)[j]: the odd lane's first 16 tokens, the even one's
     // second, which are its odd partner's), and one shuffle hands them over (vrecv).
     const bool vodd = (gid & 1) != 0;
+    // token j < 4 of P V k-step (PV8: k-half) g: 16g + 2tig + (0, 1, 8, 9)[j], this lane's columns
+    auto vtok = [&](int g, int j) { return 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1); };
     auto pair_tops = [&](auto* vtop, auto* vrecv) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t w[3];
-        const int t = 16 * (vodd ? 0 : 1) + 2 * tig + (j & 1) + 8 * (j >> 1);
-        iq_tc_block<FULL>(vc_ + t * vs_ + 12 * (gid >> 1), w);
+        iq_tc_block<FULL>(vc_ + vtok(vodd ? 0 : 1, j) * vs_ + 12 * (gid >> 1), w);
         vtop[j] = iq_top8(w[0], w[1], w[2]);
       }
 #pragma unroll
@@ -898,8 +899,7 @@ __device__ __forceinline__ void iq_tc_warp(
         for (int g = 0; g < 2; ++g) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const int t = 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1);
-            pair_words(t, g == 0 ? vtop[j] : vrecv[j], vw[g][j]);
+            pair_words(vtok(g, j), g == 0 ? vtop[j] : vrecv[j], vw[g][j]);
           }
         }
       } else {
@@ -907,8 +907,7 @@ __device__ __forceinline__ void iq_tc_warp(
         for (int g = 0; g < 2; ++g) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const int t = 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1);
-            iq_tc_vcodes<D, FULL, decltype(vc_), true>(vc_ + tok(t) * vs_, gid, vw[g][j]);
+            iq_tc_vcodes<D, FULL, decltype(vc_), true>(vc_ + tok(vtok(g, j)) * vs_, gid, vw[g][j]);
           }
         }
       }
@@ -957,7 +956,7 @@ __device__ __forceinline__ void iq_tc_warp(
         iq_split_h2(x1, y1, pb1, pl1);
         if (VSN) ps += (x0 + y0) + (x1 + y1);
         // V codes of those four tokens over the lane's D/8 coordinates
-        const int t0_ = 16 * h + 2 * tig;
+        const int t0_ = vtok(h, 0);  // and vtok(h, 1 .. 3): t0_ + 1, 8, 9
         uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
         if constexpr (PAIRV) {
           const uint32_t* top = h == 0 ? vtop : vrecv;
