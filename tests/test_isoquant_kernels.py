@@ -261,6 +261,9 @@ EMU_CASES = [
     # 3 query rows of the block's 8 at D 64 (2 rows per warp pass of the query rotation): the
     # second pass holds one query row and one padded row, the other two passes only padding
     ("tc", 1, 2, 3, 1, 64, 77, 5, 3, 3, "v3", None, False, mx.float32),
+    # the folded combine writing rows of several sequences and KV heads (out's row from b Hkv +
+    # h), with a sink and ragged lengths
+    ("tc", 2, 2, 4, 1, 64, 45, 3, 3, 3, "v3", [45, 20], True, mx.float32),
     ("scalar", 2, 2, 8, 1, 128, 511, 1, 3, 3, "v3", [511, 200], False, mx.bfloat16),
     ("scalar", 1, 1, 2, 4, 256, 33, 7, 4, 3, "v1", None, True, mx.float16),
     ("scalar", 1, 1, 3, 1, 512, 40, 0, 3, 4, "v2", None, False, mx.float32),

@@ -292,21 +292,25 @@ __device__ __forceinline__ void iq_pv8_sel(uint32_t t0, uint32_t t1, uint32_t t2
   W[3] = iq_prmt(o01, o23, 0x7362);
 }
 
-// PV8: 4 quantized P' values (iq_pv8_quant's words, their low bytes) as one B register
-__device__ __forceinline__ uint32_t iq_pv8_pack(uint32_t y0, uint32_t y1, uint32_t y2, uint32_t y3) {
-  return iq_prmt(iq_prmt(y0, y1, 0x0040), iq_prmt(y2, y3, 0x0040), 0x5410);
+// PV8: 4 quantized P' values (iq_pv8_quant's words) as one B register: byte `sel` of each
+// word (sel: 0x0040 takes byte 0 of each, 0x0051 byte 1; the lane's part, iq_pv8_quant).
+__device__ __forceinline__ uint32_t iq_pv8_pack(uint32_t y0, uint32_t y1, uint32_t y2, uint32_t y3,
+                                                uint32_t sel) {
+  return iq_prmt(iq_prmt(y0, y1, sel), iq_prmt(y2, y3, sel), 0x5410);
 }
 
-// PV8: y = c v = 256 x, x in [0, 127], as a word whose low byte is the lane's int8 part of x. One
-// rounding, R = round(y) (to nearest, ties to even, as the reference's np.rint), then R = 256
-// part 1 + part 2: part 1 = (R + 128) >> 8 in [0, 127] (lanes of rows 0-3: off = 1.5 * 2^23 +
-// 128, sh = 8), part 2 = R - 256 part 1 in [-128, 127], R's low byte as an int8 (rows 4-7: off =
-// 1.5 * 2^23, sh = 0). Adding 1.5 * 2^23 rounds to an integer in the low mantissa bits (the
-// offset's low 22 bits are 0 but for the 128, so y + off's bits are 0x4B400000 + R (+ 128)).
-// The parts of a row's two lanes come from the same c and v, so they always sum to R / 256 (two
-// instructions a value; x rounded once, then round(x) and round(254 (x - round(x))) took four).
-__device__ __forceinline__ uint32_t iq_pv8_quant(float c, float v, float off, uint32_t sh) {
-  return __float_as_uint(fmaf(c, v, off)) >> sh;
+// PV8: y = c v = 256 x, x in [0, 127], as a word holding the lane's int8 part of x in one byte.
+// One rounding, R = round(y) (to nearest, ties to even, as the reference's np.rint), then R =
+// 256 part 1 + part 2: part 1 = (R + 128) >> 8 in [0, 127] (lanes of rows 0-3: off = 1.5 * 2^23
+// + 128, the word's byte 1), part 2 = R - 256 part 1 in [-128, 127], R's low byte as an int8
+// (rows 4-7: off = 1.5 * 2^23, byte 0). Adding 1.5 * 2^23 rounds to an integer in the low
+// mantissa bits (the offset's low 22 bits are 0 but for the 128, so y + off's bits are
+// 0x4B400000 + R (+ 128)). The parts of a row's two lanes come from the same c and v, so they
+// always sum to R / 256. One instruction a value: iq_pv8_pack's byte permutes pick the part
+// (x rounded once, then round(x) and round(254 (x - round(x))) took four; a shift by 8 for the
+// part-1 lanes, before the pack took byte 0, took two).
+__device__ __forceinline__ uint32_t iq_pv8_quant(float c, float v, float off) {
+  return __float_as_uint(fmaf(c, v, off));
 }
 
 // A fragment of Q for k-step kt of lane (gid, tig): (hi, lo) of query row gid at codes
@@ -608,14 +612,20 @@ struct IqStream {
   }
 };
 
-// Where coordinate d of query row r sits in a row of the warps' merge (iq_tc_warp's end): d with
-// its low bits XORed by (d / 32, r / 2), so a store of one accumulator by the 32 lanes (rows 2tig
-// + e, coordinates gid * D/8 + c) hits 32 banks; the plain index put them on 2 (16-way conflicts
-// on each of a lane's 32 stores), and rows read along d stay conflict-free. H200, side by side:
-// B8 T8K 25.49 -> 25.38 us, B32 T8K 75.08 -> 74.85 (attention_decode.json "session20_runs").
+// Where coordinate d of query row r sits in a row of the warps' merge (iq_tc_warp's end): rows
+// of IQ_MROW = D + 16 floats, d at d + iq_tc_moff(d, r). The offset is the same for every
+// accumulator of one lane (rows 2tig + e, coordinates gid * D/8 + c: 4 (d / 32) + tig), so a
+// lane's 32 stores are two bases plus constant offsets, and a store of one accumulator by the 32
+// lanes hits 32 banks (16 (gid & 1) + 4 (gid / 2) + tig at D 128, 8 (gid & 3) + 4 (gid / 4) +
+// tig at D 64; rows 2tig + e are 16 (e) apart mod 32); rows read along d stay conflict-free. The
+// plain index put them on 2 banks (16-way conflicts); an XOR swizzle (d ^ (d / 32, r / 2), H200:
+// B8 T8K 25.49 -> 25.38 us, attention_decode.json "session20_runs") fixed that but took ~2
+// integer instructions an address, ~100 a warp.
 template <int D>
-__device__ __forceinline__ int iq_tc_swz(int d, int r) {
-  return d ^ ((((d >> 5) & (D / 32 - 1)) << 2) | ((r >> 1) & 3));
+constexpr int IQ_MROW = D + 16;
+template <int D>
+__host__ __device__ __forceinline__ int iq_tc_moff(int d, int r) {
+  return 4 * (d >> 5) + (r >> 1);
 }
 
 // One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
@@ -696,12 +706,13 @@ __device__ __forceinline__ void iq_tc_warp(
   float m = NEG_INF, l = 0.0f;  // running max and sum of query row gid (l: this lane's tokens)
   float ps = 0.0f;  // VSN: sum of this lane's P' (query row gid), rescaled with the accumulators
   const float vsc = rsqrtf(float(D)) * vinv;
-  // PV8: nu's fp16 bits in both halves (0: no tile yet), log2(kappa), and this lane's part:
-  // rows 0-3 (gid < 4) quantize part 1, their copies in rows 4-7 part 2
+  // PV8: nu's fp16 bits in both halves (0: no tile yet), log2(256 kappa) (the units of P' and
+  // of the sums; kappa 1 before the first tile), and this lane's part: rows 0-3 (gid < 4)
+  // quantize part 1, their copies in rows 4-7 part 2
   uint32_t nu2 = 0u;
-  float lk = 0.0f;
-  const float poff = gid >= 4 ? 12582912.0f : 12583040.0f;  // iq_pv8_quant's offset and shift
-  const uint32_t psh = gid >= 4 ? 0u : 8u;
+  float lk8 = 8.0f;
+  const float poff = gid >= 4 ? 12582912.0f : 12583040.0f;  // iq_pv8_quant's offset and byte
+  const uint32_t psel = gid >= 4 ? 0x0040u : 0x0051u;
 
   // One tile of IQ_TILE tokens: rows of token i at kc_ + i*ks_ etc.; tokens >= nv are masked.
   // full: IqBool<true> when nv == IQ_TILE (no clamps, no masks). kc_ .. vn_: global pointers, or
@@ -779,7 +790,7 @@ __device__ __forceinline__ void iq_tc_warp(
       cm[nt] = fmaxf(c[nt][0], c[nt][1]);
     }
     // PV8: nu's growth (a shift of the accumulators too, by gj) first: it depends on the V norms
-    // alone, so lk is final before the scores' maximum is, and the vote on the accumulators'
+    // alone, so lk8 is final before the scores' maximum is, and the vote on the accumulators'
     // shift can wait until just before the P V mma, after the V codes' selectors are built. With
     // one vote for both after the maximum, ptxas kept the V codes' reads and selectors below that
     // branch, behind the maximum's shuffles, the ceiling and the vote (H200, side by side: B8 T8K
@@ -796,12 +807,12 @@ __device__ __forceinline__ void iq_tc_warp(
         u = __vmaxu2(u, __shfl_xor_sync(0xffffffffu, u, 2));
         const uint32_t nn = ((__vmaxu2(u, 0x0400u) & 0xFFFFu) + 0x03FFu) & 0x7C00u;
         // nu = 2^(e - 15) for the exponent bits e; kappa's ratio is 2^-(e - e0) once nu was
-        // set (e0 > 0: the shift from the integer exponents, not from the rounded lk)
+        // set (e0 > 0: the shift from the integer exponents, not from the rounded lk8)
         const int e = int(nn >> 10), e0 = int((nu2 >> 10) & 0x1Fu);
-        const float lkn = 6.98868468677f - float(e - 15);  // log2(127 / nu)
+        const float lkn8 = 14.98868468677f - float(e - 15);  // log2(256 * 127 / nu)
         gj = e0 == 0 ? 0 : min(e - e0, 31);  // (before nu was set the accumulators are 0)
-        l *= exp2f(lkn - lk);
-        lk = lkn;
+        l *= exp2f(lkn8 - lk8);
+        lk8 = lkn8;
         nu2 = nn | (nn << 16);
       }
     }
@@ -826,7 +837,7 @@ __device__ __forceinline__ void iq_tc_warp(
       m = n;
     }
     // PV8: 256 p kappa (the sum l too is in units of 1/(256 kappa))
-    const float pbase = PV8 ? base - lk - 8.0f : base;
+    const float pbase = PV8 ? base - lk8 : base;
     float lsum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -885,11 +896,11 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const __half2 w = *reinterpret_cast<const __half2*>(&nvs[nt]);
-        y[nt][0] = iq_pv8_quant(c[nt][0], __low2float(w), poff, psh);
-        y[nt][1] = iq_pv8_quant(c[nt][1], __high2float(w), poff, psh);
+        y[nt][0] = iq_pv8_quant(c[nt][0], __low2float(w), poff);
+        y[nt][1] = iq_pv8_quant(c[nt][1], __high2float(w), poff);
       }
-      const uint32_t pb0 = iq_pv8_pack(y[0][0], y[0][1], y[1][0], y[1][1]);
-      const uint32_t pb1 = iq_pv8_pack(y[2][0], y[2][1], y[3][0], y[3][1]);
+      const uint32_t pb0 = iq_pv8_pack(y[0][0], y[0][1], y[1][0], y[1][1], psel);
+      const uint32_t pb1 = iq_pv8_pack(y[2][0], y[2][1], y[3][0], y[3][1], psel);
       // V codes of the 8 tokens (group g = 0: b0's, 1: b1's), D/64 nibble words each
       uint32_t vw[2][4][NVS];
       if constexpr (FULL && D == 128) {  // PAIRV's reads: group g is the odd lane's k-step g
@@ -1036,16 +1047,18 @@ __device__ __forceinline__ void iq_tc_warp(
     }
   }
   // PV8: 1 / kappa, for the accumulators (part 2's columns also / 256) and the sums (/ 256)
-  const float ik = PV8 ? exp2f(-lk) : 1.0f;
+  const float ik = PV8 ? iq_ex2(8.0f - lk8) : 1.0f;
   if (PV8) l *= ik * (1.0f / 256.0f);
-  // The threadgroup's IQ_NW warps merge into one partial (rows r0 .. r0+7 at prow + r):
-  // red = [IQ_NW][8] maxima, [IQ_NW][8] sums, then [IQ_NW][8][D] rescaled accumulators (it
-  // overlays the warps' stages: every warp must be done streaming first).
+  // The threadgroup's IQ_NW warps merge into one partial (rows r0 .. r0+7 at prow + r): the
+  // warps' maxima and sums ([IQ_NW][8] each, an array of their own), then red = [IQ_NW][8]
+  // rows of rescaled accumulators (IQ_MROW<D> floats each; red overlays the warps' stages, so
+  // every warp must be done streaming before it is written: the barrier that publishes the
+  // maxima also waits for that, one barrier where the merge had two before it).
+  __shared__ float iq_rml[2 * IQ_NW * 8];
   const int warp = threadIdx.x / 32;
-  float* rm = red;
-  float* rl = red + IQ_NW * 8;
-  float* ro = red + 2 * IQ_NW * 8;
-  __syncthreads();
+  float* rm = iq_rml;
+  float* rl = iq_rml + IQ_NW * 8;
+  float* ro = red;
   if (tig == 0) {
     rm[warp * 8 + gid] = m;
     rl[warp * 8 + gid] = l;
@@ -1058,27 +1071,29 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
     for (int w = 0; w < IQ_NW; ++w) mmax = fmaxf(mmax, rm[w * 8 + r]);
     const float mine = rm[warp * 8 + r];
-    float f = mine == NEG_INF ? 0.0f : exp2f(mine - mmax) * vsc;
+    float f = mine == NEG_INF ? 0.0f : iq_ex2(mine - mmax) * vsc;
     if (PV8) f *= tig >= 2 ? ik * (1.0f / 256.0f) : ik;  // PV8: r is a column (rows 4-7: part 2)
-    float* out = ro + (warp * 8 + r) * D;
+    float* out = ro + (warp * 8 + r) * IQ_MROW<D> + gid * (D / 8) + iq_tc_moff<D>(gid * (D / 8), r);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const float v0 = PV8 ? float(oi[mt][e]) : o[PV8 ? 0 : mt][e];
       const float v1 = PV8 ? float(oi[mt][2 + e]) : o[PV8 ? 0 : mt][2 + e];
-      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 0), r)] = v0 * f;
-      out[iq_tc_swz<D>(gid * (D / 8) + iq_tc_vcode(mt, 1), r)] = v1 * f;
+      out[iq_tc_vcode(mt, 0)] = v0 * f;
+      out[iq_tc_vcode(mt, 1)] = v1 * f;
     }
   }
   __syncthreads();
   const int nrow = min(8, R - r0);
   for (int i = threadIdx.x; i < nrow * D; i += IQ_NW * 32) {
-    const int r = i / D;
+    const int r = i / D, d = i % D;
     float acc = 0.0f;
 #pragma unroll
-    for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r) * D + iq_tc_swz<D>(i % D, r)];
+    for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r) * IQ_MROW<D> + d + iq_tc_moff<D>(d, r)];
     if (PV8) {  // + part 2 (rows <= 4)
 #pragma unroll
-      for (int w = 0; w < IQ_NW; ++w) acc += ro[(w * 8 + r + 4) * D + iq_tc_swz<D>(i % D, r + 4)];
+      for (int w = 0; w < IQ_NW; ++w) {
+        acc += ro[(w * 8 + r + 4) * IQ_MROW<D> + d + iq_tc_moff<D>(d, r + 4)];
+      }
     }
     po[(prow + r0) * D + i] = acc;
   }
@@ -1091,7 +1106,7 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
     for (int w = 0; w < IQ_NW; ++w) {
       const float mw = rm[w * 8 + r];
-      lsum += mw == NEG_INF ? 0.0f : exp2f(mw - mmax) * rl[w * 8 + r];
+      lsum += mw == NEG_INF ? 0.0f : iq_ex2(mw - mmax) * rl[w * 8 + r];
     }
     pm[prow + r0 + r] = mmax;
     pl[prow + r0 + r] = lsum;
@@ -1138,7 +1153,7 @@ __device__ __forceinline__ void iq_tc_fold(
   // the parameters the merge reads, loaded before the ticket (not one more round trip after it)
   const int R = ip[IQ_P_R], L = ip[IQ_P_L], G = ip[IQ_P_G], Hkv = ip[IQ_P_HKV];
   const int nsp = ip[IQ_P_NSP], nspc = ip[IQ_P_NSPC];
-  const int has_sinks = ip[IQ_P_SINKS], HQ = ip[IQ_P_HQ];
+  const int has_sinks = ip[IQ_P_SINKS];
   const float log2e = fp[2];
   // the threadgroup's place again (not kept live through the tile loop, where one or two more
   // registers changed how ptxas scheduled the loop against the build without the fold)
@@ -1157,13 +1172,15 @@ __device__ __forceinline__ void iq_tc_fold(
   __threadfence();  // the other threadgroups' partials are visible (read past L1: __ldcg)
   constexpr int V = D / 32;
   const float NEG_INF = __int_as_float(0xff800000);
-  const int h = bh % Hkv, b = bh / Hkv;
   const int nrow = min(8, R - r0);
   const int warp = tid / 32, lane = tid % 32;
-  // where row r of the block goes in out ([B, Hq, L, D])
+  // where row r of the block goes in out ([B, Hq, L, D]): query head h G + row / L of sequence
+  // b, with bh = b Hkv + h and Hq = Hkv G, so b Hq + h G = bh G (no division by Hkv; none by L
+  // for decode's L = 1: the fold is on the call's last threadgroups' path)
   auto out_row = [&](int r) {
     const int row = r0 + r;
-    return ((long(b) * HQ + h * G + row / L) * L + row % L) * D;
+    const int qh = L == 1 ? row : row / L, qt = L == 1 ? 0 : row % L;
+    return ((long(bh) * G + qh) * L + qt) * D;
   };
   // Warp w merges rows w, w + IQ_NW, ... (decode's 4 query rows: one each), CH splits at a time
   // with every load of a chunk in flight at once: the loads do not wait for the maximum (a running
@@ -1173,7 +1190,8 @@ __device__ __forceinline__ void iq_tc_fold(
   for (int r = warp; r < nrow; r += IQ_NW) {
     const long base = long(bh) * nsp * R + r0 + r;
     // the sink's logit starts the running maximum with weight 1
-    float M = has_sinks != 0 ? float(sinks[h * G + (r0 + r) / L]) * log2e : NEG_INF;
+    float M = NEG_INF;
+    if (has_sinks != 0) M = float(sinks[(bh % Hkv) * G + (L == 1 ? r0 + r : (r0 + r) / L)]) * log2e;
     float t = M == NEG_INF ? 0.0f : 1.0f;
     float oc[V], of[V];
 #pragma unroll
@@ -1193,7 +1211,7 @@ __device__ __forceinline__ void iq_tc_fold(
 #pragma unroll
       for (int c = 0; c < CH; ++c) n = fmaxf(n, vm[c]);
       const float mb = n == NEG_INF ? 0.0f : n;
-      const float sc = exp2f(M - mb);
+      const float sc = iq_ex2(M - mb);
       M = n;
       t *= sc;
 #pragma unroll
@@ -1203,7 +1221,7 @@ __device__ __forceinline__ void iq_tc_fold(
       }
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        const float w = exp2f(vm[c] - mb);  // 0 past nsp
+        const float w = iq_ex2(vm[c] - mb);  // 0 past nsp
         const float wc = s0 + c < nspc ? w : 0.0f;  // compressed splits first, then float ones
         t += w * vl[c];
 #pragma unroll
@@ -1236,7 +1254,8 @@ __device__ __forceinline__ void iq_tc_fold(
   }
   if constexpr (!WARP_ROT) {
     __syncthreads();
-    iq_rotate_rows<D, 8, KIND, IQ_NW * 32>(x, xf + 8 * D, rot, h, true, tid);  // ends with a barrier
+    // (ends with a barrier)
+    iq_rotate_rows<D, 8, KIND, IQ_NW * 32>(x, xf + 8 * D, rot, bh % Hkv, true, tid);
     for (int i = tid; i < nrow * D; i += IQ_NW * 32) {
       const int r = i / D;
       const float inv = tot[r] > 0.0f ? 1.0f / tot[r] : 0.0f;
@@ -1273,7 +1292,7 @@ __device__ __forceinline__ void iq_tc_fold(
   constexpr int SCRATCH = RB * D * 4;
   constexpr int STAGES = IQ_NW * IQ_STAGES * IqStage<D>::BYTES;
   constexpr int PW = IQ_NW * RB * 32 * 4;
-  constexpr int RED = IQ_NW * RB * (D + 2) * 4;  // the warps' merge (iq_tc_warp's end)
+  constexpr int RED = IQ_NW * RB * IQ_MROW<D> * 4;  // the warps' merge (iq_tc_warp's end)
   constexpr int BUF0 = STAGES > SCRATCH ? (STAGES > PW ? STAGES : PW) : (SCRATCH > PW ? SCRATCH : PW);
   constexpr int BUF = BUF0 > RED ? BUF0 : RED;
   __shared__ __align__(16) float iq_qs[RB * D];
