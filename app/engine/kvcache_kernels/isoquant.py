@@ -106,10 +106,12 @@ def _kernel_name(name: str, dtype: str) -> str:
     # (v16: session 22's cluster fold, not kept) v17: PV8's exponents with kmul fused, P' in two
     # instructions a value, nu's growth voted before the maximum; v18: PV8's selectors' shift kept
     # on the masked word (iq_shl4); v19: P' parts picked by the pack's byte permutes, the warps'
-    # merge with per-lane offsets (one barrier less), the fold without integer divisions.
+    # merge with per-lane offsets (one barrier less), the fold without integer divisions; v20: the
+    # partial's place and scale recomputed after the tile loop, the fold's chunks of compressed
+    # splits without the float part.
     # MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the
     # previous code never shares a build.
-    return f"{name}_{dtype}_v19"
+    return f"{name}_{dtype}_v20"
 
 
 # -- kernels built once at import ----------------------------------------------------------

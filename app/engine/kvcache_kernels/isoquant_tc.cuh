@@ -628,6 +628,28 @@ __host__ __device__ __forceinline__ int iq_tc_moff(int d, int r) {
   return 4 * (d >> 5) + (r >> 1);
 }
 
+// Threadgroup roles: the grid is [row blocks of every (batch, KV head)] x [splits] (blockIdx.x,
+// .y), so the linear block id runs rows first, splits last: a row block's splits are spread over
+// the grid (and over the threadgroups' ages on their SMs) rather than started side by side on
+// neighbouring SMs (H200, side by side, attention_decode.json "session15_runs", call 6: B8 T8K
+// 27.7 -> 26.6 us, B8 T32K 75.7 -> 74.2, B32 T8K 76.8 -> 75.7, B32 T2K 26.9 -> 26.3, B8 T2K 13.6
+// -> 13.2; B = 1 within 0.3 us either way), and the float window's splits (y >= NCB) come after
+// every compressed one, so the block scheduler (which starts threadgroups in that order) starts
+// them last (B8 T8K, 64 float tokens: 41.5 us with them among the compressed ones, 36.7 after).
+// No integer division where a (batch, KV head) has one row block (decode: R <= 8).
+__device__ __forceinline__ void iq_tc_place(int R, int& bx, int& by, int& bz) {
+  bx = int(blockIdx.y);
+  const int f = int(blockIdx.x);
+  if (R <= 8) {
+    by = 0;
+    bz = f;
+  } else {
+    const int nrb = (R + 7) / 8;
+    by = f % nrb;
+    bz = f / nrb;
+  }
+}
+
 // One warp over compressed tokens [t0, t1) for query rows r0 .. r0+7 (qs: [8][D], rows >= R
 // zero); then the threadgroup's warps (all of them call this) merge and write one partial.
 // stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory; stream: its cp.async stream
@@ -638,8 +660,8 @@ template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN, bool PV8>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* qm, const uint32_t* tab, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
-    int t1, int lane, float kinv, float vinv, uint8_t* stage, float* red, float* po, float* pm,
-    float* pl, long prow, int r0, int R, IqStream<D>& stream, bool streams, bool prefetched) {
+    int t1, int lane, float kinv, const float* fp, uint8_t* stage, float* red, float* po,
+    float* pm, float* pl, const int* ip, IqStream<D>& stream, bool streams, bool prefetched) {
   constexpr int KT = D / 16;  // k-steps of QK
   constexpr int MT = D / 16;  // m-tiles of PV (16 coordinates each)
   constexpr int NKS = D / 32;  // nibble words of the lane's K codes
@@ -705,7 +727,6 @@ __device__ __forceinline__ void iq_tc_warp(
   for (int mt = 0; mt < (PV8 ? MT : 1); ++mt) oi[mt][0] = oi[mt][1] = oi[mt][2] = oi[mt][3] = 0;
   float m = NEG_INF, l = 0.0f;  // running max and sum of query row gid (l: this lane's tokens)
   float ps = 0.0f;  // VSN: sum of this lane's P' (query row gid), rescaled with the accumulators
-  const float vsc = rsqrtf(float(D)) * vinv;
   // PV8: nu's fp16 bits in both halves (0: no tile yet), log2(256 kappa) (the units of P' and
   // of the sums; kappa 1 before the first tile), and this lane's part: rows 0-3 (gid < 4)
   // quantize part 1, their copies in rows 4-7 part 2
@@ -1046,6 +1067,16 @@ __device__ __forceinline__ void iq_tc_warp(
       o[mt][3] = fmaf(o[mt][3], 16777216.0f, -s1);
     }
   }
+  // The partial's place and its scale, from the parameters and the block index again rather than
+  // kept from the set-up: values live through the tile loop take its registers (H200, side by
+  // side: B8 T8K 23.57 -> 23.15 us, B8 T32K 66.2 -> 65.5, B1 T2K 9.02 -> 8.86; NOTES.md, session
+  // 24).
+  const int R = ip[IQ_P_R];
+  int pbx, pby, pbh;
+  iq_tc_place(R, pbx, pby, pbh);
+  const int r0 = pby * 8;
+  const long prow = (long(pbh) * ip[IQ_P_NSP] + pbx) * R;
+  const float vsc = rsqrtf(float(D)) * fp[4];
   // PV8: 1 / kappa, for the accumulators (part 2's columns also / 256) and the sums (/ 256)
   const float ik = PV8 ? iq_ex2(8.0f - lk8) : 1.0f;
   if (PV8) l *= ik * (1.0f / 256.0f);
@@ -1110,28 +1141,6 @@ __device__ __forceinline__ void iq_tc_warp(
     }
     pm[prow + r0 + r] = mmax;
     pl[prow + r0 + r] = lsum;
-  }
-}
-
-// Threadgroup roles: the grid is [row blocks of every (batch, KV head)] x [splits] (blockIdx.x,
-// .y), so the linear block id runs rows first, splits last: a row block's splits are spread over
-// the grid (and over the threadgroups' ages on their SMs) rather than started side by side on
-// neighbouring SMs (H200, side by side, attention_decode.json "session15_runs", call 6: B8 T8K
-// 27.7 -> 26.6 us, B8 T32K 75.7 -> 74.2, B32 T8K 76.8 -> 75.7, B32 T2K 26.9 -> 26.3, B8 T2K 13.6
-// -> 13.2; B = 1 within 0.3 us either way), and the float window's splits (y >= NCB) come after
-// every compressed one, so the block scheduler (which starts threadgroups in that order) starts
-// them last (B8 T8K, 64 float tokens: 41.5 us with them among the compressed ones, 36.7 after).
-// No integer division where a (batch, KV head) has one row block (decode: R <= 8).
-__device__ __forceinline__ void iq_tc_place(int R, int& bx, int& by, int& bz) {
-  bx = int(blockIdx.y);
-  const int f = int(blockIdx.x);
-  if (R <= 8) {
-    by = 0;
-    bz = f;
-  } else {
-    const int nrb = (R + 7) / 8;
-    by = f % nrb;
-    bz = f / nrb;
   }
 }
 
@@ -1219,15 +1228,25 @@ __device__ __forceinline__ void iq_tc_fold(
         oc[i] *= sc;
         of[i] *= sc;
       }
+      if (s0 + CH <= nspc) {  // compressed splits only (they come first): no float part
 #pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const float w = iq_ex2(vm[c] - mb);  // 0 past nsp
-        const float wc = s0 + c < nspc ? w : 0.0f;  // compressed splits first, then float ones
-        t += w * vl[c];
+        for (int c = 0; c < CH; ++c) {
+          const float w = iq_ex2(vm[c] - mb);
+          t += w * vl[c];
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          oc[i] += wc * vo[c][i];
-          of[i] += (w - wc) * vo[c][i];
+          for (int i = 0; i < V; ++i) oc[i] += w * vo[c][i];
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+          const float w = iq_ex2(vm[c] - mb);  // 0 past nsp
+          const float wc = s0 + c < nspc ? w : 0.0f;  // compressed splits first, then float ones
+          t += w * vl[c];
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            oc[i] += wc * vo[c][i];
+            of[i] += (w - wc) * vo[c][i];
+          }
         }
       }
     }
@@ -1313,7 +1332,7 @@ __device__ __forceinline__ void iq_tc_fold(
   // The float parameters with the integer ones, at the head of the set-up's chain of loads: read
   // where they are used (after the first barrier), the query scale's load waited behind the
   // threadgroups' first tiles in flight (H200, B8 T32K: ~1.6% of the kernel's warp samples).
-  const float fp_q = fparams[1], fp_kinv = fparams[3], fp_vinv = fparams[4];
+  const float fp_q = fparams[1], fp_kinv = fparams[3];
   int bx, by, bz;  // this threadgroup's role
   iq_tc_place(R, bx, by, bz);
   const int bh = bz;
@@ -1409,8 +1428,8 @@ __device__ __forceinline__ void iq_tc_fold(
   if (!is_fp) {
     iq_tc_warp<D, QLO, PLO, QS, KI8, VSN && !PV8, PV8>(
         iq_qs, iq_qf, iq_qm, iq_tab, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fp_kinv,
-        fp_vinv, stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l,
-        (long(bh) * nsp + bx) * R, r0, R, stream, streams, pre);
+        fparams, stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l, iparams, stream,
+        streams, pre);
   } else {
     float m[RB];
     float l[RB];
