@@ -655,7 +655,8 @@ __device__ __forceinline__ void iq_tc_place(int R, int& bx, int& by, int& bz) {
 // stage: this warp's IQ_STAGES * IqStage<D>::BYTES of shared memory; stream: its cp.async stream
 // into them, used when `streams` (contiguous, aligned rows: iq_tc_streams), else the rows are
 // read directly; prefetched: the stream's prologue was issued by the caller. (A reference, not
-// a pointer that may be null: the struct then stays in registers, not local memory.)
+// a pointer that may be null: the struct then stays in registers, not local memory.) ip, fp: the
+// kernel's integer and float parameters (the partial's place and scale, read after the loop).
 template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN, bool PV8>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* qm, const uint32_t* tab, const uint8_t* kc, long ks,
@@ -1104,7 +1105,8 @@ __device__ __forceinline__ void iq_tc_warp(
     const float mine = rm[warp * 8 + r];
     float f = mine == NEG_INF ? 0.0f : iq_ex2(mine - mmax) * vsc;
     if (PV8) f *= tig >= 2 ? ik * (1.0f / 256.0f) : ik;  // PV8: r is a column (rows 4-7: part 2)
-    float* out = ro + (warp * 8 + r) * IQ_MROW<D> + gid * (D / 8) + iq_tc_moff<D>(gid * (D / 8), r);
+    float* out =
+        ro + (warp * 8 + r) * IQ_MROW<D> + gid * (D / 8) + iq_tc_moff<D>(gid * (D / 8), r);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const float v0 = PV8 ? float(oi[mt][e]) : o[PV8 ? 0 : mt][e];
@@ -1200,7 +1202,9 @@ __device__ __forceinline__ void iq_tc_fold(
     const long base = long(bh) * nsp * R + r0 + r;
     // the sink's logit starts the running maximum with weight 1
     float M = NEG_INF;
-    if (has_sinks != 0) M = float(sinks[(bh % Hkv) * G + (L == 1 ? r0 + r : (r0 + r) / L)]) * log2e;
+    if (has_sinks != 0) {
+      M = float(sinks[(bh % Hkv) * G + (L == 1 ? r0 + r : (r0 + r) / L)]) * log2e;
+    }
     float t = M == NEG_INF ? 0.0f : 1.0f;
     float oc[V], of[V];
 #pragma unroll
