@@ -40,6 +40,7 @@ BS = (1, 8, 32)
 TS = (2048, 8192, 32768, 131072)
 L2_BYTES = 60 << 20
 CARD_GB_S = 4300.0
+V_LAYOUT = iq.v_layout(D, 3)  # the V codes' layout the app's cache stores here (packing.py)
 
 
 def _sets(bytes_per_set: int) -> int:
@@ -79,13 +80,15 @@ def time_torch(fn, sets, trials=7, min_calls=20) -> float:
     return statistics.median(out)
 
 
-def isoquant_sets(b: int, t: int, dtype=mx.bfloat16, tf: int = 0):
-    """Input sets of t compressed tokens (+ tf float ones, the cache's recent window)."""
+def isoquant_sets(b: int, t: int, dtype=mx.bfloat16, tf: int = 0, v_layout: str | None = None):
+    """Input sets of t compressed tokens (+ tf float ones, the cache's recent window), V codes in
+    `v_layout` (default: the layout the app's cache stores on this backend, iq.v_layout)."""
     per = b * HKV * (t * 2 * (3 * D // 8 + 2) + tf * 2 * D * 2)
+    layout = v_layout or V_LAYOUT
     sets = []
     for s in range(_sets(per)):
         q, k, v = iq.random_problem(
-            b, HKV, HQ // HKV, 1, D, t, tf, dtype=dtype, seed=s, encoded=False
+            b, HKV, HQ // HKV, 1, D, t, tf, dtype=dtype, seed=s, encoded=False, v_layout=layout
         )
         mx.eval(q, k.codes, k.norms, v.codes, v.norms)
         sets.append((q, k, v))
@@ -127,14 +130,22 @@ def bench_shape(rows, b, t, with_torch, variants):
     sets, per = isoquant_sets(b, t)
     for name, fn in variants.items():
         f = lambda q, k, v, fn=fn: fn(q, k, v, scale)  # noqa: E731
-        record(rows, "mlx-cuda", name, b, t, nbytes=per + qo, **time_both(f, sets))
+        record(rows, "mlx-cuda", name, b, t, nbytes=per + qo, v_layout=V_LAYOUT,
+               **time_both(f, sets))  # fmt: skip
     del sets
     mx.clear_cache()
+    if V_LAYOUT != "rows":  # the same call with the V codes as rows (the layout before tc16)
+        sets, per = isoquant_sets(b, t, v_layout="rows")
+        f = lambda q, k, v: iq.fused_attention(q, k, v, scale)  # noqa: E731
+        record(rows, "mlx-cuda", "isoquant_fused_rows", b, t, nbytes=per + qo, v_layout="rows",
+               **time_both(f, sets))  # fmt: skip
+        del sets
+        mx.clear_cache()
     if t <= 8192:  # as the app's cache holds it: + a recent window of 64 float tokens
         sets, per_w = isoquant_sets(b, t, tf=WINDOW)
         f = lambda q, k, v: iq.fused_attention(q, k, v, scale)  # noqa: E731
         record(rows, "mlx-cuda", f"isoquant_fused_w{WINDOW}", b, t, nbytes=per_w + qo,
-               tf=WINDOW, **time_both(f, sets))  # fmt: skip
+               tf=WINDOW, v_layout=V_LAYOUT, **time_both(f, sets))  # fmt: skip
         del sets
         mx.clear_cache()
     per = b * HKV * t * D * 2 * 2
@@ -201,10 +212,16 @@ def settings(**changed):
 
 def check_accuracy() -> dict:
     """Fused output vs the MLX-ops reference on the same codes (bench-like shape)."""
-    q, k, v = iq.random_problem(2, HKV, HQ // HKV, 1, D, 4097, 64, dtype=mx.float32, seed=9)
+    q, k, v = iq.random_problem(
+        2, HKV, HQ // HKV, 1, D, 4097, 64, dtype=mx.float32, seed=9, v_layout=V_LAYOUT
+    )
     with mx.stream(mx.cpu):  # float32 reference: MLX's CUDA float32 matmuls are TF32
         ref = iq.attention_reference(q, k, v, 1 / math.sqrt(D))
     res = {}
+    if V_LAYOUT != "rows":  # the same codes as rows
+        res["tc_rows"] = iq.rel_error(
+            iq.fused_attention(q, k, v.as_rows(), 1 / math.sqrt(D), variant="tc"), ref
+        )
     for variant in ("tc", "scalar"):
         res[variant] = iq.rel_error(
             iq.fused_attention(q, k, v, 1 / math.sqrt(D), variant=variant), ref
@@ -337,6 +354,7 @@ def main() -> None:
                 pv_int8=iq.TC_PV8,
                 split_warps=iq.SPLIT_WARPS,
                 precision=list(iq.TC_PRECISION),
+                v_layout=V_LAYOUT,
             ),  # fmt: skip
             accuracy_rel_error=acc,
             records=rows,
@@ -379,10 +397,10 @@ def print_summary(rows) -> None:
         return {(r["kernel"], r["B"], r["T"]): r.get(field) for r in rows if "time_us" in r}
 
     host, gpu = by("time_us"), by("gpu_us")
-    names = ("isoquant_fused", "isoquant_fused_qregs", "isoquant_fused_fold", "mx_sdpa_bf16")
+    names = ("isoquant_fused", "isoquant_fused_rows", "isoquant_fused_qregs", "mx_sdpa_bf16")
     print("\n GPU time per call (µs; torch: CUDA events); host-inclusive queued time in brackets")
     print(
-        " B    T       iq default      iq qregs       iq fold        mx_sdpa         torch"
+        " B    T       iq default      iq V rows      iq qregs       mx_sdpa         torch"
         "    vs mx (gpu/host)  vs torch (gpu/host)"
     )
     for b in BS:

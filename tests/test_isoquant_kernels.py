@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from app.engine import kvcache
 from app.engine import kvcache_kernels as kk
 from app.engine.kvcache.isoquant_attention import IsoQuantTensor
 from app.engine.kvcache.packing import pack_codes
@@ -272,12 +273,21 @@ EMU_CASES = [
 ]
 
 
+# every case with V codes as rows; the tensor-core cases again with them in the tc16 layout (read
+# as they are by the int8 P V, at most 4 rows per KV head; repacked as rows for the other paths)
+EMU_PARAMS = [(c, "rows") for c in EMU_CASES] + [(c, "tc16") for c in EMU_CASES if c[0] == "tc"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[0]}-d{c[5]}-t{c[6]}-g{c[3]}")
-def test_emulated_cuda_kernels_match_the_reference(emulated, case, monkeypatch):
+@pytest.mark.parametrize(
+    "case,layout", EMU_PARAMS, ids=lambda c: c if isinstance(c, str) else f"{c[0]}-d{c[5]}-t{c[6]}-g{c[3]}"
+)
+def test_emulated_cuda_kernels_match_the_reference(emulated, case, layout, monkeypatch):
     path, b, hkv, g, length, d, tc, tf, kb, vb, kind, lens, sinks, dtype = case
     monkeypatch.setattr(iq, "TC_FOLD", tc % 2 == 1)  # odd lengths: tc with its combine folded in
-    q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kb, vb, kind, dtype, seed=tc + d)
+    q, k, v = iq.random_problem(
+        b, hkv, g, length, d, tc, tf, kb, vb, kind, dtype, seed=tc + d, v_layout=layout
+    )
     sk = mx.random.normal((hkv * g,)) if sinks else None
     mask = "causal" if length > 1 else None
     ref = iq.attention_reference(q, k, v, _scale(d), mask, sk, lens)
@@ -650,3 +660,47 @@ def test_emulated_dispatch_uses_the_kernel_and_falls_back(emulated, monkeypatch)
     assert not calls
     with pytest.raises(iq.Unsupported):
         kk.isoquant_attention(q, k, v, 0.125, mask=array_mask, use_kernel=True)
+
+
+def test_v_layout_is_tc16_where_the_tensor_core_kernel_reads_it(monkeypatch):
+    """The layout the kernels ask new caches for: tc16 on CUDA for 3-bit V at D 64/128 while
+    the tensor-core kernel's int8 V table (PV8 or VSN) is on; rows everywhere else."""
+    monkeypatch.setattr(iq, "BACKEND", "cuda")
+    assert iq.v_layout(128, 3) == iq.v_layout(64, 3) == "tc16"
+    assert iq.v_layout(256, 3) == iq.v_layout(128, 4) == "rows"
+    monkeypatch.setattr(iq, "TC_VSN", False)
+    assert iq.v_layout(128, 3) == "tc16"  # PV8 alone
+    monkeypatch.setattr(iq, "TC_PV8", False)
+    assert iq.v_layout(128, 3) == "rows"  # the fp16 table path reads rows
+    monkeypatch.setattr(iq, "BACKEND", "metal")
+    monkeypatch.setattr(iq, "TC_VSN", True)
+    assert iq.v_layout(128, 3) == "rows"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("g", [4, 8])  # 4: the int8 P V (PV8); 8 query rows: VSN
+def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
+    """A cache storing V in the tc16 layout, filled in partial chunks (prefill of 37, then
+    batches of 3), attends through the tensor-core kernel reading the layout as it is (VIL),
+    bit for bit as the same cache with rows does, and within TOL of the reference."""
+    caches = [
+        kvcache.IsoQuantKVCache("v3", 3, 3, window=5, layer=1, compress_every=3, v_layout=lay)
+        for lay in ("rows", "tc16")
+    ]
+    mx.random.seed(11)
+    kv = [mx.random.normal((1, 2, 37, 64)) for _ in "kv"]
+    for c in caches:
+        c.update_and_fetch(*kv)
+        c.finish_prefill()
+    for step in range(14):
+        kv = [mx.random.normal((1, 2, 1, 64)) for _ in "kv"]
+        q = mx.random.normal((1, 2 * g, 1, 64))
+        outs = []
+        for c in caches:
+            k, v = c.update_and_fetch(*kv)
+            if c.v_layout == "tc16":
+                assert v.layout == "tc16" and v.codes.shape[2] % 16 == 0
+                assert iq._plan(q, k, v, 0.125, None, None, "tc", None)[2].tc16  # read as is
+            outs.append(iq.fused_attention(q, k, v, 0.125, variant="tc"))
+        assert mx.array_equal(outs[0], outs[1]).item(), step
+        assert iq.rel_error(outs[1], iq.attention_reference(q, k, v, 0.125)) < TOL

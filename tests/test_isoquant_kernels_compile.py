@@ -17,14 +17,17 @@ from app.engine.kvcache_kernels import isoquant as iq
 NVCC = shutil.which("nvcc")
 _TC = dict(
     D=128, KIND=0, CAUSAL=False, QLO=True, PLO=False, QS=False, TO="bfloat16", FOLD=True, PF=True,
-    KI8=True, VSN=True, PV8=True,
+    KI8=True, VSN=True, PV8=True, VIL=True,
 )  # fmt: skip
 CONFIGS = {
     "iq_fused_tc": [
         _TC,
+        {**_TC, "VIL": False},
+        {**_TC, "D": 64, "KIND": 1},
         {**_TC, "PV8": False},
-        {**_TC, "KI8": False, "VSN": False, "PV8": False},
-        {**_TC, "QS": True, "FOLD": False, "PF": False, "KI8": False, "PV8": False},
+        {**_TC, "PV8": False, "VIL": False},
+        {**_TC, "KI8": False, "VSN": False, "PV8": False, "VIL": False},
+        {**_TC, "QS": True, "FOLD": False, "PF": False, "KI8": False, "PV8": False, "VIL": False},
         {
             **_TC,
             "D": 64,
@@ -36,6 +39,7 @@ CONFIGS = {
             "TO": "float32",
             "FOLD": True,
             "PV8": False,
+            "VIL": False,
         },
     ],  # fmt: skip
     "iq_fused_scalar": [dict(D=128, RB=8, KB=3, VB=3, KIND=0, CAUSAL=False)],

@@ -80,7 +80,7 @@ def _held_arrays(c):
 
 @pytest.mark.parametrize("kb,vb,d", [(3, 3, 128), (4, 3, 64), (4, 4, 64)])
 def test_nbytes_is_exact(kb, vb, d):
-    c = IsoQuantKVCache(key_bits=kb, value_bits=vb, window=8)
+    c = IsoQuantKVCache(key_bits=kb, value_bits=vb, window=8, v_layout="rows")  # (bytes as rows)
     assert c.nbytes == 0 and c.used_nbytes == 0 and c.empty()
     k, v = _kv(1, 2, 300, d, 2)
     _feed(c, k, v, prefill=290)
@@ -231,6 +231,7 @@ class _DenseView(IsoQuantKVCache):
             return k, v
 
         def dense(t):
+            t = t.as_rows()
             x = decode(t.codes, t.norms, t.rotation, t.quantizer).astype(t.dtype)
             segs = [a for a in (t.prefix, x, t.fp) if a is not None]
             return mx.concatenate(segs, axis=2)
@@ -312,7 +313,7 @@ def test_multi_token_chunk_after_compression_uses_causal_mask(tiny_models):
 
 
 def test_sink_prefix_stays_float():
-    c = IsoQuantKVCache(window=3, sink=4)
+    c = IsoQuantKVCache(window=3, sink=4, v_layout="rows")  # (bytes as rows)
     k, v = _kv(1, 2, 40, 64, 11)
     out_k, out_v = _feed(c, k, v, prefill=2)  # the sink fills while decoding, then codes start
     assert (c.offset, c.compressed) == (40, 37)
@@ -378,8 +379,8 @@ def test_decode_compresses_in_batches_with_the_same_codes():
     """With compress_every=8 the float tail grows to window + 7 tokens, then 8 tokens are
     compressed at once, to exactly the codes per-token compression writes."""
     k, v = _kv(1, 2, 60, 64, 5)
-    a = IsoQuantKVCache(window=4, compress_every=1)
-    b = IsoQuantKVCache(window=4, compress_every=8)
+    a = IsoQuantKVCache(window=4, compress_every=1, v_layout="rows")  # (rows compared by index)
+    b = IsoQuantKVCache(window=4, compress_every=8, v_layout="rows")
     seen = []
     for c in (a, b):
         c.update_and_fetch(k[:, :, :20], v[:, :, :20])

@@ -271,6 +271,13 @@ inline uint32_t iq_lds32(uint32_t s) {
   std::memcpy(&v, emu_smem_ptr(s), 4);
   return v;
 }
+inline uint2 iq_lds64(uint32_t s) {
+  if (s % 8) std::abort();  // ld.shared.v2 needs an 8-byte aligned address
+  uint2 v;
+  std::memcpy(&v.x, emu_smem_ptr(s), 4);
+  std::memcpy(&v.y, emu_smem_ptr(s) + 4, 4);
+  return v;
+}
 inline uint32_t iq_lds16(uint32_t s) {
   uint16_t v;
   std::memcpy(&v, emu_smem_ptr(s), 2);

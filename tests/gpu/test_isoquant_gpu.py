@@ -21,22 +21,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-3
-FUSED = ["tc", "scalar"] if iq.BACKEND == "cuda" else ["scalar"]
+# tc16: the tensor-core kernel with the V codes in packing.py's tc16 layout
+FUSED = ["tc", "tc16", "scalar"] if iq.BACKEND == "cuda" else ["scalar"]
 
 
 def _run(path, q, k, v, mask=None, sinks=None, lens=None):
     s = 1.0 / math.sqrt(q.shape[-1])
-    if path in ("tc", "scalar"):
-        return iq.fused_attention(q, k, v, s, mask, sinks, lens, variant=path)
+    if path in FUSED:
+        variant = "tc" if path == "tc16" else path
+        return iq.fused_attention(q, k, v, s, mask, sinks, lens, variant=variant)
     return iq.unfused_attention(q, k, v, s, mask, sinks, lens, schedule=path)
 
 
 def _check(
     path, b, hkv, g, length, d, tc, tf, kb=3, vb=3, kind="v3", lens=None, sinks=False, seed=0
 ):
-    if path == "tc" and (kb, vb) != (3, 3) or path == "tc" and d not in iq.TC_HEAD_DIMS:
+    tcp = path in ("tc", "tc16")
+    if tcp and (kb, vb) != (3, 3) or tcp and d not in iq.TC_HEAD_DIMS:
         pytest.skip("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-    q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kb, vb, kind, mx.float32, seed)
+    layout = "tc16" if path == "tc16" else "rows"
+    q, k, v = iq.random_problem(
+        b, hkv, g, length, d, tc, tf, kb, vb, kind, mx.float32, seed, v_layout=layout
+    )
     sk = mx.random.normal((hkv * g,)) if sinks else None
     mask = "causal" if length > 1 else None
     with mx.stream(mx.cpu):  # MLX's CUDA matmuls run float32 as TF32 (~1e-3): not a reference

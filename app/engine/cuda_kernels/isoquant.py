@@ -112,6 +112,11 @@ __device__ __forceinline__ uint32_t iq_lds32(uint32_t s) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(s));
   return v;
 }
+__device__ __forceinline__ uint2 iq_lds64(uint32_t s) {  // s 8-byte aligned
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(s));
+  return v;
+}
 __device__ __forceinline__ uint32_t iq_lds16(uint32_t s) {
   unsigned short v;
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(s));

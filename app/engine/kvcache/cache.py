@@ -5,6 +5,10 @@ Tokens [sink, compressed) are stored as packed codes + fp16 norms (packing.py); 
 only append float K/V, so the prompt attends to itself exactly as with mlx-lm's KVCache; the
 first single-token update (or finish_prefill()) compresses all but the last `window` tokens in
 bulk, and from then on each decoded token pushes the oldest float token into the codes.
+
+V codes are stored in the layout `v_layout` ("rows" or "tc16", packing.py), chosen once per
+cache (packing.preferred_v_layout unless given) and kept through state round trips; K codes are
+always "rows". A tc16 cache rewrites whole 16-token chunks of V codes when it compresses.
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .isoquant_attention import IsoQuantTensor
-from .packing import FORMAT_VERSION, unpack_codes
+from .packing import (
+    FORMAT_VERSION,
+    TC16_CHUNK,
+    V_LAYOUTS,
+    pack_codes_tc16,
+    preferred_v_layout,
+    tc16_ok,
+    unpack_codes,
+    unpack_codes_tc16,
+)
 from .quantizer import Quantizer, encode
 from .rotation import KINDS, Rotation
 
@@ -74,6 +87,7 @@ class IsoQuantKVCache(_BaseCache):
         decoded_shadow: bool = False,
         sink: int = 0,
         compress_every: int | None = None,
+        v_layout: str | None = None,
     ):
         if rotation_kind not in KINDS:
             raise ValueError(f"unknown rotation {rotation_kind!r}; expected one of {KINDS}")
@@ -86,6 +100,8 @@ class IsoQuantKVCache(_BaseCache):
         compress_every = COMPRESS_EVERY if compress_every is None else compress_every
         if compress_every < 1:
             raise ValueError(f"compress_every must be ≥ 1 token, got {compress_every}")
+        if v_layout is not None and v_layout not in V_LAYOUTS:
+            raise ValueError(f"unknown V layout {v_layout!r}; expected one of {V_LAYOUTS}")
         # Named key_bits/value_bits, never `bits`: mlx-lm's attention treats any cache with a
         # `bits` attribute as its own QuantizedKVCache.
         self.rotation_kind, self.key_bits, self.value_bits = rotation_kind, key_bits, value_bits
@@ -94,6 +110,8 @@ class IsoQuantKVCache(_BaseCache):
         # window .. window + compress_every - 1 tokens, and the ~30 small kernels of one
         # compression run once per batch instead of once per token.
         self.compress_every = compress_every
+        # Layout of the V codes (packing.py): given, or preferred_v_layout's at _setup.
+        self.v_layout = v_layout
         # The first `sink` tokens stay in float: attention sinks draw much of every query's mass.
         self.sink = sink
         self.sink_keys = self.sink_values = None  # [B, Hkv, sink, D] model dtype
@@ -122,6 +140,13 @@ class IsoQuantKVCache(_BaseCache):
         self.rotation = Rotation.make(self.rotation_kind, head_dim, n_heads, self.seed, self.layer)
         self.kq = Quantizer.make(head_dim, self.key_bits)
         self.vq = Quantizer.make(head_dim, self.value_bits)
+        if self.v_layout is None:
+            self.v_layout = preferred_v_layout(head_dim, self.value_bits)
+        elif self.v_layout == "tc16" and not tc16_ok(head_dim, self.value_bits):
+            raise ValueError(
+                f"the tc16 V layout takes 3-bit codes with D % 64 == 0, "
+                f"not {self.value_bits}-bit D={head_dim}"
+            )
         # decode-time appends (a few tokens): one compiled graph per tensor instead of ~25 ops
         self._enc_k = self._enc_v = None
         if compile_encoders():
@@ -170,23 +195,33 @@ class IsoQuantKVCache(_BaseCache):
     def _n_rows(self) -> int:
         return self.compressed - self._n_sink
 
+    @property
+    def _tc16(self) -> bool:
+        return self.v_layout == "tc16"
+
+    def _v_rows(self, rows: int) -> int:
+        """Rows of the V codes array that hold `rows` tokens (whole chunks in tc16)."""
+        return _round_up(rows, TC16_CHUNK) if self._tc16 else rows
+
     def _grow_codes(self, needed: int) -> None:
         b, h = self.fp_keys.shape[:2]
-        cap = 0 if self.k_codes is None else self.k_codes.shape[2]
-        if needed <= cap:
+        k_cap = 0 if self.k_codes is None else self.k_codes.shape[2]
+        v_cap = 0 if self.v_codes is None else self.v_codes.shape[2]
+        if needed <= k_cap and self._v_rows(needed) <= v_cap:
             return
-        new_cap = _round_up(needed, self.step)
+        new_cap = self._v_rows(_round_up(needed, self.step))
         rows = self._n_rows
         self._views = None
 
-        def grow(a, shape_tail, dtype):
+        def grow(a, shape_tail, dtype, n=rows):
             z = mx.zeros((b, h, new_cap, *shape_tail), dtype)
-            if a is not None and rows:
-                z[:, :, :rows] = a[:, :, :rows]
+            if a is not None and n:
+                z[:, :, :n] = a[:, :, :n]
             return z
 
         self.k_codes = grow(self.k_codes, (self.kq.row_bytes,), mx.uint8)
-        self.v_codes = grow(self.v_codes, (self.vq.row_bytes,), mx.uint8)
+        # tc16: whole chunks, the last one's codes of rows < `rows` included
+        self.v_codes = grow(self.v_codes, (self.vq.row_bytes,), mx.uint8, self._v_rows(rows))
         self.k_norms = grow(self.k_norms, (), mx.float16)
         self.v_norms = grow(self.v_norms, (), mx.float16)
         if self.decoded_shadow:
@@ -227,7 +262,10 @@ class IsoQuantKVCache(_BaseCache):
             self._grow_codes(r1)
             self.k_codes[:, :, r0:r1] = kc
             self.k_norms[:, :, r0:r1] = kn
-            self.v_codes[:, :, r0:r1] = vc
+            if self._tc16:
+                self._write_v_tc16(r0, r1, vc)
+            else:
+                self.v_codes[:, :, r0:r1] = vc
             self.v_norms[:, :, r0:r1] = vn
             if self.decoded_shadow:  # decoded from the packed bytes, as attention would
                 self.k_dec[:, :, r0:r1] = self.kq.levels[unpack_codes(kc, self.kq.bits)]
@@ -236,6 +274,24 @@ class IsoQuantKVCache(_BaseCache):
         if upto - start > self.step:
             # A bulk compression (end of prefill): release the prompt's float buffer now.
             self._shrink_fp()
+
+    def _write_v_tc16(self, r0: int, r1: int, vc: mx.array | None) -> None:
+        """Store rows-format V codes vc of rows [r0, r1) into the tc16 V codes: the chunks
+        [r0 // 16, ceil16(r1) / 16) are repacked whole, from the codes of rows [c0, r0) already
+        there, vc, and zero codes up to the chunk end."""
+        c0, c1 = r0 - r0 % TC16_CHUNK, _round_up(r1, TC16_CHUNK)
+        bits = self.vq.bits
+        parts = []
+        if r0 > c0:
+            old = unpack_codes_tc16(self.v_codes[:, :, c0 : c0 + TC16_CHUNK], bits)
+            parts.append(old[:, :, : r0 - c0])
+        if r1 > r0:
+            parts.append(unpack_codes(vc, bits))
+        if c1 > r1:
+            b, h = self.v_codes.shape[:2]
+            parts.append(mx.zeros((b, h, c1 - r1, self.vq.dim), mx.uint8))
+        codes = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+        self.v_codes[:, :, c0:c1] = pack_codes_tc16(codes, bits)
 
     def _shrink_fp(self) -> None:
         lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
@@ -275,11 +331,12 @@ class IsoQuantKVCache(_BaseCache):
             kd = vd = None
             if self.decoded_shadow:
                 kd, vd = self.k_dec[:, :, :r], self.v_dec[:, :, :r]
-            codes = (self.k_codes, self.k_norms, self.v_codes, self.v_norms)
-            self._views = (r, *(a[:, :, :r] for a in codes), kd, vd)
+            kc, kn, vn = (a[:, :, :r] for a in (self.k_codes, self.k_norms, self.v_norms))
+            vc = self.v_codes[:, :, : self._v_rows(r)]  # tc16: whole chunks
+            self._views = (r, kc, kn, vc, vn, kd, vd)
         _, kc, kn, vc, vn, kd, vd = self._views
         keys = IsoQuantTensor(kc, kn, fk, self.kq, self.rotation, kd, pk)
-        values = IsoQuantTensor(vc, vn, fv, self.vq, self.rotation, vd, pv)
+        values = IsoQuantTensor(vc, vn, fv, self.vq, self.rotation, vd, pv, layout=self.v_layout)
         return keys, values
 
     def size(self) -> int:
@@ -297,6 +354,11 @@ class IsoQuantKVCache(_BaseCache):
         if self.compressed > self.offset:
             # Codes past offset are dead; the (empty) float segment restarts at offset.
             self.compressed = self.fp_start = self.offset
+            r = self._n_rows
+            if self._tc16 and r % TC16_CHUNK:
+                # the last chunk's dead rows become zero codes again, as a fresh cache has them
+                self._views = None
+                self._write_v_tc16(r, r, None)
         return n
 
     def make_mask(self, *args, **kwargs):
@@ -318,10 +380,12 @@ class IsoQuantKVCache(_BaseCache):
         if self.rotation is None or self.fp_keys is None:
             return 0
         b, h, _, d = self.fp_keys.shape
-        per_row = self.kq.row_bytes + self.vq.row_bytes + 2 * 2  # codes + two fp16 norms
+        per_row = self.kq.row_bytes + 2 * 2  # K codes + two fp16 norms
         fp_tok = d * (self.fp_keys.itemsize + self.fp_values.itemsize)
         n_float = self.offset - self.compressed + self._n_sink
-        return b * h * (self._n_rows * per_row + n_float * fp_tok)
+        r = self._n_rows
+        v_codes = self._v_rows(r) * self.vq.row_bytes  # tc16: whole chunks
+        return b * h * (r * per_row + v_codes + n_float * fp_tok)
 
     # ---- persistence -------------------------------------------------------------------
     @property
@@ -334,8 +398,9 @@ class IsoQuantKVCache(_BaseCache):
         pk, pv = self._sink_view()
         if r == 0:
             return (None, None, None, None, fk, fv, pk, pv)
-        codes = (self.k_codes, self.k_norms, self.v_codes, self.v_norms)
-        return (*(a[:, :, :r] for a in codes), fk, fv, pk, pv)
+        kc, kn, vn = (a[:, :, :r] for a in (self.k_codes, self.k_norms, self.v_norms))
+        vc = self.v_codes[:, :, : self._v_rows(r)]  # tc16: whole chunks (meta_state says so)
+        return (kc, kn, vc, vn, fk, fv, pk, pv)
 
     @state.setter
     def state(self, v):
@@ -353,6 +418,14 @@ class IsoQuantKVCache(_BaseCache):
         rows = 0 if self.k_codes is None else self.k_codes.shape[2]
         if rows and ns != self.sink:
             raise ValueError(f"IsoQuant state has {ns} sink tokens, its meta says {self.sink}")
+        if rows:
+            if self.v_layout is None:  # a cache never set up: only the shapes can tell
+                self.v_layout = "rows" if self.v_codes.shape[2] == rows else "tc16"
+            if self.v_codes.shape[2] != self._v_rows(rows):
+                raise ValueError(
+                    f"IsoQuant state has {self.v_codes.shape[2]} rows of V codes for {rows} "
+                    f"tokens: not the {self.v_layout!r} layout of this cache"
+                )
         self.sink_keys = self.sink_values = None
         if ns:  # full-size sink buffers, so compression can keep filling them
             b, h, _, d = pk.shape
@@ -366,7 +439,11 @@ class IsoQuantKVCache(_BaseCache):
         self.offset = self.compressed + n_fp
         if self.decoded_shadow and rows:
             self.k_dec = self.kq.levels[unpack_codes(self.k_codes, self.kq.bits)]
-            self.v_dec = self.vq.levels[unpack_codes(self.v_codes, self.vq.bits)]
+            if self._tc16:
+                v = unpack_codes_tc16(self.v_codes, self.vq.bits)[:, :, :rows]
+            else:
+                v = unpack_codes(self.v_codes, self.vq.bits)
+            self.v_dec = self.vq.levels[v]
 
     @property
     def meta_state(self) -> str:
@@ -387,6 +464,7 @@ class IsoQuantKVCache(_BaseCache):
                 "heads_dim": shape,
                 "offset": self.offset,
                 "compressed": self.compressed,
+                "v_layout": self.v_layout,  # None: not chosen yet (a cache never set up)
             }
         )
 
@@ -407,6 +485,8 @@ class IsoQuantKVCache(_BaseCache):
             meta["layer"],
             sink=meta.get("sink", 0),
             compress_every=meta.get("compress_every", 1),
+            # states saved before the tc16 layout hold "rows" V codes
+            v_layout=meta.get("v_layout", None if meta["heads_dim"] is None else "rows"),
         )
         if meta["heads_dim"] is not None:
             h, d = meta["heads_dim"]

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from .packing import unpack_codes
+from .packing import V_LAYOUTS, pack_codes, unpack_codes, unpack_codes_tc16
 from .quantizer import Quantizer
 from .rotation import Rotation
 
@@ -30,8 +30,8 @@ from .rotation import Rotation
 class IsoQuantTensor:
     """K or V of one layer as the cache hands it to attention (a view, not a copy)."""
 
-    codes: mx.array  # [B, Hkv, T_c, D*bits/8] uint8
-    norms: mx.array  # [B, Hkv, T_c] float16
+    codes: mx.array  # [B, Hkv, T_c, D*bits/8] uint8 ("rows"); [B, Hkv, ceil16(T_c), ..] ("tc16")
+    norms: mx.array  # [B, Hkv, T_c] float16: T_c, the compressed token count, is norms.shape[2]
     fp: mx.array | None  # [B, Hkv, T_f, D] model dtype; None when T_f = 0
     quantizer: Quantizer
     rotation: Rotation
@@ -40,16 +40,40 @@ class IsoQuantTensor:
     decoded: mx.array | None = None  # [B, Hkv, T_c, D] float32
     # The first tokens of the sequence kept in float (attention sinks): positions [0, T_p).
     prefix: mx.array | None = None  # [B, Hkv, T_p, D] model dtype; None when T_p = 0
+    # How `codes` is laid out (packing.py): "rows" (one packed row per token) or "tc16" (V
+    # codes in chunks of 16 tokens for the tensor-core kernel; rows T_c.. are padding).
+    layout: str = "rows"
+
+    def __post_init__(self):
+        if self.layout not in V_LAYOUTS:
+            raise ValueError(
+                f"unknown IsoQuant layout {self.layout!r}; expected one of {V_LAYOUTS}"
+            )
+
+    def codes_unpacked(self) -> mx.array:
+        """The codes as [B, Hkv, T_c, D] uint8, whatever the layout."""
+        if self.layout == "tc16":
+            return unpack_codes_tc16(self.codes, self.quantizer.bits)[:, :, : self.compressed_len]
+        return unpack_codes(self.codes, self.quantizer.bits)
 
     def levels(self) -> mx.array:
         """levels[codes]: [B, Hkv, T_c, D] float32 unit-variance coordinates (rotated space)."""
         if self.decoded is not None:
             return self.decoded
-        return self.quantizer.levels[unpack_codes(self.codes, self.quantizer.bits)]
+        return self.quantizer.levels[self.codes_unpacked()]
+
+    def as_rows(self) -> IsoQuantTensor:
+        """The same tensor with its codes in the "rows" layout (self when they already are)."""
+        if self.layout == "rows":
+            return self
+        return replace(
+            self, codes=pack_codes(self.codes_unpacked(), self.quantizer.bits), layout="rows"
+        )
 
     @property
     def compressed_len(self) -> int:
-        return self.codes.shape[2]
+        """T_c, the compressed tokens (norms.shape[2]; the tc16 codes have ceil16(T_c) rows)."""
+        return self.norms.shape[2]
 
     @property
     def fp_len(self) -> int:
@@ -61,8 +85,9 @@ class IsoQuantTensor:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        b, h, t, _ = self.codes.shape
-        return (b, h, self.prefix_len + t + self.fp_len, self.quantizer.dim)
+        b, h = self.norms.shape[:2]
+        t = self.prefix_len + self.compressed_len + self.fp_len
+        return (b, h, t, self.quantizer.dim)
 
     @property
     def dtype(self):
@@ -175,7 +200,8 @@ def isoquant_attention(
     use_kernel=None,
 ):
     """The public entry: the registered fused kernel where present, else the reference.
-    Kernels implement format v1 (codes + float tail); a float sink prefix uses the reference."""
+    Kernels implement format v1 (codes + float tail); a float sink prefix uses the reference.
+    A registered kernel is handed V codes in either layout (values.layout; as_rows() converts)."""
     if keys.prefix is not None and not getattr(_kernel, "supports_prefix", False):
         if use_kernel is True:
             raise RuntimeError("the fused IsoQuant kernel does not take a float sink prefix")

@@ -31,16 +31,43 @@ Meaning. With R the layer's rotation for that KV head (rotation.py), the vector 
 so, for a rotated query q̃ = R q, <q, x̂> = (norm/√D) · Σ_i q̃_i · levels[code_i]: attention never
 needs x̂ itself (isoquant_attention.py).
 
+V layouts. K codes are always stored as above, one packed row per token ("rows"). V codes have a
+second layout, "tc16", which a CUDA tensor-core kernel reads without transposing tokens:
+- It applies to 3-bit codes with D % 64 == 0 (`tc16_ok`). The codes array is
+  [..., N, 3D/8] uint8 with N a multiple of 16 (N = ceil16(T)); the number of valid tokens T
+  comes from the norms array ([..., T]); rows T..N-1 are padding (any content; the cache writes
+  the packing of zero codes there).
+- Chunk c = rows 16c..16c+15, seen as 6D contiguous bytes (16 rows × 3D/8 bytes).
+- Token position p in [0, 16) of a chunk is in group i = (p & 7) >> 1, slot
+  s = (p & 1) | ((p >> 3) << 1): group i's slots s = 0, 1, 2, 3 are tokens 2i, 2i+1, 2i+8,
+  2i+9 of the chunk.
+- NBL = D/64. Coordinate d -> lane-block lb = d // (D/8) (0..7), sub-block
+  bb = (d % (D/8)) // 8, cc = d % 8.
+- Block (lb, i, bb) is 12 bytes at chunk byte offset 12·((lb·4 + i)·NBL + bb). It packs the 32
+  codes x[k], k = 4·cc + s, exactly as a 32-code block of the rows format (three
+  little-endian uint32 words W0, W1, W2 at bytes 0, 4, 8; nibble n of W_j holds x[8j+n] in
+  bits 0-2 and bit j of x[24+n] in bit 3), i.e. `pack_codes(x, 3)` of a 32-long code vector.
+`pack_codes_tc16` / `unpack_codes_tc16` convert [..., N, D] codes to and from it.
+`preferred_v_layout(D, bits)` is the layout new caches store V in: the environment variable
+ROTARYQUANT_ISOQUANT_V_LAYOUT ("rows" or "tc16") if set, else what a backend registered with
+`register_v_layout` says, else "rows"; "tc16" only where `tc16_ok`.
+
 Tokens. The cache keeps tokens [0, T_c) compressed and tokens [T_c, offset) — prefill before the
 first decode step, then the recent window — in the model's float dtype (`fp`: [B, Hkv, T_f, D]).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import mlx.core as mx
 
 FORMAT_VERSION = 2
 SUPPORTED_BITS = (3, 4)
+TC16_CHUNK = 16  # tokens per tc16 chunk
+V_LAYOUTS = ("rows", "tc16")
+V_LAYOUT_ENV = "ROTARYQUANT_ISOQUANT_V_LAYOUT"
 
 
 def packed_row_bytes(dim: int, bits: int) -> int:
@@ -102,3 +129,82 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # [..., D/8]
     codes = (w[..., None] >> (mx.arange(8, dtype=mx.uint32) * 3)) & 0x7  # [..., D/8, 8]
     return codes.reshape(*lead, dim).astype(mx.uint8)
+
+
+# ---- the tc16 V layout ---------------------------------------------------------------------
+# Slot j = 4·i + s of a chunk holds token _TC16_PERM[j] = 2i + (s & 1) + 8·(s >> 1).
+_TC16_PERM = [2 * i + (s & 1) + 8 * (s >> 1) for i in range(4) for s in range(4)]
+_TC16_INV = [_TC16_PERM.index(p) for p in range(TC16_CHUNK)]
+
+
+def tc16_ok(dim: int, bits: int) -> bool:
+    """Whether V codes of this head dim and width can be stored in the tc16 layout."""
+    return bits == 3 and dim % 64 == 0
+
+
+def _check_tc16(dim: int, bits: int, n: int) -> None:
+    if not tc16_ok(dim, bits):
+        raise ValueError(
+            f"the tc16 layout takes 3-bit codes with D % 64 == 0, not {bits}-bit D={dim}"
+        )
+    if n % TC16_CHUNK:
+        raise ValueError(f"the tc16 layout packs whole chunks of {TC16_CHUNK} rows, not {n} rows")
+
+
+def pack_codes_tc16(codes: mx.array, bits: int = 3) -> mx.array:
+    """codes: [..., N, D] uint8 in [0, 8), N % 16 == 0 -> [..., N, 3D/8] uint8 (tc16 layout)."""
+    *lead, n, dim = codes.shape
+    _check_tc16(dim, bits, n)
+    nc, nbl, k = n // TC16_CHUNK, dim // 64, len(lead)
+    c = codes.reshape(*lead, nc, TC16_CHUNK, dim)[..., mx.array(_TC16_PERM), :]
+    c = c.reshape(*lead, nc, 4, 4, 8, nbl, 8)  # [.., C, i, s, lb, bb, cc]
+    ax = list(range(k + 1))
+    c = c.transpose(*ax, k + 3, k + 1, k + 4, k + 5, k + 2)  # [.., C, lb, i, bb, cc, s]
+    blocks = pack_codes(c.reshape(*lead, nc, 32 * nbl, 32), 3)  # [.., C, block, 12]
+    return blocks.reshape(*lead, n, dim * 3 // 8)
+
+
+def unpack_codes_tc16(packed: mx.array, bits: int = 3) -> mx.array:
+    """packed: [..., N, 3D/8] uint8 in the tc16 layout -> codes [..., N, D] uint8."""
+    *lead, n, nbytes = packed.shape
+    dim = nbytes * 8 // 3
+    _check_tc16(dim, bits, n)
+    nc, nbl, k = n // TC16_CHUNK, dim // 64, len(lead)
+    x = unpack_codes(packed.reshape(*lead, nc, 32 * nbl, 12), 3)  # [.., C, block, 32]
+    x = x.reshape(*lead, nc, 8, 4, nbl, 8, 4)  # [.., C, lb, i, bb, cc, s]
+    ax = list(range(k + 1))
+    x = x.transpose(*ax, k + 2, k + 5, k + 1, k + 3, k + 4)  # [.., C, i, s, lb, bb, cc]
+    x = x.reshape(*lead, nc, TC16_CHUNK, dim)[..., mx.array(_TC16_INV), :]
+    return x.reshape(*lead, n, dim)
+
+
+# ---- which layout new caches store V in ---------------------------------------------------
+_v_layout_fn: Callable[[int, int], str] | None = None
+
+
+def register_v_layout(fn: Callable[[int, int], str] | None) -> None:
+    """Install (or with None remove) fn(dim, bits) -> "rows" | "tc16": the V layout a backend's
+    attention kernel prefers. The environment variable V_LAYOUT_ENV overrides it."""
+    global _v_layout_fn
+    _v_layout_fn = fn
+
+
+def _valid_layout(layout, source: str) -> str:
+    if layout not in V_LAYOUTS:
+        raise ValueError(
+            f"unknown IsoQuant V layout {layout!r} from {source}; expected one of {V_LAYOUTS}"
+        )
+    return layout
+
+
+def preferred_v_layout(dim: int, bits: int) -> str:
+    """The layout a new cache stores (dim, bits) V codes in: V_LAYOUT_ENV if set, else the
+    registered preference, else "rows"; "tc16" only where tc16_ok(dim, bits)."""
+    env = os.environ.get(V_LAYOUT_ENV)
+    if env:
+        layout = _valid_layout(env, f"${V_LAYOUT_ENV}")
+    elif _v_layout_fn is not None:
+        layout = _valid_layout(_v_layout_fn(dim, bits), "the registered V layout preference")
+    else:
+        layout = "rows"
+    return layout if layout == "rows" or tc16_ok(dim, bits) else "rows"

@@ -13,6 +13,7 @@ import os
 
 from ..kvcache.cache import register_encoder
 from ..kvcache.isoquant_attention import register_kernel
+from ..kvcache.packing import register_v_layout
 from .isoquant import (
     BACKEND,
     Problem,
@@ -23,6 +24,7 @@ from .isoquant import (
     fused_attention,
     kernels_available,
     unfused_attention,
+    v_layout,
 )
 
 SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
@@ -81,12 +83,14 @@ def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
 
 
 def install() -> bool:
-    """Register the kernel paths with the cache (attention, and the fused K/V encoder of its
-    decode-time compression) when the backend has kernels and the setting is not "reference";
-    otherwise make sure none is registered. Returns whether they are."""
+    """Register the kernel paths with the cache (attention, the fused K/V encoder of its
+    decode-time compression, and the V layout the kernels read fastest) when the backend has
+    kernels and the setting is not "reference"; otherwise make sure none is registered.
+    Returns whether they are."""
     on = kernels_available() and setting() != "reference"
     register_kernel(_cache_entry if on else None)
     register_encoder(encode_pair if on else None)
+    register_v_layout(v_layout if on else None)
     return on
 
 
@@ -106,4 +110,5 @@ __all__ = [
     "kernels_available",
     "setting",
     "unfused_attention",
+    "v_layout",
 ]

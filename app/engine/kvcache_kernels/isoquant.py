@@ -108,10 +108,10 @@ def _kernel_name(name: str, dtype: str) -> str:
     # on the masked word (iq_shl4); v19: P' parts picked by the pack's byte permutes, the warps'
     # merge with per-lane offsets (one barrier less), the fold without integer divisions; v20: the
     # partial's place and scale recomputed after the tile loop, the fold's chunks of compressed
-    # splits without the float part.
+    # splits without the float part; v21: V codes in the tc16 layout read as selectors (VIL).
     # MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the
     # previous code never shares a build.
-    return f"{name}_{dtype}_v20"
+    return f"{name}_{dtype}_v21"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -495,6 +495,7 @@ def softmax_reference(
 
 def value_accum_reference(probs: mx.array, values: IsoQuantTensor) -> mx.array:
     """Kernel C: õ [B*Hkv, R, D] = Σ_j probs[:, :, j] norm_j/√D levels[codes_j] (j < Tc)."""
+    values = values.as_rows()
     b, hkv, tc, _ = values.codes.shape
     d = values.quantizer.dim
     lv = values.quantizer.levels[unpack_codes(values.codes, values.quantizer.bits)]
@@ -513,6 +514,7 @@ def rotate_inverse_reference(acc: mx.array, rot: Rotation, p: Problem, add=None,
 
 def attention_reference(q, keys, values, scale, mask=None, sinks=None, lens=None) -> mx.array:
     """The cache's oracle, batch element by element when lengths are ragged."""
+    values = values.as_rows()
     if lens is None:
         return isoquant_attention_reference(q, keys, values, scale=scale, mask=mask, sinks=sinks)
 
@@ -585,6 +587,7 @@ class _Launch:
     fp: mx.array
     fp_combine: mx.array
     slots: int  # counter slots of the folded combine (tensor-core kernel), else 0
+    tc16: bool = False  # the kernel reads V codes in the tc16 layout (else they come as rows)
 
 
 @functools.lru_cache(maxsize=512)
@@ -597,9 +600,12 @@ def _launch(
     opts: tuple,
     warps: int,
     dtype=mx.float32,
+    tc16: bool = False,
 ):
     """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN, PV8) template switches;
-    dtype: the output's (the tensor-core kernel writes it when it folds the combine in)."""
+    dtype: the output's (the tensor-core kernel writes it when it folds the combine in); tc16:
+    the V codes come in packing.py's tc16 layout (read as they are with the int8 V table, PV8 or
+    VSN: VIL; the other paths take them repacked as rows: _Launch.tc16)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     nbh = p.b * p.hkv
@@ -618,7 +624,8 @@ def _launch(
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
         tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", use_i8), ("VSN", use_vsn)]
-        tmpl += [("PV8", use_pv8)]
+        vil = bool(tc16 and (use_pv8 or use_vsn))  # (the fp16 table path reads rows)
+        tmpl += [("PV8", use_pv8), ("VIL", vil)]
         tab = tc_table_words(lvk.tolist(), "int8" if use_i8 else "fp16")
         vform = "int8" if use_pv8 else "vsn" if use_vsn else "fp16"
         tab += tc_table_words(lvv.tolist(), vform)
@@ -646,11 +653,14 @@ def _launch(
         fp=_fparams(scale, kinv, vinv),
         fp_combine=_fparams(scale),
         slots=nbh * plan["nrb"] if variant == "tc" and opts[3] else 0,
+        tc16=bool(variant == "tc" and vil),
     )
 
 
 def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, sinks):
     dt = q.dtype
+    if values.layout == "tc16" and not run.tc16:
+        values = values.as_rows()
     fpk = keys.fp if p.tf else _dummy_fp(p.dim, dt)
     fpv = values.fp if p.tf else _dummy_fp(p.dim, dt)
     fpk = fpk if fpk.dtype == dt else fpk.astype(dt)
@@ -681,6 +691,17 @@ def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, s
     return _fused_call(q, keys, values, p, run, variant, lens, None)[:3]
 
 
+def v_layout(dim: int, bits: int) -> str:
+    """The layout (packing.py) a cache should store V codes of this head dim and width in for
+    these kernels: "tc16" where the tensor-core kernel takes them with its int8 V table (PV8 or
+    VSN: CUDA, 3-bit, D 64/128), which reads a tc16 word as 4 tokens' selectors at 2
+    coordinates where rows take a 4-token transpose (H200, side by side, the same codes: B8 T8K
+    23.5 -> 21.8 µs, B8 T32K 65.8 -> 60.1, B32 T8K 66.4 -> 61.0; NOTES.md, session 25); else
+    "rows"."""
+    tc = BACKEND == "cuda" and bits == 3 and dim in TC_HEAD_DIMS
+    return "tc16" if tc and (TC_VSN or (TC_PV8 and TC_KI8)) else "rows"
+
+
 def _variant(p: Problem) -> str:
     if BACKEND == "cuda" and p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS:
         return "tc"
@@ -702,7 +723,7 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         None if kf is None else kf.shape, None if vf is None else vf.shape,
         keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
         keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
-        opts, SPLIT_WARPS, BACKEND,
+        opts, SPLIT_WARPS, BACKEND, values.layout,
     )  # fmt: skip
     hit = _PLANS.get(key)
     if hit is None:
@@ -710,7 +731,10 @@ def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
         v = variant or _variant(p)
         if v == "tc" and not (p.kb == 3 and p.vb == 3 and p.dim in TC_HEAD_DIMS):
             raise Unsupported("the tensor-core kernel takes 3-bit codes and head dims 64/128")
-        run = _launch(p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype)
+        run = _launch(
+            p, v, split_len, sinks is not None, float(scale), opts, SPLIT_WARPS, q.dtype,
+            values.layout == "tc16",
+        )  # fmt: skip
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         hit = _PLANS[key] = (p, v, run)
@@ -787,6 +811,7 @@ WORD_DIM_SWITCH = 512  # T at which kernel C switches to the dimension-parallel 
 def value_accum(probs: mx.array, values: IsoQuantTensor, p: Problem, lens=None, schedule=None):
     """Kernel C: probs [B*Hkv, R, Tp] (first Tc columns) -> õ [B*Hkv, R, D] float32."""
     schedule = schedule or ("word" if p.tc < WORD_DIM_SWITCH else "dim")
+    values = values.as_rows()
     rb = min(4, 1 << max(0, (p.rows - 1).bit_length()))
     nrb = _cdiv(p.rows, rb)
     tp = probs.shape[-1]
@@ -842,6 +867,7 @@ def unfused_attention(q, keys, values, scale, mask=None, sinks=None, lens=None, 
     """The paper's four-kernel path A -> B -> C -> D; the float segment's two small products
     run as MLX ops between them."""
     p = Problem.of(q, keys, values, mask)
+    values = values.as_rows()  # (the value kernels read rows)
     s = qk_dot(q, keys, scale, p)
     if p.tf:
         qh = q.astype(mx.float32).reshape(p.b, p.hkv, p.rows, p.dim)
@@ -954,10 +980,13 @@ def random_problem(
     dtype=mx.bfloat16,
     seed: int = 0,
     encoded: bool = True,
+    v_layout: str = "rows",
 ):
     """(q [B, Hq, L, D], keys, values) with tc packed and tf float tokens. encoded=True runs
     the cache's quantizer on Gaussian K/V; False draws random code bytes and norms directly
-    (every byte pattern is a valid code stream: fast for benchmark-sized caches)."""
+    (every byte pattern is a valid code stream: fast for benchmark-sized caches). v_layout:
+    the V codes' layout (packing.py; "tc16" repacks the same codes)."""
+    from ..kvcache.packing import pack_codes_tc16, unpack_codes
     from ..kvcache.quantizer import Quantizer, encode
 
     mx.random.seed(seed)
@@ -974,7 +1003,16 @@ def random_problem(
     fk = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
     fv = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
     q = (mx.random.normal((b, hkv * g, length, dim)) * 1.5).astype(dtype)
-    return q, IsoQuantTensor(kc, kn, fk, kq, rot), IsoQuantTensor(vc, vn, fv, vq, rot)
+    if v_layout == "tc16":
+        codes = unpack_codes(vc, vb)
+        pad = -tc % 16
+        if pad:
+            codes = mx.concatenate([codes, mx.zeros((b, hkv, pad, dim), mx.uint8)], axis=2)
+        vc = pack_codes_tc16(codes, vb)
+    elif v_layout != "rows":
+        raise ValueError(f"unknown V layout {v_layout!r}")
+    keys = IsoQuantTensor(kc, kn, fk, kq, rot)
+    return q, keys, IsoQuantTensor(vc, vn, fv, vq, rot, layout=v_layout)
 
 
 def rel_error(out: mx.array, ref: mx.array) -> float:

@@ -220,6 +220,44 @@ __host__ __device__ __forceinline__ int iq_tc_vcode(int mt, int r) {
   return 8 * (mt >> 2) + 4 * (j & 1) + (j >> 1) + 2 * r;
 }
 
+// VIL (V codes in the tc16 layout, packing.py): row r of PV m-tile mt -> index of the code in the
+// lane's V range. Word j < 3 of the lane's block b holds coordinates 8b + 2j (low 16 bits: the
+// selector of row gid) and 8b + 2j + 1 (high: row gid + 8) of its group's 4 tokens; the block's
+// top codes (iq_top8) coordinates 8b + 6 and 8b + 7.
+__host__ __device__ __forceinline__ int iq_tc_vcode_vil(int mt, int r) {
+  return 8 * (mt >> 2) + 2 * (mt & 3) + r;
+}
+
+// VIL: the lane's 3 D/64 words of one 16-token chunk: its group tig (the chunk's tokens 2tig +
+// (0, 1, 8, 9), k = 4tig .. 4tig + 3 of the PV mma) at its lane-block gid, 12 D/64 contiguous
+// bytes at 12 D/64 (4 gid + tig) from the chunk's start. A stage chunk (8-byte aligned): D 128 in
+// three 8-byte loads (the 8-byte slots 12 gid + 3 tig of a half-warp are distinct mod 16: no bank
+// conflict), D 64 in three 4-byte ones (words 3 (4 gid + tig): 32 banks); rows read directly
+// (2-byte aligned) a word at a time.
+template <int D>
+__device__ __forceinline__ void iq_vil_words(IqSmem<uint8_t> chunk, int gid, int tig,
+                                             uint32_t w[3 * (D / 64)]) {
+  const uint32_t a = chunk.a + uint32_t(12 * (D / 64) * (4 * gid + tig));
+  if constexpr (D == 128) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const uint2 v = iq_lds64(a + 8u * i);
+      w[2 * i] = v.x;
+      w[2 * i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 3 * (D / 64); ++i) w[i] = iq_lds32(a + 4u * i);
+  }
+}
+template <int D>
+__device__ __forceinline__ void iq_vil_words(const uint8_t* chunk, int gid, int tig,
+                                             uint32_t w[3 * (D / 64)]) {
+  const uint8_t* p = chunk + 12 * (D / 64) * (4 * gid + tig);
+#pragma unroll
+  for (int i = 0; i < 3 * (D / 64); ++i) w[i] = iq_tc_word<false>(p + 4 * i);
+}
+
 // Selectors of the 4 m-tiles of one group of 8 codes, for two tokens a and b: nibbles
 // (a[i], b[i], a[i+2], b[i+2]) for i = 0, 4, 1, 5 (the order of iq_tc_vcode).
 __device__ __forceinline__ void iq_tc_pair(uint32_t a, uint32_t b, uint32_t sel[4]) {
@@ -256,6 +294,17 @@ __device__ __forceinline__ void iq_vsn_sel(uint32_t a, uint32_t b, uint32_t c80,
   sel[1] = iq_vsn_mask(y, c80);
   sel[2] = iq_vsn_mask(x >> 4, c80);  // x >> 4: a1 b0 b1 a2 a3 b2 b3 .
   sel[3] = iq_vsn_mask(y >> 4, c80);
+}
+
+// VIL with VSN: a tc16 word (raw: the nibbles' top bits are masked here) of coordinates x (low
+// 16 bits: tokens t0 .. t3) and y (high) as the VSN selector words of tokens (t0, t1), ab, and
+// (t2, t3), cd: (t0, 8, t1, 8) for x in the low half, the same of y in the high half. Five
+// instructions for the four selectors (iq_vsn_sel took six for four from two tokens' words).
+__device__ __forceinline__ void iq_vil_vsn(uint32_t w, uint32_t c80, uint32_t& ab, uint32_t& cd) {
+  const uint32_t e = iq_and_or<0x07070707u>(w, c80);       // bytes (t0 | 8), (t2 | 8), (u0 ..
+  const uint32_t o = iq_and_or<0x07070707u>(w >> 4, c80);  // bytes (t1 | 8), (t3 | 8), (u1 ..
+  ab = iq_prmt(e, o, 0x6240);
+  cd = iq_prmt(e, o, 0x7351);
 }
 
 // The two A registers of one m-tile's selector word (rows gid, gid + 8): VSN, one permute each
@@ -544,7 +593,7 @@ __device__ __forceinline__ void iq_token_values(IqFloatVec, float* v, const floa
 // the norms (K, then V: 8 per lane). Destinations are 32-bit shared addresses set up once. The
 // last, partial tile clamps every chunk to the segment's end and zero-fills the rest, so the last
 // row of a buffer is safe.
-template <int D>
+template <int D, bool VIL = false>
 struct IqStream {
   static constexpr int KROW = IqStage<D>::KROW;
   static constexpr int TK = IqStage<D>::TK;
@@ -581,7 +630,9 @@ struct IqStream {
       if (lane < NN) iq_cp_async16s(snorm + st, nsrc, 16);
     } else {
       const uint8_t* first = src - 16 * c;  // the tile's first row: inside the segment
-      const int rem = left * KROW;           // bytes of the segment from the tile's start
+      // bytes of the segment from the tile's start (VIL: V's whole 16-token chunks, whose rows
+      // the codes array holds: packing.py's tc16)
+      const int rem = (VIL && lane >= 16 ? (left + 15) & ~15 : left) * KROW;
 #pragma unroll
       for (int r = 0; r < NCH; ++r) {
         const int b = rem - 16 * (c + 16 * r);
@@ -657,12 +708,13 @@ __device__ __forceinline__ void iq_tc_place(int R, int& bx, int& by, int& bz) {
 // read directly; prefetched: the stream's prologue was issued by the caller. (A reference, not
 // a pointer that may be null: the struct then stays in registers, not local memory.) ip, fp: the
 // kernel's integer and float parameters (the partial's place and scale, read after the loop).
-template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN, bool PV8>
+template <int D, bool QLO, bool PLO, bool QS, bool KI8, bool VSN, bool PV8, bool VIL>
 __device__ __forceinline__ void iq_tc_warp(
     const float* qs, const uint4* qf, const float* qm, const uint32_t* tab, const uint8_t* kc, long ks,
     const __half* kn, long kns, const uint8_t* vc, long vs, const __half* vn, long vns, int t0,
     int t1, int lane, float kinv, const float* fp, uint8_t* stage, float* red, float* po,
-    float* pm, float* pl, const int* ip, IqStream<D>& stream, bool streams, bool prefetched) {
+    float* pm, float* pl, const int* ip, IqStream<D, VIL>& stream, bool streams, bool prefetched) {
+  static_assert(!VIL || PV8 || VSN, "V codes in the tc16 layout take the int8 table (PV8, VSN)");
   constexpr int KT = D / 16;  // k-steps of QK
   constexpr int MT = D / 16;  // m-tiles of PV (16 coordinates each)
   constexpr int NKS = D / 32;  // nibble words of the lane's K codes
@@ -923,32 +975,52 @@ __device__ __forceinline__ void iq_tc_warp(
       }
       const uint32_t pb0 = iq_pv8_pack(y[0][0], y[0][1], y[1][0], y[1][1], psel);
       const uint32_t pb1 = iq_pv8_pack(y[2][0], y[2][1], y[3][0], y[3][1], psel);
-      // V codes of the 8 tokens (group g = 0: b0's, 1: b1's), D/64 nibble words each
-      uint32_t vw[2][4][NVS];
-      if constexpr (FULL && D == 128) {  // PAIRV's reads: group g is the odd lane's k-step g
-        uint32_t vtop[4], vrecv[4];
-        pair_tops(vtop, vrecv);
+      // the selectors of k-step g's A registers (ws[g][q][j]: m-tile 4q + j, rows gid and gid + 8
+      // in the low and high 16 bits)
+      uint32_t ws[2][NVS][4];
+      if constexpr (VIL) {
+        // the tc16 layout: chunk g's words are the selectors of k-step g as they are (4 tokens
+        // at each coordinate), but for the nibbles' top bits and the top codes (iq_top8)
 #pragma unroll
         for (int g = 0; g < 2; ++g) {
+          uint32_t w[3 * NVS];
+          const int cg = FULL ? g : (16 * g < nv ? g : 0);  // (a chunk past the rows: masked)
+          iq_vil_words<D>(vc_ + 16 * cg * vs_, gid, tig, w);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            pair_words(vtok(g, j), g == 0 ? vtop[j] : vrecv[j], vw[g][j]);
+          for (int q = 0; q < NVS; ++q) {
+            ws[g][q][0] = w[3 * q] & 0x77777777u;
+            ws[g][q][1] = w[3 * q + 1] & 0x77777777u;
+            ws[g][q][2] = w[3 * q + 2] & 0x77777777u;
+            ws[g][q][3] = iq_top8(w[3 * q], w[3 * q + 1], w[3 * q + 2]);
           }
         }
       } else {
+        // V codes of the 8 tokens (group g = 0: b0's, 1: b1's), D/64 nibble words each
+        uint32_t vw[2][4][NVS];
+        if constexpr (FULL && D == 128) {  // PAIRV's reads: group g is the odd lane's k-step g
+          uint32_t vtop[4], vrecv[4];
+          pair_tops(vtop, vrecv);
 #pragma unroll
-        for (int g = 0; g < 2; ++g) {
+          for (int g = 0; g < 2; ++g) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            iq_tc_vcodes<D, FULL, decltype(vc_), true>(vc_ + tok(vtok(g, j)) * vs_, gid, vw[g][j]);
+            for (int j = 0; j < 4; ++j) {
+              pair_words(vtok(g, j), g == 0 ? vtop[j] : vrecv[j], vw[g][j]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int g = 0; g < 2; ++g) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              iq_tc_vcodes<D, FULL, decltype(vc_), true>(vc_ + tok(vtok(g, j)) * vs_, gid, vw[g][j]);
+            }
           }
         }
-      }
-      uint32_t w0[NVS][4], w1[NVS][4];
 #pragma unroll
-      for (int q = 0; q < NVS; ++q) {
-        iq_pv8_sel(vw[0][0][q], vw[0][1][q], vw[0][2][q], vw[0][3][q], w0[q]);
-        iq_pv8_sel(vw[1][0][q], vw[1][1][q], vw[1][2][q], vw[1][3][q], w1[q]);
+        for (int q = 0; q < NVS; ++q) {
+          iq_pv8_sel(vw[0][0][q], vw[0][1][q], vw[0][2][q], vw[0][3][q], ws[0][q]);
+          iq_pv8_sel(vw[1][0][q], vw[1][1][q], vw[1][2][q], vw[1][3][q], ws[1][q]);
+        }
       }
       // the accumulators' shift: a larger maximum (k0, k1 for this lane's two columns) or nu's
       // growth (gj)
@@ -966,15 +1038,15 @@ __device__ __forceinline__ void iq_tc_warp(
       for (int q = 0; q < NVS; ++q) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], w0[q][j]);
-          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w0[q][j], nz));
-          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], w1[q][j]);
-          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], iq_hi16(w1[q][j], nz));
+          const uint32_t a0_ = iq_prmt(vtab[0], vtab[1], ws[0][q][j]);
+          const uint32_t a1_ = iq_prmt(vtab[0], vtab[1], iq_hi16(ws[0][q][j], nz));
+          const uint32_t a2_ = iq_prmt(vtab[0], vtab[1], ws[1][q][j]);
+          const uint32_t a3_ = iq_prmt(vtab[0], vtab[1], iq_hi16(ws[1][q][j], nz));
           iq_imma(oi[4 * q + j], a0_, a1_, a2_, a3_, pb0, pb1);
         }
       }
     } else {
-      constexpr bool PAIRV = FULL && D == 128 && VSN;
+      constexpr bool PAIRV = FULL && D == 128 && VSN && !VIL;
       uint32_t vtop[PAIRV ? 4 : 1], vrecv[PAIRV ? 4 : 1];
       if constexpr (PAIRV) pair_tops(vtop, vrecv);
 #pragma unroll
@@ -991,7 +1063,11 @@ __device__ __forceinline__ void iq_tc_warp(
         // V codes of those four tokens over the lane's D/8 coordinates
         const int t0_ = vtok(h, 0);  // and vtok(h, 1 .. 3): t0_ + 1, 8, 9
         uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
-        if constexpr (PAIRV) {
+        uint32_t vw[VIL ? 3 * NVS : 1];  // VIL: the lane's words of chunk h
+        if constexpr (VIL) {
+          const int cg = FULL ? h : (16 * h < nv ? h : 0);  // (a chunk past the rows: masked)
+          iq_vil_words<D>(vc_ + 16 * cg * vs_, gid, tig, vw);
+        } else if constexpr (PAIRV) {
           const uint32_t* top = h == 0 ? vtop : vrecv;
           pair_words(t0_, top[0], va);
           pair_words(t0_ + 1, top[1], vb);
@@ -1007,7 +1083,13 @@ __device__ __forceinline__ void iq_tc_warp(
         for (int q = 0; q < NVS; ++q) {
           // selectors of the 4 m-tiles: tokens (2tig, 2tig+1) and (2tig+8, 2tig+9)
           uint32_t sab[4], scd[4];
-          if constexpr (VSN) {
+          if constexpr (VIL) {
+            const uint32_t* w = vw + 3 * q;
+            iq_vil_vsn(w[0], c80, sab[0], scd[0]);
+            iq_vil_vsn(w[1], c80, sab[1], scd[1]);
+            iq_vil_vsn(w[2], c80, sab[2], scd[2]);
+            iq_vil_vsn(iq_top8(w[0], w[1], w[2]), c80, sab[3], scd[3]);
+          } else if constexpr (VSN) {
             iq_vsn_sel(va[q], vb[q], c80, sab);
             iq_vsn_sel(vcc[q], vd[q], c80, scd);
           } else {
@@ -1111,8 +1193,8 @@ __device__ __forceinline__ void iq_tc_warp(
     for (int mt = 0; mt < MT; ++mt) {
       const float v0 = PV8 ? float(oi[mt][e]) : o[PV8 ? 0 : mt][e];
       const float v1 = PV8 ? float(oi[mt][2 + e]) : o[PV8 ? 0 : mt][2 + e];
-      out[iq_tc_vcode(mt, 0)] = v0 * f;
-      out[iq_tc_vcode(mt, 1)] = v1 * f;
+      out[VIL ? iq_tc_vcode_vil(mt, 0) : iq_tc_vcode(mt, 0)] = v0 * f;
+      out[VIL ? iq_tc_vcode_vil(mt, 1) : iq_tc_vcode(mt, 1)] = v1 * f;
     }
   }
   __syncthreads();
@@ -1398,7 +1480,7 @@ __device__ __forceinline__ void iq_tc_fold(
   // KIND 2). Measured within noise on the H200 (attention_decode.json: prefetch_off column).
   const bool streams =
       !is_fp && t0 < t1 && iq_tc_streams<D>(stage, kc, ks, kn, kns, vc, vs, vn, vns, t0);
-  IqStream<D> stream(stage, kc, kn, vc, vn, t0, t1, lane);
+  IqStream<D, VIL> stream(stage, kc, kn, vc, vn, t0, t1, lane);
   const bool pre = PF && KIND != 2 && streams;
   if (pre) stream.prologue();
   __syncthreads();
@@ -1432,7 +1514,7 @@ __device__ __forceinline__ void iq_tc_fold(
     __syncthreads();
   }
   if (!is_fp) {
-    iq_tc_warp<D, QLO, PLO, QS, KI8, VSN && !PV8, PV8>(
+    iq_tc_warp<D, QLO, PLO, QS, KI8, VSN && !PV8, PV8, VIL>(
         iq_qs, iq_qf, iq_qm, iq_tab, kc, ks, kn, kns, vc, vs, vn, vns, t0, t1, lane, fp_kinv,
         fparams, stage, reinterpret_cast<float*>(iq_buf), part_o, part_m, part_l, iparams, stream,
         streams, pre);
