@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import kvcache  # noqa: E402
 from app.engine import kvcache_kernels as kk  # noqa: E402  (registers the kernels)
+from app.engine.kvcache.packing import V_LAYOUT_ENV  # noqa: E402
 from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
 
 CFG = {
@@ -156,12 +157,16 @@ def _set_mode(mode: str, fold_default: bool) -> None:
     os.environ.pop(kvcache.cache.COMPILE_ENV, None)
     if mode == "isoquant_fused_compiled_encoder":
         os.environ[kvcache.cache.COMPILE_ENV] = "1"
+    os.environ.pop(V_LAYOUT_ENV, None)  # the caches' V layout: the backend's (packing.py)
+    if mode == "isoquant_fused_rows":
+        os.environ[V_LAYOUT_ENV] = "rows"
 
 
 def _record(mode: str, ctx: int, tps_rounds: list, unpiped: tuple, caches) -> dict:
     tps = statistics.median(tps_rounds)
     sync, build_ms, eval_ms, max_ms = unpiped
     kv = sum(kvcache.cache_nbytes([c]) for c in caches)
+    layout = next((c.v_layout for c in caches if isinstance(c, kvcache.IsoQuantKVCache)), None)
     print(
         f"ctx {ctx:6d} {mode:20s} {tps:7.1f} tok/s (median of {len(tps_rounds)})  "
         f"{1e3 / tps:7.2f} ms/token  (one step at a time: {sync:7.1f} tok/s; build "
@@ -171,7 +176,7 @@ def _record(mode: str, ctx: int, tps_rounds: list, unpiped: tuple, caches) -> di
                 tok_s_rounds=[round(x, 2) for x in tps_rounds],
                 tok_s_unpipelined=round(sync, 2), build_ms=round(build_ms, 3),
                 eval_ms=round(eval_ms, 3), slowest_step_ms=round(max_ms, 2), kv_bytes=int(kv),
-                peak_bytes=int(mx.get_peak_memory()))  # fmt: skip
+                peak_bytes=int(mx.get_peak_memory()), v_layout=layout)  # fmt: skip
 
 
 def main() -> None:
@@ -190,6 +195,9 @@ def main() -> None:
     ap.add_argument(
         "--compare-fold", action="store_true", help="also the combine folded into the kernel"
     )
+    ap.add_argument(
+        "--compare-layout", action="store_true", help="also V codes as rows (not the backend's)"
+    )
     ap.add_argument("--tiny", action="store_true", help="2 layers, small vocab: a smoke test")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "e2e_decode_isoquant.json")
@@ -204,9 +212,12 @@ def main() -> None:
         modes.insert(2, "isoquant_fused_mlx_encoder")
     if args.compare_fold:  # the tensor-core kernel with its combine folded in, side by side
         modes.insert(2, "isoquant_fused_fold")
+    if args.compare_layout:  # V codes as rows where the backend's caches store tc16
+        modes.insert(2, "isoquant_fused_rows")
     fold_default = iq.TC_FOLD
     if args.compare_compile:  # the compiled decode-time encoders, side by side
         modes.insert(2, "isoquant_fused_compiled_encoder")
+    os.environ.pop(V_LAYOUT_ENV, None)
     for ctx in args.contexts:
         rounds = {m: [] for m in modes}
         for rnd in range(args.rounds):
@@ -241,7 +252,9 @@ def main() -> None:
         "alternates run by run), tok_s_rounds: each run's; tok_s_unpipelined: each step evaluated before the next is built; build_ms / eval_ms: "
         "median host time to build one step's graph / to evaluate it, in that mode; "
         "isoquant_fused_mlx_encoder: fused attention, compression by MLX ops (no fused encoder); "
-        "isoquant_fused_fold: the tensor-core kernel with its combine folded in (one launch)",
+        "isoquant_fused_fold: the tensor-core kernel with its combine folded in (one launch); "
+        "isoquant_fused_rows: V codes stored as rows where the backend's caches store tc16 "
+        "(v_layout: the caches' V layout, packing.py)",
         kv_compile=kvcache.cache.compile_encoders(),
         records=rows,
     )

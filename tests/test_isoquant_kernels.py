@@ -704,3 +704,54 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
             outs.append(iq.fused_attention(q, k, v, 0.125, variant="tc"))
         assert mx.array_equal(outs[0], outs[1]).item(), step
         assert iq.rel_error(outs[1], iq.attention_reference(q, k, v, 0.125)) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_emulated_tc16_pack_writes_what_the_mlx_ops_write(emulated, d):
+    """The cache's fused tc16 write (iq_tc16_pack) against packing.py on random codes: new rows
+    after 0, 5 or 15 rows of an old chunk (one chunk, two, three), the rest code 0."""
+    from app.engine.kvcache.packing import pack_codes, pack_codes_tc16, unpack_codes_tc16
+
+    mx.random.seed(d)
+    for off, n in [(0, 16), (0, 3), (5, 16), (13, 3), (15, 20)]:
+        old_codes = mx.random.randint(0, 8, (2, 3, 16, d)).astype(mx.uint8)
+        new_codes = mx.random.randint(0, 8, (2, 3, n, d)).astype(mx.uint8)
+        old = pack_codes_tc16(old_codes)
+        out = iq.pack_tc16(pack_codes(new_codes, 3), old if off else None, off)
+        nc = -(-(off + n) // 16)
+        want = mx.concatenate(
+            [old_codes[:, :, :off], new_codes, mx.zeros((2, 3, 16 * nc - off - n, d), mx.uint8)],
+            axis=2,
+        )
+        assert out.shape == (2, 3, 16 * nc, 3 * d // 8)
+        assert mx.array_equal(out, pack_codes_tc16(want)).item(), (off, n)
+        assert mx.array_equal(unpack_codes_tc16(out)[:, :, off : off + n], new_codes).item()
+    assert iq.pack_tc16(pack_codes(new_codes, 3), None, 3) is None  # no old chunk to keep
+
+
+@pytest.mark.slow
+def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
+    """A tc16 cache compressing in batches that straddle chunks writes the same bytes through
+    the registered packer as through MLX ops."""
+    from app.engine.kvcache import cache as cache_mod
+
+    calls = []
+
+    def counting(*a):
+        calls.append(a[2])
+        return emulated.pack_tc16(*a)
+
+    def run(packer):
+        monkeypatch.setattr(cache_mod, "_TC16_PACKER", packer)
+        c = kvcache.IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=7, v_layout="tc16")
+        mx.random.seed(3)
+        c.update_and_fetch(*(mx.random.normal((1, 2, 21, 64)) for _ in "kv"))
+        c.finish_prefill()
+        for _ in range(30):
+            c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
+        return c
+
+    fused, plain = run(counting), run(None)
+    assert calls == [0, 1, 8, 15, 6] and fused.compressed == plain.compressed == 45
+    assert mx.array_equal(fused.v_codes, plain.v_codes).item()

@@ -50,6 +50,7 @@ CONFIGS = {
     "iq_value_dim": [dict(D=128, RB=4, VB=3)],
     "iq_rotate_inverse": [dict(D=128, KIND=0, ADD=True, TO="bfloat16")],
     "iq_encode": [dict(D=128, KIND=0, KB=3, VB=3, HT="float16")],
+    "iq_tc16_pack": [dict(D=128), dict(D=64)],
 }
 _TYPES = dict(
     k_codes="uint8", v_codes="uint8", k_norms="float16", v_norms="float16", rot="float32",
@@ -58,6 +59,7 @@ _TYPES = dict(
     probs="float32", acc="float32", part="float32", q="bfloat16", k_fp="bfloat16",
     v_fp="bfloat16", add="bfloat16", x_k="bfloat16", x_v="bfloat16", thr_k="float32",
     thr_v="float32", kc="uint8", vc="uint8", kn="float16", vn="float16", counters="int32",
+    old="uint8", chunks="uint8",
 )  # fmt: skip
 
 
@@ -110,7 +112,9 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     others = [n for n in CONFIGS if n not in iq.TC_BODIES]
     for name, (_regs, frame, spill) in _compile(tmp_path, others, iq.SHARED_HEADER).items():
         assert frame == 0 and spill == 0, (name, frame, spill)
-    tc = _compile(tmp_path, ["iq_fused_tc"], iq.SHARED_HEADER + iq.TC_HEADER)
+    tc = _compile(tmp_path, ["iq_fused_tc", "iq_tc16_pack"], iq.SHARED_HEADER + iq.TC_HEADER)
+    for i in range(len(CONFIGS["iq_tc16_pack"])):
+        assert tc[f"iq_tc16_pack_{i}"][1:] == (0, 0), tc[f"iq_tc16_pack_{i}"]
     for i, cfg in enumerate(CONFIGS["iq_fused_tc"]):
         regs, frame, spill = tc[f"iq_fused_tc_{i}"]
         assert regs <= 128, (cfg, regs)  # the launch bound holds

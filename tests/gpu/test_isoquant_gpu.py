@@ -207,3 +207,21 @@ def test_folded_combine_reuses_counter_slots_and_survives_concurrent_calls(monke
     mx.eval(outs)  # queued together
     for out, ref in zip(outs, refs, strict=True):
         assert iq.rel_error(out, ref) < TOL
+
+
+@pytest.mark.skipif(iq.BACKEND != "cuda", reason="the tc16 layout is read by the CUDA kernel")
+@pytest.mark.parametrize("d", [64, 128])
+def test_tc16_pack_matches_packing(d):
+    """The cache's fused tc16 write (iq_tc16_pack) against packing.py, bit for bit."""
+    from app.engine.kvcache.packing import pack_codes, pack_codes_tc16
+
+    mx.random.seed(d)
+    for off, n in [(0, 16), (5, 16), (15, 300), (3, 1)]:
+        old_codes = mx.random.randint(0, 8, (2, 8, 16, d)).astype(mx.uint8)
+        new_codes = mx.random.randint(0, 8, (2, 8, n, d)).astype(mx.uint8)
+        out = iq.pack_tc16(pack_codes(new_codes, 3), pack_codes_tc16(old_codes) if off else None, off)
+        pad = -(off + n) % 16
+        want = mx.concatenate(
+            [old_codes[:, :, :off], new_codes, mx.zeros((2, 8, pad, d), mx.uint8)], axis=2
+        )
+        assert mx.array_equal(out, pack_codes_tc16(want)).item(), (off, n)

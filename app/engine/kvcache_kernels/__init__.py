@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ..kvcache.cache import register_encoder
+from ..kvcache.cache import register_encoder, register_tc16_packer
 from ..kvcache.isoquant_attention import register_kernel
 from ..kvcache.packing import register_v_layout
 from .isoquant import (
@@ -23,6 +23,7 @@ from .isoquant import (
     encode_pair,
     fused_attention,
     kernels_available,
+    pack_tc16,
     unfused_attention,
     v_layout,
 )
@@ -84,13 +85,14 @@ def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
 
 def install() -> bool:
     """Register the kernel paths with the cache (attention, the fused K/V encoder of its
-    decode-time compression, and the V layout the kernels read fastest) when the backend has
+    decode-time compression and its tc16 write, and the V layout the kernels read fastest) when the backend has
     kernels and the setting is not "reference"; otherwise make sure none is registered.
     Returns whether they are."""
     on = kernels_available() and setting() != "reference"
     register_kernel(_cache_entry if on else None)
     register_encoder(encode_pair if on else None)
     register_v_layout(v_layout if on else None)
+    register_tc16_packer(pack_tc16 if on else None)
     return on
 
 
@@ -108,6 +110,7 @@ __all__ = [
     "install",
     "isoquant_attention",
     "kernels_available",
+    "pack_tc16",
     "setting",
     "unfused_attention",
     "v_layout",

@@ -80,8 +80,9 @@ SPECS: dict[str, tuple[list[str], list[str]]] = {
     "iq_value_dim": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["part"]),
     "iq_rotate_inverse": (["acc", "add", "rot", "iparams"], ["out"]),
     "iq_encode": (["x_k", "x_v", "rot", "thr_k", "thr_v", "iparams"], ["kc", "kn", "vc", "vn"]),
+    "iq_tc16_pack": (["vc", "old", "iparams"], ["chunks"]),
 }
-CUDA_ONLY = ("iq_fused_tc",)
+CUDA_ONLY = ("iq_fused_tc", "iq_tc16_pack")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -961,6 +962,34 @@ def encode_pair(keys: mx.array, values: mx.array, rotation: Rotation, kq, vq):
             output_dtypes=[mx.uint8, mx.float16, mx.uint8, mx.float16],
         )
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _pack_params(hkv: int, n: int, off: int, nc: int) -> mx.array:
+    return mx.array([hkv, n, off, nc, 0, 0, 0, 0], mx.int32)
+
+
+def pack_tc16(vc: mx.array, old: mx.array | None, off: int):
+    """The cache's tc16 write in one launch (packing.py): V codes vc [B, Hkv, N, 3D/8] as rows
+    (the encoder's) for chunk rows [off, off + N), rows [0, off) from `old` (the tc16 chunk the
+    cache holds there; None when off == 0), the rest code 0 -> [B, Hkv, 16 ceil((off + N) / 16),
+    3D/8] in tc16. None where the kernel does not take it (the cache packs with MLX ops)."""
+    if BACKEND != "cuda" or not kernels_available():
+        return None
+    b, h, n, rb = vc.shape
+    d = rb * 8 // 3
+    if d % 64 or not 0 <= off < 16 or (off and old is None) or n == 0:
+        return None
+    nc = (off + n + 15) // 16
+    words = nc * 6 * d // 4
+    return _kernel("iq_tc16_pack", mx.float32)(
+        inputs=[vc, vc if old is None else old, _pack_params(h, n, off, nc)],
+        template=[("D", d)],
+        grid=(64 * _cdiv(words, 64), 1, b * h),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(b, h, 16 * nc, rb)],
+        output_dtypes=[mx.uint8],
+    )[0]
 
 
 # -- inputs for tests and benchmarks ----------------------------------------------------------

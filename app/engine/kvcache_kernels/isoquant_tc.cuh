@@ -1544,3 +1544,54 @@ __device__ __forceinline__ void iq_tc_fold(
   }
 }
 // @end
+
+// @kernel iq_tc16_pack
+// The cache's decode-time write of V codes in the tc16 layout (packing.py), whole chunks at once:
+// rows [c0 + off, c0 + off + N) from vc (rows, as the encoder writes them), rows [c0, c0 + off)
+// from old (the tc16 chunk at c0 the cache holds; off < 16), rows after the new ones code 0.
+// chunks: the NC chunks from c0 on; one 32-bit word a thread (~40 MLX ops a layer in one launch).
+// iparams: Hkv, N, off, NC; grid (words of NC chunks rounded up to 64, 1, B*Hkv), group 64;
+// template: D.
+{
+  constexpr int RB = 3 * D / 8;  // bytes of a row
+  constexpr int NBL = D / 64;    // blocks of 32 codes per lane-block
+  constexpr int WPC = 6 * D / 4;  // words of a chunk
+  const int Hkv = iparams[0], N = iparams[1], off = iparams[2], NC = iparams[3];
+  const int bh = iq_bz;
+  const int b = bh / Hkv, h = bh % Hkv;
+  const int w = iq_bx * 64 + iq_tid;
+  if (w >= NC * WPC) return;
+  const int ch = w / WPC, wc = w % WPC;
+  const int blk = wc / 3, j = wc % 3;
+  const int bb = blk % NBL, i = (blk / NBL) % 4, lb = blk / (4 * NBL);
+  const uint8_t* vrow = vc + b * vc_strides[0] + h * vc_strides[1];
+  const uint8_t* ochunk = old + b * old_strides[0] + h * old_strides[1];
+  const long vs = long(vc_strides[2]), os = long(old_strides[2]);
+  // code of chunk row p (of chunk ch) at coordinate d
+  auto code = [&](int p, int d) -> uint32_t {
+    const int q = ch * 16 + p;
+    if (q < off) {  // the old chunk, tc16: token p's slot s in group gi, block (lb, gi, bb)
+      const int gi = (p & 7) >> 1, s = (p & 1) | ((p >> 3) << 1);
+      const int l = d / (D / 8), bo = (d % (D / 8)) / 8;
+      const int o = 12 * ((l * 4 + gi) * NBL + bo);  // (a block never straddles rows: RB % 12 == 0)
+      return uint32_t(iq_code_at<3>(ochunk + (o / RB) * os + o % RB, 4 * (d % 8) + s));
+    }
+    if (q - off < N) return uint32_t(iq_code_at<3>(vrow + (q - off) * vs, d));
+    return 0u;
+  };
+  uint32_t word = 0u;
+  for (int n = 0; n < 8; ++n) {
+    const int s = n & 3;
+    const int p = 2 * i + (s & 1) + 8 * (s >> 1);
+    const int d0 = lb * (D / 8) + bb * 8;
+    const uint32_t lo = code(p, d0 + 2 * j + (n >> 2)) & 7u;
+    const uint32_t hi = (code(p, d0 + 6 + (n >> 2)) >> j) & 1u;
+    word |= (lo | (hi << 3)) << (4 * n);
+  }
+  uint8_t* o = chunks + (long(bh) * NC * 16) * RB + 4L * w;
+  o[0] = uint8_t(word);
+  o[1] = uint8_t(word >> 8);
+  o[2] = uint8_t(word >> 16);
+  o[3] = uint8_t(word >> 24);
+}
+// @end
