@@ -24,7 +24,9 @@
 //     are copies of 0-3, so each lane quantizes its own scores); see iq_pv8_sel, iq_tc_warp.
 // Codes reach the selectors as the packed rows' nibble words (packing.py: codes 0-23 of a block
 // by one AND per 8, codes 24-31 from the nibbles' top bits), then, for V, by pairing two tokens'
-// nibbles into bytes (2 logic ops per 4 selectors). A selector word's high half reaches a permute
+// nibbles into bytes (2 logic ops per 4 selectors). VIL: V codes in packing.py's tc16 layout hold
+// 4 tokens' codes per coordinate in one nibble group, in the order of the mma's k, so a masked
+// word is two PV8 selectors as it is (VSN: iq_vil_vsn spreads it). A selector word's high half reaches a permute
 // through iq_hi16 (FMA pipe) rather than a shift: the tile loop is bound by the integer pipe.
 // Coordinate maps (a permutation of the dot product, undone when O is stored):
 //   QK: lane (gid, tig) holds codes [tig*D/4, tig*D/4 + D/4) of token 8*nt + gid (nt < 4);
@@ -32,7 +34,8 @@
 //       uses codes tig*D/4 + 8ks + 0..3 (b0) and + 4..7 (b1)).
 //   PV: lane (gid, tig) holds codes [gid*D/8, gid*D/8 + D/8) of tokens 16h + (2tig, 2tig+1,
 //       2tig+8, 2tig+9) in k-step h; m-tile mt (group q = mt/4 of 8 codes, j = mt%4) has rows
-//       gid -> code 8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode).
+//       gid -> code 8q + 4(j&1) + (j>>1) and gid + 8 -> that code + 2 (see iq_tc_vcode); VIL:
+//       gid -> code 8q + 2j, gid + 8 -> 8q + 2j + 1 (iq_tc_vcode_vil).
 // Partials have the layout of iq_fused_scalar (iq_combine merges either), one per threadgroup.
 // The level tables arrive scaled by s (fparams[3] = 1/s for K, [4] for V), s chosen so the fp16
 // table rounds the levels ~10x closer than plain fp16 would; the norms carry the 1/s back.
