@@ -664,14 +664,13 @@ def test_emulated_dispatch_uses_the_kernel_and_falls_back(emulated, monkeypatch)
 
 def test_v_layout_is_tc16_where_the_tensor_core_kernel_reads_it(monkeypatch):
     """The layout the kernels ask new caches for: tc16 on CUDA for 3-bit V at D 64/128 while
-    the tensor-core kernel's int8 V table (PV8 or VSN) is on; rows everywhere else."""
+    the tensor-core kernel's VSN path (which reads it at any number of rows) is on; rows
+    everywhere else."""
     monkeypatch.setattr(iq, "BACKEND", "cuda")
     assert iq.v_layout(128, 3) == iq.v_layout(64, 3) == "tc16"
     assert iq.v_layout(256, 3) == iq.v_layout(128, 4) == "rows"
     monkeypatch.setattr(iq, "TC_VSN", False)
-    assert iq.v_layout(128, 3) == "tc16"  # PV8 alone
-    monkeypatch.setattr(iq, "TC_PV8", False)
-    assert iq.v_layout(128, 3) == "rows"  # the fp16 table path reads rows
+    assert iq.v_layout(128, 3) == "rows"  # PV8 alone: calls with > 4 rows would read rows
     monkeypatch.setattr(iq, "BACKEND", "metal")
     monkeypatch.setattr(iq, "TC_VSN", True)
     assert iq.v_layout(128, 3) == "rows"

@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from app.engine import kvcache
-from app.engine.kvcache import IsoQuantKVCache, IsoQuantTensor, isoquant_attention_reference
+from app.engine.kvcache import (
+    IsoQuantKVCache,
+    IsoQuantTensor,
+    isoquant_attention_reference,
+    packing,
+)
 from app.engine.kvcache.packing import (
     TC16_CHUNK,
     V_LAYOUT_ENV,
@@ -277,7 +282,7 @@ def test_bulk_prefill_of_whole_and_partial_chunks():
         assert tc.v_codes.shape[2] % 16 == 0 and tc.v_codes.shape[2] >= tc._n_rows
 
 
-def test_state_round_trip_keeps_the_layout(tmp_path):
+def test_state_round_trip_keeps_the_layout_where_it_is_read(tmp_path):
     k, v = _kv(60, 21)
     rows, tc = _pair(window=4, compress_every=3)
     for c in (rows, tc):
@@ -289,10 +294,15 @@ def test_state_round_trip_keeps_the_layout(tmp_path):
     assert st[2].shape[2] == -(-tc._n_rows // 16) * 16 and st[0].shape[2] == tc._n_rows
     assert json.loads(tc.meta_state)["v_layout"] == "tc16"
     assert json.loads(rows.meta_state)["v_layout"] == "rows"
+    register_v_layout(lambda d, b: "tc16")  # loaded where tc16 is read: kept as it is
     c2 = IsoQuantKVCache.from_state(st, tc.meta_state)
     path = tmp_path / "cache.safetensors"
     kvcache.save_cache(path, [tc, rows])
     (c3, r3), _ = kvcache.load_cache(path)
+    register_v_layout(None)
+    assert r3.v_layout == "tc16"  # (a rows state loaded there is repacked)
+    (c3b, r3), _ = kvcache.load_cache(path)  # where rows are read: the tc16 one is repacked
+    assert c3b.v_layout == "rows" and r3.v_layout == "rows"
     shadow = IsoQuantKVCache(window=4, compress_every=3, decoded_shadow=True, v_layout="tc16")
     shadow._setup(HKV, D, D)
     shadow.state = st  # levels rebuilt from the tc16 codes
@@ -302,15 +312,17 @@ def test_state_round_trip_keeps_the_layout(tmp_path):
     _check_same(rows._fetch(), c3._fetch(), q)
     _check_same(r3._fetch(), shadow._fetch(), q)
     assert shadow._fetch()[1].decoded is not None
+    assert mx.array_equal(rows._fetch()[1].levels(), c3b._fetch()[1].levels()).item()
     for t in range(50, 60):  # all continue identically
         a = rows.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         for c in (tc, c2, c3):
             b = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
             _check_same(a, b, q, c)
+        b = c3b.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        assert b[1].layout == "rows" and mx.array_equal(b[1].codes, a[1].codes).item()
     # a state saved before the layout existed (no "v_layout" in its meta) is read as rows
     old = json.loads(rows.meta_state)
     del old["v_layout"]
-    register_v_layout(lambda d, b: "tc16")
     r4 = IsoQuantKVCache.from_state(rows.state, json.dumps(old))
     assert r4.v_layout == "rows"
     _check_same(r4._fetch(), c2._fetch(), q)
@@ -335,3 +347,36 @@ def test_tensor_layout_is_checked():
     assert rows.layout == "rows" and rows.codes.shape[2] == 20 == vt.compressed_len
     assert rows.norms is vt.norms and rows.rotation is vt.rotation
     assert mx.array_equal(rows.levels(), vt.levels()).item()
+
+
+@pytest.mark.parametrize("src,dst", [("rows", "tc16"), ("tc16", "rows")])
+def test_a_loaded_state_takes_the_layout_this_backend_reads(src, dst, monkeypatch):
+    """A state saved in one layout and loaded where the other is preferred is repacked once on
+    load: the same levels and attention, decoding on writes the same codes as a cache that was
+    in `dst` all along."""
+    monkeypatch.delenv(packing.V_LAYOUT_ENV, raising=False)
+    mx.random.seed(4)
+    kv = [mx.random.normal((1, 2, 41, 64)) for _ in "kv"]
+    steps = [[mx.random.normal((1, 2, 1, 64)) for _ in "kv"] for _ in range(9)]
+
+    def make(layout):
+        c = IsoQuantKVCache("v3", 3, 3, window=4, layer=2, compress_every=3, v_layout=layout)
+        c.update_and_fetch(*kv)
+        c.finish_prefill()
+        for s in steps[:4]:
+            c.update_and_fetch(*s)
+        return c
+
+    saved, native = make(src), make(dst)
+    packing.register_v_layout(lambda dim, bits: dst)
+    try:
+        loaded = IsoQuantKVCache.from_state(saved.state, saved.meta_state)
+    finally:
+        packing.register_v_layout(None)
+    assert loaded.v_layout == dst
+    for s in steps[4:]:
+        (_, v1), (_, v2) = loaded.update_and_fetch(*s), native.update_and_fetch(*s)
+        assert v1.layout == v2.layout == dst
+        assert mx.array_equal(v1.levels(), v2.levels()).item()
+    r = native._v_rows(native._n_rows)
+    assert mx.array_equal(loaded.v_codes[:, :, :r], native.v_codes[:, :, :r]).item()

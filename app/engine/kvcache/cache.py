@@ -24,6 +24,7 @@ from .packing import (
     FORMAT_VERSION,
     TC16_CHUNK,
     V_LAYOUTS,
+    pack_codes,
     pack_codes_tc16,
     preferred_v_layout,
     tc16_ok,
@@ -511,4 +512,35 @@ class IsoQuantKVCache(_BaseCache):
             obj.state = state
             if (obj.offset, obj.compressed) != (meta["offset"], meta["compressed"]):
                 raise ValueError("IsoQuant cache state arrays disagree with its recorded lengths")
+            # a state saved where the other layout is read (e.g. on CUDA, loaded on a Mac): its
+            # V codes are repacked once here rather than by every attention call
+            obj.relayout(preferred_v_layout(d, obj.value_bits))
         return obj
+
+    def relayout(self, layout: str) -> None:
+        """Store the V codes in `layout` from now on (packing.py), repacking those held."""
+        if layout not in V_LAYOUTS:
+            raise ValueError(f"unknown V layout {layout!r}; expected one of {V_LAYOUTS}")
+        if self.rotation is None:  # not set up yet: chosen, nothing held
+            self.v_layout = layout
+            return
+        if layout == self.v_layout:
+            return
+        if layout == "tc16" and not tc16_ok(self.vq.dim, self.vq.bits):
+            raise ValueError(f"the tc16 V layout does not take {self.vq.bits}-bit D={self.vq.dim}")
+        self._views = None
+        if self.v_codes is not None:
+            cap = self.v_codes.shape[2]
+            if self._tc16:  # -> rows: the same capacity, whole chunks unpacked
+                codes = unpack_codes_tc16(self.v_codes, self.vq.bits)
+            else:  # -> tc16: capacity in whole chunks, zero codes past it
+                codes = unpack_codes(self.v_codes, self.vq.bits)
+                pad = _round_up(cap, TC16_CHUNK) - cap
+                if pad:
+                    b, h, _, d = codes.shape
+                    codes = mx.concatenate([codes, mx.zeros((b, h, pad, d), mx.uint8)], axis=2)
+            # rows past the held ones (dead after a trim) as zero codes, as tc16 keeps them
+            live = mx.arange(codes.shape[2]) < self._n_rows
+            codes = mx.where(live[:, None], codes, mx.zeros((), mx.uint8))
+            self.v_codes = (pack_codes_tc16 if layout == "tc16" else pack_codes)(codes, self.vq.bits)
+        self.v_layout = layout

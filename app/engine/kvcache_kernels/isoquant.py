@@ -694,13 +694,14 @@ def fused_partials(q, keys, values, scale, mask=None, lens=None, variant=None, s
 
 def v_layout(dim: int, bits: int) -> str:
     """The layout (packing.py) a cache should store V codes of this head dim and width in for
-    these kernels: "tc16" where the tensor-core kernel takes them with its int8 V table (PV8 or
-    VSN: CUDA, 3-bit, D 64/128), which reads a tc16 word as 4 tokens' selectors at 2
-    coordinates where rows take a 4-token transpose (H200, side by side, the same codes: B8 T8K
-    23.5 -> 21.8 µs, B8 T32K 65.8 -> 60.1, B32 T8K 66.4 -> 61.0; NOTES.md, session 25); else
-    "rows"."""
+    these kernels: "tc16" where the tensor-core kernel takes them with its int8 V table (CUDA,
+    3-bit, D 64/128), which reads a tc16 word as 4 tokens' selectors at 2 coordinates where rows
+    take a 4-token transpose (H200, side by side, the same codes: B8 T8K 23.5 -> 21.8 µs, B8
+    T32K 65.8 -> 60.1, B32 T8K 66.4 -> 61.0; NOTES.md, session 25); else "rows". The int8 P V
+    (PV8) takes at most 4 query rows a KV head, which a cache does not know, and VSN the rest: so
+    tc16 only while VSN is on (else every call with more rows would repack the V codes)."""
     tc = BACKEND == "cuda" and bits == 3 and dim in TC_HEAD_DIMS
-    return "tc16" if tc and (TC_VSN or (TC_PV8 and TC_KI8)) else "rows"
+    return "tc16" if tc and TC_VSN else "rows"
 
 
 def _variant(p: Problem) -> str:
