@@ -1390,7 +1390,8 @@ __device__ __forceinline__ void iq_tc_fold(
 // VSN takes the V levels as fp16 subnormals: the V table must hold integers in [-127, 127], the
 // four lowest negative; PV8 computes P V on the int8 tensor cores: with KI8 and KIND 0/1, at
 // most 4 rows per (batch, KV head) and fewer than 2^17 tokens per warp (int32 accumulators),
-// the V table holding the int8 levels; VSN is then moot).
+// the V table holding the int8 levels; VSN is then moot; VIL: v_codes in packing.py's tc16
+// layout, contiguous rows, with PV8 or VSN).
 // Float splits use the scalar warp walk.
 {
   constexpr int RB = 8;
