@@ -24,12 +24,13 @@ from .packing import (
     FORMAT_VERSION,
     TC16_CHUNK,
     V_LAYOUTS,
-    pack_codes,
+    check_tc16,
     pack_codes_tc16,
+    pack_v_codes,
     preferred_v_layout,
-    tc16_ok,
     unpack_codes,
     unpack_codes_tc16,
+    unpack_v_codes,
 )
 from .quantizer import Quantizer, encode
 from .rotation import KINDS, Rotation
@@ -154,11 +155,8 @@ class IsoQuantKVCache(_BaseCache):
         self.vq = Quantizer.make(head_dim, self.value_bits)
         if self.v_layout is None:
             self.v_layout = preferred_v_layout(head_dim, self.value_bits)
-        elif self.v_layout == "tc16" and not tc16_ok(head_dim, self.value_bits):
-            raise ValueError(
-                f"the tc16 V layout takes 3-bit codes with D % 64 == 0, "
-                f"not {self.value_bits}-bit D={head_dim}"
-            )
+        elif self.v_layout == "tc16":
+            check_tc16(head_dim, self.value_bits)
         # decode-time appends (a few tokens): one compiled graph per tensor instead of ~25 ops
         self._enc_k = self._enc_v = None
         if compile_encoders():
@@ -457,11 +455,8 @@ class IsoQuantKVCache(_BaseCache):
         self.offset = self.compressed + n_fp
         if self.decoded_shadow and rows:
             self.k_dec = self.kq.levels[unpack_codes(self.k_codes, self.kq.bits)]
-            if self._tc16:
-                v = unpack_codes_tc16(self.v_codes, self.vq.bits)[:, :, :rows]
-            else:
-                v = unpack_codes(self.v_codes, self.vq.bits)
-            self.v_dec = self.vq.levels[v]
+            v = unpack_v_codes(self.v_codes, self.vq.bits, self.v_layout)
+            self.v_dec = self.vq.levels[v[:, :, :rows]]
 
     @property
     def meta_state(self) -> str:
@@ -526,21 +521,13 @@ class IsoQuantKVCache(_BaseCache):
             return
         if layout == self.v_layout:
             return
-        if layout == "tc16" and not tc16_ok(self.vq.dim, self.vq.bits):
-            raise ValueError(f"the tc16 V layout does not take {self.vq.bits}-bit D={self.vq.dim}")
+        if layout == "tc16":
+            check_tc16(self.vq.dim, self.vq.bits)
         self._views = None
-        if self.v_codes is not None:
-            cap = self.v_codes.shape[2]
-            if self._tc16:  # -> rows: the same capacity, whole chunks unpacked
-                codes = unpack_codes_tc16(self.v_codes, self.vq.bits)
-            else:  # -> tc16: capacity in whole chunks, zero codes past it
-                codes = unpack_codes(self.v_codes, self.vq.bits)
-                pad = _round_up(cap, TC16_CHUNK) - cap
-                if pad:
-                    b, h, _, d = codes.shape
-                    codes = mx.concatenate([codes, mx.zeros((b, h, pad, d), mx.uint8)], axis=2)
+        if self.v_codes is not None:  # (to tc16: the capacity in whole chunks)
+            codes = unpack_v_codes(self.v_codes, self.vq.bits, self.v_layout)
             # rows past the held ones (dead after a trim) as zero codes, as tc16 keeps them
             live = mx.arange(codes.shape[2]) < self._n_rows
             codes = mx.where(live[:, None], codes, mx.zeros((), mx.uint8))
-            self.v_codes = (pack_codes_tc16 if layout == "tc16" else pack_codes)(codes, self.vq.bits)
+            self.v_codes = pack_v_codes(codes, self.vq.bits, layout)
         self.v_layout = layout

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from .packing import V_LAYOUTS, pack_codes, unpack_codes, unpack_codes_tc16
+from .packing import V_LAYOUTS, pack_codes, unpack_v_codes
 from .quantizer import Quantizer
 from .rotation import Rotation
 
@@ -52,9 +52,8 @@ class IsoQuantTensor:
 
     def codes_unpacked(self) -> mx.array:
         """The codes as [B, Hkv, T_c, D] uint8, whatever the layout."""
-        if self.layout == "tc16":
-            return unpack_codes_tc16(self.codes, self.quantizer.bits)[:, :, : self.compressed_len]
-        return unpack_codes(self.codes, self.quantizer.bits)
+        codes = unpack_v_codes(self.codes, self.quantizer.bits, self.layout)
+        return codes[:, :, : self.compressed_len] if self.layout == "tc16" else codes
 
     def levels(self) -> mx.array:
         """levels[codes]: [B, Hkv, T_c, D] float32 unit-variance coordinates (rotated space)."""

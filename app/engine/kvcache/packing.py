@@ -142,7 +142,8 @@ def tc16_ok(dim: int, bits: int) -> bool:
     return bits == 3 and dim % 64 == 0
 
 
-def _check_tc16(dim: int, bits: int, n: int) -> None:
+def check_tc16(dim: int, bits: int, n: int = 0) -> None:
+    """Raise ValueError unless (dim, bits) codes, n rows of them, fit the tc16 layout."""
     if not tc16_ok(dim, bits):
         raise ValueError(
             f"the tc16 layout takes 3-bit codes with D % 64 == 0, not {bits}-bit D={dim}"
@@ -154,7 +155,7 @@ def _check_tc16(dim: int, bits: int, n: int) -> None:
 def pack_codes_tc16(codes: mx.array, bits: int = 3) -> mx.array:
     """codes: [..., N, D] uint8 in [0, 8), N % 16 == 0 -> [..., N, 3D/8] uint8 (tc16 layout)."""
     *lead, n, dim = codes.shape
-    _check_tc16(dim, bits, n)
+    check_tc16(dim, bits, n)
     nc, nbl, k = n // TC16_CHUNK, dim // 64, len(lead)
     c = codes.reshape(*lead, nc, TC16_CHUNK, dim)[..., mx.array(_TC16_PERM), :]
     c = c.reshape(*lead, nc, 4, 4, 8, nbl, 8)  # [.., C, i, s, lb, bb, cc]
@@ -168,7 +169,7 @@ def unpack_codes_tc16(packed: mx.array, bits: int = 3) -> mx.array:
     """packed: [..., N, 3D/8] uint8 in the tc16 layout -> codes [..., N, D] uint8."""
     *lead, n, nbytes = packed.shape
     dim = nbytes * 8 // 3
-    _check_tc16(dim, bits, n)
+    check_tc16(dim, bits, n)
     nc, nbl, k = n // TC16_CHUNK, dim // 64, len(lead)
     x = unpack_codes(packed.reshape(*lead, nc, 32 * nbl, 12), 3)  # [.., C, block, 32]
     x = x.reshape(*lead, nc, 8, 4, nbl, 8, 4)  # [.., C, lb, i, bb, cc, s]
@@ -176,6 +177,23 @@ def unpack_codes_tc16(packed: mx.array, bits: int = 3) -> mx.array:
     x = x.transpose(*ax, k + 2, k + 5, k + 1, k + 3, k + 4)  # [.., C, i, s, lb, bb, cc]
     x = x.reshape(*lead, nc, TC16_CHUNK, dim)[..., mx.array(_TC16_INV), :]
     return x.reshape(*lead, n, dim)
+
+
+def pack_v_codes(codes: mx.array, bits: int, layout: str) -> mx.array:
+    """codes [..., T, D] -> packed V codes in `layout`: rows, or tc16 with the rows up to the
+    next whole chunk as zero codes."""
+    if layout == "rows":
+        return pack_codes(codes, bits)
+    pad = -codes.shape[-2] % TC16_CHUNK
+    if pad:
+        zeros = mx.zeros((*codes.shape[:-2], pad, codes.shape[-1]), mx.uint8)
+        codes = mx.concatenate([codes, zeros], axis=-2)
+    return pack_codes_tc16(codes, bits)
+
+
+def unpack_v_codes(packed: mx.array, bits: int, layout: str) -> mx.array:
+    """Packed V codes in `layout` -> codes [..., N, D] (tc16: every row, padding included)."""
+    return unpack_codes_tc16(packed, bits) if layout == "tc16" else unpack_codes(packed, bits)
 
 
 # ---- which layout new caches store V in ---------------------------------------------------

@@ -1016,7 +1016,7 @@ def random_problem(
     the cache's quantizer on Gaussian K/V; False draws random code bytes and norms directly
     (every byte pattern is a valid code stream: fast for benchmark-sized caches). v_layout:
     the V codes' layout (packing.py; "tc16" repacks the same codes)."""
-    from ..kvcache.packing import pack_codes_tc16, unpack_codes
+    from ..kvcache.packing import pack_v_codes, unpack_codes
     from ..kvcache.quantizer import Quantizer, encode
 
     mx.random.seed(seed)
@@ -1034,11 +1034,7 @@ def random_problem(
     fv = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
     q = (mx.random.normal((b, hkv * g, length, dim)) * 1.5).astype(dtype)
     if v_layout == "tc16":
-        codes = unpack_codes(vc, vb)
-        pad = -tc % 16
-        if pad:
-            codes = mx.concatenate([codes, mx.zeros((b, hkv, pad, dim), mx.uint8)], axis=2)
-        vc = pack_codes_tc16(codes, vb)
+        vc = pack_v_codes(unpack_codes(vc, vb), vb, "tc16")
     elif v_layout != "rows":
         raise ValueError(f"unknown V layout {v_layout!r}")
     keys = IsoQuantTensor(kc, kn, fk, kq, rot)

@@ -944,6 +944,12 @@ __device__ __forceinline__ void iq_tc_warp(
     // the top codes of all 8 of its tokens (half of them for nothing), each lane gathers 4 (tokens
     // 16 * (odd ? 0 : 1) + 2tig + (0, 1, 8, 9)[j]: the odd lane's first 16 tokens, the even one's
     // second, which are its odd partner's), and one shuffle hands them over (vrecv).
+    // VIL: the lane's words of the tile's chunk g (a chunk past a partial tile's rows: chunk 0's,
+    // masked)
+    auto vil_words = [&](int g, uint32_t* w) {
+      const int cg = FULL ? g : (16 * g < nv ? g : 0);
+      iq_vil_words<D>(vc_ + 16 * cg * vs_, gid, tig, w);
+    };
     const bool vodd = (gid & 1) != 0;
     // token j < 4 of P V k-step (PV8: k-half) g: 16g + 2tig + (0, 1, 8, 9)[j], this lane's columns
     auto vtok = [&](int g, int j) { return 16 * g + 2 * tig + (j & 1) + 8 * (j >> 1); };
@@ -987,8 +993,7 @@ __device__ __forceinline__ void iq_tc_warp(
 #pragma unroll
         for (int g = 0; g < 2; ++g) {
           uint32_t w[3 * NVS];
-          const int cg = FULL ? g : (16 * g < nv ? g : 0);  // (a chunk past the rows: masked)
-          iq_vil_words<D>(vc_ + 16 * cg * vs_, gid, tig, w);
+          vil_words(g, w);
 #pragma unroll
           for (int q = 0; q < NVS; ++q) {
             ws[g][q][0] = w[3 * q] & 0x77777777u;
@@ -1068,8 +1073,7 @@ __device__ __forceinline__ void iq_tc_warp(
         uint32_t va[NVS], vb[NVS], vcc[NVS], vd[NVS];
         uint32_t vw[VIL ? 3 * NVS : 1];  // VIL: the lane's words of chunk h
         if constexpr (VIL) {
-          const int cg = FULL ? h : (16 * h < nv ? h : 0);  // (a chunk past the rows: masked)
-          iq_vil_words<D>(vc_ + 16 * cg * vs_, gid, tig, vw);
+          vil_words(h, vw);
         } else if constexpr (PAIRV) {
           const uint32_t* top = h == 0 ? vtop : vrecv;
           pair_words(t0_, top[0], va);
