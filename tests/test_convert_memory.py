@@ -69,8 +69,6 @@ def test_killed_conversion_leaves_no_output_and_reruns(tmp_path):
     from app.engine.quant.convert import convert
     from app.engine.quant.converted import load_converted
 
-    t0 = time.time()
     convert(src, dst)  # a new run clears the dead run's leftovers
     assert not any(tmp_path.glob(".dst.rq-partial-*")) and dst.exists()
     assert load_converted(dst, verify=True).model is not None
-    assert time.time() - t0 < 120

@@ -1,13 +1,13 @@
 """The window against the real worker process (a tiny random llama: ~400 tok/s here, so the
-GUI sees tokens at full speed): send → tokens → finished, stop mid-stream, the event loop's
-latency while generating, and a killed worker → error → restart with the conversation kept."""
+GUI sees tokens at full speed): send → tokens → finished, stop mid-stream, tokens painted in
+batches while generating, and a killed worker → error → restart with the conversation kept."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
-from PySide6.QtCore import QElapsedTimer, QSettings, Qt, QTimer
+from PySide6.QtCore import QSettings, Qt
 
 from app.downloads.library import Library
 from app.ui.history import ConversationStore
@@ -98,58 +98,43 @@ def test_stop_mid_stream_keeps_the_partial_answer(qtbot, window):
     assert not window.session.generating and window.chat_view.send_btn.isEnabled()
 
 
-def measure_latency(qtbot, window, tokens: int) -> tuple[float, float, int, float]:
-    """Generate `tokens` tokens at full speed while a 10 ms timer ticks; returns the timer's
-    largest and 99th-percentile gap (ms), the tokens streamed and their rate (tok/s)."""
-    chat = window.chat
-    chat.new_conversation()
-    chat.set_settings({"max_tokens": tokens})
-    gaps: list[float] = []
-    clock = QElapsedTimer()
-    clock.start()
-    last = [0]
+def test_tokens_are_painted_in_batches_while_generating(qtbot, window, monkeypatch):
+    """The window's per-token work is constant: a token is queued, the transcript is never
+    rebuilt per token, and painting happens on the flush timer. (How long the event loop waits
+    while tokens stream is a timing, measured by benchmarks/ui_latency.py, not asserted here.)"""
+    chat, view = window.chat, window.chat_view
+    counts = {"render_all": 0, "flush": 0}
+    real_render, real_flush = view.render_all, view.flush_tokens
 
-    def tick():
-        now = clock.nsecsElapsed()
-        gaps.append((now - last[0]) / 1e6)
-        last[0] = now
+    def render_all():
+        counts["render_all"] += 1
+        real_render()
 
-    timer = QTimer()
-    timer.setInterval(10)
-    timer.setTimerType(Qt.TimerType.PreciseTimer)
-    timer.timeout.connect(tick)
+    def flush():
+        counts["flush"] += 1
+        real_flush()
+
+    monkeypatch.setattr(view, "render_all", render_all)
+    view.flush_timer.timeout.disconnect()
+    view.flush_timer.timeout.connect(flush)
     n = []
     chat.token_received.connect(n.append)
     try:
-        with qtbot.waitSignal(chat.token_received, timeout=60_000):
-            assert chat.send("Go")
-        last[0] = clock.nsecsElapsed()
-        timer.start()
-        t0 = time.perf_counter()
+        chat.new_conversation()
+        chat.set_settings({"max_tokens": 600})
         with qtbot.waitSignal(chat.stream_finished, timeout=120_000):
-            pass
-        seconds = time.perf_counter() - t0
+            assert chat.send("Go")
     finally:
-        timer.stop()
         chat.token_received.disconnect(n.append)
-    gaps.sort()
-    return gaps[-1], gaps[int(len(gaps) * 0.99)], len(n), len(n) / seconds
-
-
-def test_event_loop_stays_responsive_while_generating(qtbot, window):
-    """A 10 ms timer never waits 50 ms while tokens stream at full speed (~500 tok/s here).
-    The window's own work is ~10% of one core at that rate; on a machine shared with other
-    jobs a single run can still catch the OS scheduling someone else, so the best of up to
-    three runs is held to the bound (a GUI that blocks per token fails all three)."""
-    runs = []
-    for _ in range(3):
-        worst, p99, n, rate = measure_latency(qtbot, window, 1500)
-        runs.append(worst)
-        print(f"\n{n} tokens at {rate:.0f} tok/s; timer gaps: max {worst:.1f} ms, p99 {p99:.1f} ms")
-        assert n > 1000 and rate > 100
-        if worst < 50:
-            break
-    assert min(runs) < 50, f"the event loop stalled for {min(runs):.0f} ms at best ({runs})"
+        view.flush_timer.timeout.disconnect()
+        view.flush_timer.timeout.connect(real_flush)
+    assert len(n) > 300  # streamed pieces (the detokenizer may join tokens)
+    # the user's message, the answer's start and its end: a handful of rebuilds, not one a token
+    assert counts["render_all"] <= 6, counts
+    assert 1 <= counts["flush"] <= len(n)
+    answer = chat.messages[-1]
+    assert answer.state == "complete" and answer.content
+    assert view.transcript.toPlainText().rstrip().endswith(answer.content.rstrip()[-20:])
 
 
 def test_worker_killed_shows_error_and_restart_keeps_conversation(qtbot, window):
