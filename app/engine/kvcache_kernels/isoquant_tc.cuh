@@ -871,7 +871,7 @@ __device__ __forceinline__ void iq_tc_warp(
     // shift can wait until just before the P V mma, after the V codes' selectors are built. With
     // one vote for both after the maximum, ptxas kept the V codes' reads and selectors below that
     // branch, behind the maximum's shuffles, the ceiling and the vote (H200, side by side: B8 T8K
-    // 24.66 -> 24.46 us, B8 T32K 69.24 -> 68.66; NOTES.md, session 23).
+    // 24.66 -> 24.46 us, B8 T32K 69.24 -> 68.66; docs/kernels.md).
     int gj = 0;
     if constexpr (PV8) {
       // a V norm of the tile above nu (positive fp16 bits order as unsigned integers)
@@ -1159,8 +1159,7 @@ __device__ __forceinline__ void iq_tc_warp(
   }
   // The partial's place and its scale, from the parameters and the block index again rather than
   // kept from the set-up: values live through the tile loop take its registers (H200, side by
-  // side: B8 T8K 23.57 -> 23.15 us, B8 T32K 66.2 -> 65.5, B1 T2K 9.02 -> 8.86; NOTES.md, session
-  // 24).
+  // side: B8 T8K 23.57 -> 23.15 us, B8 T32K 66.2 -> 65.5, B1 T2K 9.02 -> 8.86; docs/kernels.md).
   const int R = ip[IQ_P_R];
   int pbx, pby, pbh;
   iq_tc_place(R, pbx, pby, pbh);
