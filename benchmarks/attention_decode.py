@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import platform
 import statistics
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_clock  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from record import write_result  # noqa: E402
 
 from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
 
@@ -259,7 +259,7 @@ def main() -> None:
         "--defaults-only",
         action="store_true",
         help="the table's default call (and its float window), mx.fast and torch only: no "
-        "variant columns (all twelve shapes took 84 s on the H200 in session 23)",
+        "variant columns (all twelve shapes take ~84 s on an H200)",
     )
     ap.add_argument(
         "--shapes", nargs="*", metavar="BxT", help="table shapes (default: every B x T)"
@@ -332,12 +332,10 @@ def main() -> None:
             info = {k: str(v) for k, v in mx.device_info().items()}
         except Exception:  # older MLX: the device name is optional
             pass
+        machine = dict(
+            platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__
+        )
         out = dict(
-            machine=dict(
-                platform=platform.platform(),
-                device=info.get("device_name", "?"),
-                mlx=mx.__version__,
-            ),
             shape=dict(hq=HQ, hkv=HKV, d=D, query_tokens=1, isoquant_bits=3, dtype="bfloat16"),
             method="time_us: median of 7 trials; each trial queues >= 20 calls over rotating "
             "input sets (KV >= 4x the 60 MB L2 where memory allows) and evaluates them at once "
@@ -359,8 +357,7 @@ def main() -> None:
             accuracy_rel_error=acc,
             records=rows,
         )
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_result("attention_decode", out, machine, Path(args.out))
 
     for b, t in shapes:
         print(f"B={b} T={t}", flush=True)

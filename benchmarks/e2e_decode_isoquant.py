@@ -14,7 +14,6 @@ Results: benchmarks/results/e2e_decode_isoquant.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -57,7 +56,7 @@ WINDOW = 64
 # Warm-up steps: past five decode compression batches (16 tokens each) and the first growth of
 # the code buffers (the pre-filled caches hold exactly their tokens), so neither first-use kernel
 # compilation nor MLX's first instantiation of each CUDA-graph topology a step can have is timed.
-# H200 (.device/s10/steps.py, e2e json "compression_steps"): the first compression steps and the
+# Measured one step at a time on an H200: the first compression steps and the
 # first growth each took 10-17 ms more to evaluate; from the fifth compression on, a compression
 # step evaluates within ~0.3 ms of a plain one. The timed steps are then the steady state of a
 # long decode; the spikes are a one-time cost per process and topology.
@@ -221,7 +220,7 @@ def main() -> None:
     for ctx in args.contexts:
         rounds = {m: [] for m in modes}
         for rnd in range(args.rounds):
-            # the modes alternate in order round by round (the lent host's speed drifts)
+            # the modes alternate in order round by round (the host's speed drifts)
             for mode in modes if rnd % 2 == 0 else modes[::-1]:
                 _set_mode(mode, fold_default)
                 caches = make_caches("fp16" if mode == "fp16" else "isoquant", ctx)
@@ -241,10 +240,8 @@ def main() -> None:
         info = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:  # older MLX: the device name is optional
         pass
+    machine = dict(platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__)
     out = dict(
-        machine=dict(
-            platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__
-        ),
         model="Llama-3.1-8B shapes, random weights, 4-bit g64; batch 1; greedy decode",
         method=f"{args.steps} timed steps after {args.warmup} warm-up steps; caches pre-filled with random KV; "
         "tok_s: mlx-lm generate_step (next step built while the GPU runs this one, as the app "
@@ -258,8 +255,9 @@ def main() -> None:
         kv_compile=kvcache.cache.compile_encoders(),
         records=rows,
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("e2e_decode_isoquant", out, machine, Path(args.out))
     by = {(r["mode"], r["context"]): r for r in rows}
     for ctx in args.contexts:
         f, i = by.get(("fp16", ctx)), by.get(("isoquant_fused", ctx))

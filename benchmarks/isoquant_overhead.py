@@ -19,7 +19,6 @@ as in attention_decode.py. Needs MLX's CUDA (or Metal) backend.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -136,11 +135,11 @@ def main() -> None:
         info = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:
         pass
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     mode = "inline header" if jit.inline() else "header included from a file"
     out = dict(device=info, header=mode, rel_error=err, records=rows)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print("wrote", args.out)
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("isoquant_overhead", out, {"device": info.get("device_name", "?")}, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -389,7 +389,9 @@ def write(path: Path, args, plays, rows, prefill_s, head_dim, t0) -> None:
         "treatments": rows,
         "checks": checks,
     }
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("kv_quality", doc, doc.pop("machine"), path)
 
 
 if __name__ == "__main__":

@@ -271,9 +271,9 @@ def main() -> None:
             "models": shares,
         },
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
-    print(f"wrote {OUT}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("planner_accuracy", result, result.pop("machine"), OUT)
 
 
 if __name__ == "__main__":

@@ -230,9 +230,9 @@ def cpu_main(args) -> dict:
     )
     adm["model"] = "SmolLM2-135M-Instruct, its own KV over the Shakespeare text"
     out["admission_smollm2_cpu"] = adm
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "zipfusion_cpu.json").write_text(json.dumps(out, indent=2))
-    log(f"wrote {RESULTS / 'zipfusion_cpu.json'}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("zipfusion_cpu", out, out.pop("machine"))
     return out
 
 
@@ -1062,7 +1062,10 @@ def merge_main(args) -> None:
     dev = json.loads(Path(args.device_json).read_text())
     cpu_path = RESULTS / "zipfusion_cpu.json"
     cpu = json.loads(cpu_path.read_text()) if cpu_path.exists() else {}
+    from record import header  # benchmarks/ is the script's folder, first on sys.path
+
     merged = {
+        **header(dev.get("machine")),
         "what": "ZipFusion (SPEC §5): lossless BF16 KV compression decoded inside decode attention",
         "commands": {
             "cpu": "LD_PRELOAD=...libopenblas.so.0 .venv/bin/python benchmarks/zipfusion.py cpu",
