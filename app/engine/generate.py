@@ -118,7 +118,7 @@ def _register_isoquant_kernels() -> None:
     """Importing the kernel package registers IsoQuant's fused kernels with the cache where the
     backend has them (ROTARYQUANT_ISOQUANT_ATTENTION=auto|kernel|reference forces a path)."""
     try:
-        from . import kvcache_kernels  # noqa: F401
+        from .kvcache.isoquant import kernel_path  # noqa: F401
     except ImportError:
         pass  # a build without kernels: the reference attention runs
 

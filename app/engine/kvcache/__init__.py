@@ -1,18 +1,18 @@
-"""KV-cache compression: IsoQuant (rotated 3/4-bit codes, this package) and ZipFusion
-(lossless BF16, `zipfusion/`). Format of the packed IsoQuant cache: packing.py."""
+"""KV-cache compression: IsoQuant (rotated 3/4-bit codes, `isoquant/`) and ZipFusion
+(lossless BF16, `zipfusion/`). Format of the packed IsoQuant cache: isoquant/packing.py."""
 
-from .cache import IsoQuantKVCache, register_encoder
-from .dispatch import install
-from .isoquant_attention import (
+from .isoquant.attention import (
     IsoQuantTensor,
     isoquant_attention,
     isoquant_attention_reference,
     register_kernel,
 )
+from .isoquant.cache import IsoQuantKVCache, register_encoder
+from .isoquant.dispatch import install
+from .isoquant.packing import FORMAT_VERSION, pack_codes, unpack_codes
+from .isoquant.rotation import Rotation
 from .modes import KV_MODES, MODES, cache_nbytes, finish_prefill, make_cache, mode_spec
-from .packing import FORMAT_VERSION, pack_codes, unpack_codes
 from .persist import load_cache, save_cache
-from .rotation import Rotation
 
 __all__ = [
     "FORMAT_VERSION",

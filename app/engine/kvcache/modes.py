@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .cache import IsoQuantKVCache
+from .isoquant.cache import IsoQuantKVCache
 
 DEFAULT_WINDOW = 64  # chosen from benchmarks/kv_quality.py (SmolLM2-135M): see results JSON
 DEFAULT_SINK = 0  # first tokens kept in float (attention sinks); see results JSON

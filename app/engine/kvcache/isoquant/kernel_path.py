@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 
-from ..kvcache.cache import register_encoder, register_tc16_packer
-from ..kvcache.isoquant_attention import register_kernel
-from ..kvcache.packing import register_v_layout
-from .isoquant import (
+from .attention import register_kernel
+from .cache import register_encoder, register_tc16_packer
+from .kernels import (
     BACKEND,
     Problem,
     Unsupported,
@@ -27,6 +26,7 @@ from .isoquant import (
     unfused_attention,
     v_layout,
 )
+from .packing import register_v_layout
 
 SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
 SETTINGS = ("auto", "kernel", "reference")
