@@ -179,7 +179,7 @@ def test_bits_attribute_is_absent():
 
 
 def test_make_cache_modes_and_errors():
-    assert set(kvcache.KV_MODES) >= {"fp16", "isoquant3", "isoquant4", "isoquant_k4v3"}
+    assert set(kvcache.names()) >= {"fp16", "isoquant3", "isoquant4", "isoquant_k4v3"}
     with pytest.raises(ValueError, match="unknown KV mode"):
         kvcache.make_cache(None, "isoquant2")
     with pytest.raises(ValueError, match="window"):

@@ -5,11 +5,13 @@
 - `attention`: the MLX-ops reference attention; `dispatch`: its hook into mlx-lm's modules
 - `kernels` (+ `isoquant_body.h`, `isoquant_tc.cuh`, `metal_prologue`, `cuda_prologue`): the
   fused Metal/CUDA kernels; `kernel_path`: the switch between kernels and reference
+- `factory`: `make_cache`, the modes table's factory for the isoquant* rows
 """
 
 from .attention import IsoQuantTensor, isoquant_attention, isoquant_attention_reference
 from .cache import IsoQuantKVCache
 from .dispatch import install
+from .factory import make_cache
 from .packing import FORMAT_VERSION, pack_codes, unpack_codes
 from .rotation import Rotation
 
@@ -21,6 +23,7 @@ __all__ = [
     "install",
     "isoquant_attention",
     "isoquant_attention_reference",
+    "make_cache",
     "pack_codes",
     "unpack_codes",
 ]
