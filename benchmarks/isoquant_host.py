@@ -24,6 +24,7 @@ import mlx.core as mx  # noqa: E402
 
 from app.engine.kvcache import isoquant  # noqa: E402
 from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 
 def per_call_us(fn, n=2000) -> float:
@@ -82,7 +83,7 @@ def main() -> None:
     a = ap.parse_args()
     res = {"python_loop_us": timeit.timeit("sum(range(1000))", number=2000) / 2000 * 1e6}
     scale = 1 / math.sqrt(128)
-    q, k, v = iq.random_problem(1, 8, 4, 1, 128, 2048, 64, encoded=False)
+    q, k, v = random_problem(1, 8, 4, 1, 128, 2048, 64, encoded=False)
     mx.eval(q, k.codes, k.norms, k.fp, v.codes, v.norms, v.fp)
     if iq.kernels_available():
         res["fused_attention_us"] = per_call_us(lambda: iq.fused_attention(q, k, v, scale))

@@ -2,7 +2,7 @@
 
 Model: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of width 768, top-8; attention
 32 q / 4 kv heads of 128) with 4 layers and a 32K vocabulary (the lm_head is not what is
-measured), random weights written directly in the converted format (`offload.synth`) at the
+measured), random weights written directly in the converted format (`testing.synth`) at the
 default role widths (dense 4-bit, routed 2-bit: 1.47 MB per expert record). The decode feeds
 a random token stream (teacher forcing, pipelined like mlx-lm's generate_step), so routing is
 random: the pager's hard case.
@@ -73,8 +73,8 @@ def config(layers: int, vocab: int) -> dict:
 
 def build(folder: Path, cfg: dict, widths: str, dtype: str):
     from app.engine.manifest import Manifest
-    from app.engine.offload.synth import write_random_converted
     from app.engine.quant.widths import RoleWidths
+    from app.engine.testing.synth import write_random_converted
 
     man = Manifest.load(folder) if folder.exists() else None
     want = {"config": cfg, "widths": widths, "dtype": dtype}

@@ -183,7 +183,7 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
     from app.engine.offload.records import ExpertStore
     from app.engine.quant.convert import convert
     from app.engine.quant.converted import load_converted
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     prompts = {"prompt_80": mx.array(np.random.default_rng(7).integers(3, 1000, PROMPT_LEN)
                                       .tolist()),

@@ -108,8 +108,8 @@ def fstype(path: Path) -> str:
 
 
 def build(folder: Path, small: bool) -> dict:
-    from app.engine.offload.synth import write_random_converted
     from app.engine.sizes import sizes_for
+    from app.engine.testing.synth import write_random_converted
 
     cfg = config(small)
     if not small:

@@ -965,7 +965,7 @@ def generation_check() -> dict:
 
     import tests.gpu.test_zipfusion_gpu as T
     from app.engine.kvcache import zipfusion as zf
-    from app.engine.random_models import _randomize
+    from app.engine.testing.random_models import _randomize
 
     mc, ac = _get_classes(T.CFG)
     m = mc(ac.from_dict(T.CFG))

@@ -24,9 +24,9 @@ from app.engine.quant.convert import ConvertError, ConvertProgress, convert
 from app.engine.quant.converted import is_converted, load_converted
 from app.engine.quant.hf_layout import to_hf_layout
 from app.engine.quant.roles import expert_container, module_role, role_predicate, rules_for
-from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
 from app.engine.quant.widths import RoleWidths
-from app.engine.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "nemotron_h", "gemma4_text", "gpt_oss", "llama",
          "mixtral", "deepseek_v3", "qwen3_next", "qwen3_5_moe", "nemotron_h_latent"]

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from app.engine import kvcache
 from app.engine.kvcache.isoquant import FORMAT_VERSION, IsoQuantKVCache, IsoQuantTensor, install
 from app.engine.kvcache.isoquant.quantizer import decode
-from app.engine.random_models import TINY_CONFIGS
+from app.engine.testing.random_models import TINY_CONFIGS
 
 
 @pytest.fixture(autouse=True)

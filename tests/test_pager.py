@@ -22,7 +22,7 @@ from app.engine.offload.pager import BudgetError
 from app.engine.offload.records import ExpertRecordError, ExpertStore
 from app.engine.quant.convert import convert
 from app.engine.quant.converted import load_converted
-from app.engine.random_models import make_random_model
+from app.engine.testing.random_models import make_random_model
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "nemotron_h"]
 PROMPT = mx.array(np.random.default_rng(7).integers(3, 1000, 80).tolist())

@@ -6,9 +6,9 @@ import pytest
 
 from app.engine.manifest import Manifest
 from app.engine.offload import load_paged
-from app.engine.offload.synth import write_random_converted
 from app.engine.quant.converted import load_converted
-from app.engine.random_models import TINY_CONFIGS
+from app.engine.testing.random_models import TINY_CONFIGS
+from app.engine.testing.synth import write_random_converted
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "nemotron_h"])

@@ -13,7 +13,7 @@ from app.engine.kvcache import zipfusion as zf
 from app.engine.kvcache.zipfusion import codec
 from app.engine.kvcache.zipfusion import kernels as zk
 from app.engine.kvcache.zipfusion.scheduler import Request, ZipScheduler
-from app.engine.random_models import _randomize
+from app.engine.testing.random_models import _randomize
 
 CFG = {
     "model_type": "llama",

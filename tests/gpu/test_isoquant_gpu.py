@@ -15,6 +15,7 @@ import pytest
 from app.engine.kvcache import isoquant
 from app.engine.kvcache.isoquant import kernel_path as kk
 from app.engine.kvcache.isoquant import kernels as iq
+from app.engine.testing.isoquant_problems import random_problem
 
 pytestmark = pytest.mark.skipif(
     not iq.kernels_available(), reason="needs MLX's Metal or CUDA backend (a GPU)"
@@ -40,7 +41,7 @@ def _check(
     if tcp and (kb, vb) != (3, 3) or tcp and d not in iq.TC_HEAD_DIMS:
         pytest.skip("the tensor-core kernel takes 3-bit codes and head dims 64/128")
     layout = "tc16" if path == "tc16" else "rows"
-    q, k, v = iq.random_problem(
+    q, k, v = random_problem(
         b, hkv, g, length, d, tc, tf, kb, vb, kind, mx.float32, seed, v_layout=layout
     )
     sk = mx.random.normal((hkv * g,)) if sinks else None
@@ -89,7 +90,7 @@ def test_four_bit_codes(kb, vb):
 
 def test_bf16_queries_and_views_of_a_grown_cache():
     # The cache hands out slices of larger buffers: the kernels read them through strides.
-    q, k, v = iq.random_problem(2, 8, 4, 1, 128, 700, 64, dtype=mx.bfloat16, seed=5)
+    q, k, v = random_problem(2, 8, 4, 1, 128, 700, 64, dtype=mx.bfloat16, seed=5)
 
     def pad(a):
         return mx.concatenate([a, mx.zeros_like(a)[:, :, :100]], axis=2)[:, :, : a.shape[2]]
@@ -108,7 +109,7 @@ def test_bf16_queries_and_views_of_a_grown_cache():
 
 
 def test_each_kernel_against_its_reference():
-    q, k, v = iq.random_problem(2, 2, 4, 1, 128, 1500, 0, dtype=mx.float32, seed=6)
+    q, k, v = random_problem(2, 2, 4, 1, 128, 1500, 0, dtype=mx.float32, seed=6)
     p = iq.Problem.of(q, k, v, None)
     with mx.stream(mx.cpu):  # float32 references (the GPU's float32 matmuls are TF32)
         s_ref = iq.qk_dot_reference(q, k, 0.1)
@@ -187,7 +188,7 @@ def test_folded_combine_reuses_counter_slots_and_survives_concurrent_calls(monke
     tiny ring come round every other call and must have been reset to 0; independent calls
     queued in one graph (which may run concurrently) each draw their own slots."""
     probs = [
-        iq.random_problem(2, 2, 4, 1, 128, 700 + 97 * i, 5, dtype=mx.float32, seed=i)
+        random_problem(2, 2, 4, 1, 128, 700 + 97 * i, 5, dtype=mx.float32, seed=i)
         for i in range(6)
     ]
     s = 1.0 / math.sqrt(128)
