@@ -107,10 +107,8 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
     _, manifest = _loader.check_folder(path)
     if manifest is None or not manifest.experts:
         raise EngineError("an expert budget needs a converted MoE model (rotaryquant convert)")
-    try:
-        from .offload import load_paged
-    except ImportError as e:
-        raise EngineError("expert paging is not available in this build") from e
+    from .offload import load_paged
+
     return load_paged(path, int(expert_budget))
 
 
