@@ -88,9 +88,9 @@ def test_download_convert_and_chat(hub_env, tiny_hf):
     # chat with it
     from mlx_lm import generate
 
-    from app.engine.quant.converted import load_converted
+    from app.engine.loader import load
 
-    lm = load_converted(folder)
+    lm = load(folder)
     text = generate(lm.model, lm.tokenizer, "Hello", max_tokens=8)
     assert isinstance(text, str) and len(lm.tokenizer.encode(text)) > 0
 
