@@ -32,7 +32,8 @@ import gpu_clock  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from record import write_result  # noqa: E402
 
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 WINDOW = 64  # float tokens of the cache's recent window (kvcache default W)
@@ -87,7 +88,7 @@ def isoquant_sets(b: int, t: int, dtype=mx.bfloat16, tf: int = 0, v_layout: str 
     layout = v_layout or V_LAYOUT
     sets = []
     for s in range(_sets(per)):
-        q, k, v = iq.random_problem(
+        q, k, v = random_problem(
             b, HKV, HQ // HKV, 1, D, t, tf, dtype=dtype, seed=s, encoded=False, v_layout=layout
         )
         mx.eval(q, k.codes, k.norms, v.codes, v.norms)
@@ -212,7 +213,7 @@ def settings(**changed):
 
 def check_accuracy() -> dict:
     """Fused output vs the MLX-ops reference on the same codes (bench-like shape)."""
-    q, k, v = iq.random_problem(
+    q, k, v = random_problem(
         2, HKV, HQ // HKV, 1, D, 4097, 64, dtype=mx.float32, seed=9, v_layout=V_LAYOUT
     )
     with mx.stream(mx.cpu):  # float32 reference: MLX's CUDA float32 matmuls are TF32

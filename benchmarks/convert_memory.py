@@ -56,7 +56,7 @@ def make_synthetic_checkpoint(folder: Path, config: dict, shard_bytes: int = 1 <
     from mlx_lm.utils import _get_classes
 
     from app.engine.quant.safetensors_io import OutTensor, ShardedWriter
-    from app.engine.random_models import write_tiny_tokenizer
+    from app.engine.testing.random_models import write_tiny_tokenizer
 
     cls, args = _get_classes(config)
     model = cls(args.from_dict(config))  # lazy: shapes only

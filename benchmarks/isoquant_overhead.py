@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine.cuda_kernels import jit  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import jit  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -57,7 +58,7 @@ def time_host(fn, n=200) -> float:
 
 def shape(b: int, t: int, warps: list[int]) -> list[dict]:
     scale = 1 / math.sqrt(D)
-    q, k, v = iq.random_problem(b, HKV, HQ // HKV, 1, D, t, 0, seed=1, encoded=False)
+    q, k, v = random_problem(b, HKV, HQ // HKV, 1, D, t, 0, seed=1, encoded=False)
     mx.eval(q, k.codes, k.norms, v.codes, v.norms)
     p = iq.Problem.of(q, k, v, None)
     rows = []
@@ -119,7 +120,7 @@ def main() -> None:
     if not iq.kernels_available():
         sys.exit("needs MLX's CUDA or Metal backend")
     warps = [int(w) for w in args.warps.split(",")]
-    q, k, v = iq.random_problem(2, HKV, HQ // HKV, 1, D, 2049, 0, dtype=mx.float32, seed=3)
+    q, k, v = random_problem(2, HKV, HQ // HKV, 1, D, 2049, 0, dtype=mx.float32, seed=3)
     with mx.stream(mx.cpu):  # float32 reference (MLX's CUDA float32 matmuls are TF32)
         ref = iq.attention_reference(q, k, v, 1 / math.sqrt(D))
     err = iq.rel_error(iq.fused_attention(q, k, v, 1 / math.sqrt(D)), ref)

@@ -208,7 +208,7 @@ def run_case(name: str, folder: Path, prompt_tokens: int, gen_tokens: int) -> di
 
 def main() -> None:
     from app.engine.embedded import ensure_default_model
-    from app.engine.random_models import TINY_ARCHS, make_random_model
+    from app.engine.testing.random_models import TINY_ARCHS, make_random_model
 
     cases = []
     with tempfile.TemporaryDirectory() as tmp:

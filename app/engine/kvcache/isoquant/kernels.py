@@ -2,7 +2,7 @@
 launchers and public functions (STYLE "Kernels").
 
 Kernels (bodies in isoquant_body.h, shared by Metal and CUDA; prologues in
-metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
+metal_prologue.py and cuda_prologue.py):
   A iq_qk_dot          packed K -> scores (query rotated in the kernel)
   B iq_softmax         scores -> probabilities (lengths, causal float segment, sinks)
   C iq_value_word      probabilities x packed V -> õ, word-parallel (T < 512)
@@ -30,12 +30,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..cuda_kernels import isoquant as cuda_prologue
-from ..kvcache.codebook import kv_codebook
-from ..kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
-from ..kvcache.packing import unpack_codes
-from ..kvcache.rotation import Rotation
-from ..metal_kernels import isoquant as metal_prologue
+from . import cuda_prologue, metal_prologue
+from .attention import IsoQuantTensor, isoquant_attention_reference
+from .codebook import kv_codebook
+from .packing import unpack_codes
+from .rotation import Rotation
 
 # -- source factory ------------------------------------------------------------------------
 
@@ -991,54 +990,6 @@ def pack_tc16(vc: mx.array, old: mx.array | None, off: int):
         output_shapes=[(b, h, 16 * nc, rb)],
         output_dtypes=[mx.uint8],
     )[0]
-
-
-# -- inputs for tests and benchmarks ----------------------------------------------------------
-
-
-def random_problem(
-    b: int,
-    hkv: int,
-    g: int,
-    length: int,
-    dim: int,
-    tc: int,
-    tf: int = 0,
-    kb: int = 3,
-    vb: int = 3,
-    kind: str = "v3",
-    dtype=mx.bfloat16,
-    seed: int = 0,
-    encoded: bool = True,
-    v_layout: str = "rows",
-):
-    """(q [B, Hq, L, D], keys, values) with tc packed and tf float tokens. encoded=True runs
-    the cache's quantizer on Gaussian K/V; False draws random code bytes and norms directly
-    (every byte pattern is a valid code stream: fast for benchmark-sized caches). v_layout:
-    the V codes' layout (packing.py; "tc16" repacks the same codes)."""
-    from ..kvcache.packing import pack_v_codes, unpack_codes
-    from ..kvcache.quantizer import Quantizer, encode
-
-    mx.random.seed(seed)
-    rot = Rotation.make(kind, dim, hkv, seed=seed, layer=1)
-    kq, vq = Quantizer.make(dim, kb), Quantizer.make(dim, vb)
-    if encoded:
-        kc, kn = encode(mx.random.normal((b, hkv, tc, dim)) * 2.0, rot, kq)
-        vc, vn = encode(mx.random.normal((b, hkv, tc, dim)), rot, vq)
-    else:
-        kc = mx.random.randint(0, 256, (b, hkv, tc, kq.row_bytes)).astype(mx.uint8)
-        vc = mx.random.randint(0, 256, (b, hkv, tc, vq.row_bytes)).astype(mx.uint8)
-        kn = (mx.random.uniform(10.0, 30.0, (b, hkv, tc))).astype(mx.float16)
-        vn = (mx.random.uniform(5.0, 15.0, (b, hkv, tc))).astype(mx.float16)
-    fk = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
-    fv = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
-    q = (mx.random.normal((b, hkv * g, length, dim)) * 1.5).astype(dtype)
-    if v_layout == "tc16":
-        vc = pack_v_codes(unpack_codes(vc, vb), vb, "tc16")
-    elif v_layout != "rows":
-        raise ValueError(f"unknown V layout {v_layout!r}")
-    keys = IsoQuantTensor(kc, kn, fk, kq, rot)
-    return q, keys, IsoQuantTensor(vc, vn, fv, vq, rot, layout=v_layout)
 
 
 def rel_error(out: mx.array, ref: mx.array) -> float:
