@@ -401,8 +401,9 @@ class ExpertStore:
             out[name] = arr.view(mx.bfloat16) if t.dtype == "bfloat16" else arr
         return out
 
-    def read_layer(self, layer: int) -> dict:
-        """All experts of `layer` stacked along axis 0: the mlx-lm parameters of the module."""
+    def read_layer(self, layer: int, verify: bool = True) -> dict:
+        """All experts of `layer` stacked along axis 0: the mlx-lm parameters of the module.
+        `verify`: each record's CRC is checked while its bytes are in hand (one pass)."""
         import mlx.core as mx
 
         lay = self.layout(layer)
@@ -411,6 +412,8 @@ class ExpertStore:
         buf = np.empty(lay.record_size, dtype=np.uint8)
         for e in range(lay.num_experts):
             self.read_raw(layer, e, out=buf)
+            if verify:
+                self._verify_bytes(layer, e, buf)
             for name, a in self.arrays(layer, buf).items():
                 stacked[name][e] = a
         out = {}

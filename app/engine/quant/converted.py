@@ -23,21 +23,19 @@ def is_converted(folder: str | os.PathLike) -> bool:
 
 
 def expert_weights(folder: str | os.PathLike, section: dict | None = None,
-                   verify: bool = False) -> dict:
-    """All routed experts of a converted folder as mlx-lm parameters (stacked per module)."""
+                   verify: bool = True) -> dict:
+    """All routed experts of a converted folder as mlx-lm parameters (stacked per module);
+    `verify` checks every record's CRC as it is read (no second pass over the files)."""
     out = {}
     with ExpertStore(folder, section) as store:
         for layer in store.layers:
-            if verify:
-                for e in range(store.layout(layer).num_experts):
-                    store.verify(layer, e)
             module = store.layout(layer).module
-            for name, arr in store.read_layer(layer).items():
+            for name, arr in store.read_layer(layer, verify=verify).items():
                 out[f"{module}.{name}"] = arr
     return out
 
 
-def load_converted(folder: str | os.PathLike, lazy: bool = False, verify: bool = False):
+def load_converted(folder: str | os.PathLike, lazy: bool = False, verify: bool = True):
     """Load a converted folder fully resident -> `LoadedModel`; folders without expert records
     go through `app.engine.loader.load` unchanged."""
     import mlx.core as mx
