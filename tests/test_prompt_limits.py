@@ -26,8 +26,11 @@ def _tokens(events):
 @pytest.mark.parametrize("bad", [1000, 1001, 200_000, 2**40, -1])
 def test_token_ids_outside_the_vocabulary_are_refused(tiny, bad):
     assert tiny.loaded.model.args.vocab_size == 1000
-    with pytest.raises(PromptError, match=f"token id {bad} at position 1 is outside the "
-                                          r"vocabulary \(0\.\.999\)"):
+    with pytest.raises(
+        PromptError,
+        match=f"token id {bad} at position 1 is outside the "
+        r"vocabulary \(0\.\.999\)",
+    ):
         list(tiny.generate([5, bad, 7], GenerationSettings(max_tokens=2)))
     assert len(_tokens(tiny.generate([5, 999, 7], GenerationSettings(max_tokens=2)))) >= 1
 
@@ -43,8 +46,9 @@ def test_prompt_over_the_context_is_refused_and_the_answer_capped(tiny):
     assert ctx == 4096
     with pytest.raises(PromptError, match=r"4,096 tokens; the model's context is 4,096 tokens"):
         list(tiny.generate([3] * ctx, GenerationSettings(max_tokens=4)))
-    events = list(tiny.generate([3] * (ctx - 3), GenerationSettings(max_tokens=50,
-                                                                    prefill_step_size=2048)))
+    events = list(
+        tiny.generate([3] * (ctx - 3), GenerationSettings(max_tokens=50, prefill_step_size=2048))
+    )
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.generated_tokens <= 3
     assert fin.reason == "length" or fin.reason == "stop"
@@ -58,9 +62,13 @@ def test_cancel_takes_effect_between_prefill_chunks(tiny):
         calls += 1
         return calls >= 3  # after two chunks of the prompt
 
-    events = list(tiny.generate([3, 4, 5, 6] * 250, GenerationSettings(max_tokens=20,
-                                                                   prefill_step_size=64),
-                                should_stop=stop))
+    events = list(
+        tiny.generate(
+            [3, 4, 5, 6] * 250,
+            GenerationSettings(max_tokens=20, prefill_step_size=64),
+            should_stop=stop,
+        )
+    )
     assert not any(isinstance(ev, (PromptProcessed, TokenEvent)) for ev in events)
     fin = events[-1]
     assert fin.reason == "cancelled" and fin.generated_tokens == 0 and calls == 3
@@ -109,11 +117,20 @@ def test_lone_surrogates_are_refused(tiny, prompt):
         list(tiny.generate(prompt, GenerationSettings(max_tokens=2)))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", math.nan), ("repetition_penalty", math.nan), ("top_p", math.inf),
-    ("seed", -1), ("seed", 2**80), ("max_tokens", "5"), ("max_tokens", 5.0), ("top_k", True),
-    ("prefill_step_size", 0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", math.nan),
+        ("repetition_penalty", math.nan),
+        ("top_p", math.inf),
+        ("seed", -1),
+        ("seed", 2**80),
+        ("max_tokens", "5"),
+        ("max_tokens", 5.0),
+        ("top_k", True),
+        ("prefill_step_size", 0),
+    ],
+)
 def test_settings_that_are_not_numbers_or_out_of_range(field, value):
     with pytest.raises(ValueError, match=field):
         GenerationSettings(**{field: value})

@@ -34,8 +34,10 @@ def check_text(text, what: str = "the prompt") -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise PromptError(f"{what} is not valid Unicode text ({e.reason} at character "
-                          f"{e.start}): remove that character") from None
+        raise PromptError(
+            f"{what} is not valid Unicode text ({e.reason} at character "
+            f"{e.start}): remove that character"
+        ) from None
     return text
 
 
@@ -50,16 +52,22 @@ def check_messages(messages) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                should_stop: Callable[[], bool] = lambda: False,
-                seconds: float = TEMPLATE_SECONDS, max_chars: int = TEMPLATE_CHARS) -> list[int]:
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    should_stop: Callable[[], bool] = lambda: False,
+    seconds: float = TEMPLATE_SECONDS,
+    max_chars: int = TEMPLATE_CHARS,
+) -> list[int]:
     """The token ids of `messages` through the tokenizer's (sandboxed) chat template, within
     `seconds` and `max_chars`; Cancel (`should_stop`) interrupts the rendering."""
     check_messages(messages)
     with _Guard(seconds, should_stop) as guard:
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except (Cancelled, PromptError):
             raise
         except Exception as e:  # the template's own errors: the user's model, not a bug here
@@ -68,8 +76,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if not isinstance(text, str):
         raise PromptError("the model's chat template did not render text")
     if len(text) > max_chars:
-        raise PromptError(f"the chat template rendered {len(text):,d} characters (limit "
-                          f"{max_chars:,d}): shorten the conversation")
+        raise PromptError(
+            f"the chat template rendered {len(text):,d} characters (limit "
+            f"{max_chars:,d}): shorten the conversation"
+        )
     # what apply_chat_template(tokenize=True) does: the template writes the special tokens
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -101,7 +111,8 @@ class _Guard:
             elif time.monotonic() > self.deadline:
                 self.stopped = PromptError(
                     f"the model's chat template did not finish within {self.seconds:g} s: "
-                    "it is broken or hostile; use raw text or another model")
+                    "it is broken or hostile; use raw text or another model"
+                )
             if self.stopped is not None:
                 raise self.stopped
         return self._trace
@@ -128,8 +139,11 @@ def check_ids(ids, vocab_size: int | None) -> list[int]:
 def vocab_size(model, config: dict) -> int | None:
     """Rows of the model's token embedding: the ids it can look up."""
     args = getattr(model, "args", None)
-    for src in (getattr(args, "vocab_size", None), config.get("vocab_size"),
-                (config.get("text_config") or {}).get("vocab_size")):
+    for src in (
+        getattr(args, "vocab_size", None),
+        config.get("vocab_size"),
+        (config.get("text_config") or {}).get("vocab_size"),
+    ):
         if isinstance(src, int) and src > 0:
             return src
     return None
@@ -140,8 +154,11 @@ def context_limit(config: dict, plan: dict | None = None) -> tuple[int | None, s
     the model's trained context, or the plan's smaller one (what memory holds)."""
     text = config.get("text_config") or {}
     trained = config.get("max_position_embeddings") or text.get("max_position_embeddings")
-    limit, why = (int(trained), "the model's context") if isinstance(trained, int) and \
-        trained > 0 else (None, "")
+    limit, why = (
+        (int(trained), "the model's context")
+        if isinstance(trained, int) and trained > 0
+        else (None, "")
+    )
     planned = (plan or {}).get("context_limit")
     if isinstance(planned, int) and planned > 0 and (limit is None or planned < limit):
         limit, why = planned, "the plan's context limit (what fits in memory)"
@@ -154,7 +171,9 @@ def fit_context(n_prompt: int, max_tokens: int, limit: int | None, why: str) -> 
     if limit is None:
         return max_tokens
     if n_prompt >= limit:
-        raise PromptError(f"the prompt has {n_prompt:,d} tokens; {why} is {limit:,d} tokens: "
-                          "shorten it or start a new conversation")
+        raise PromptError(
+            f"the prompt has {n_prompt:,d} tokens; {why} is {limit:,d} tokens: "
+            "shorten it or start a new conversation"
+        )
     room = limit - n_prompt
     return room if max_tokens < 0 else min(max_tokens, room)
