@@ -64,6 +64,8 @@ class _Worker:
                 self.shutdown.set()
                 self.requests.put(M.Shutdown())
                 return
+            except Exception as e:  # not a message (garbage, a class we cannot import)
+                self._broken_frame(e)
             if isinstance(msg, M.Cancel):
                 self.cancelled.add(msg.req_id)
             elif isinstance(msg, M.Crash):
@@ -73,6 +75,20 @@ class _Worker:
                 self.requests.put(msg)
             else:
                 self.requests.put(msg)
+
+    def _broken_frame(self, e: Exception) -> None:
+        """The stream can no longer be trusted to be in step: say so and end the process;
+        the client sees the exit code and starts a new worker."""
+        log.error("broken frame on the pipe (%s): the worker ends", type(e).__name__)
+        try:
+            with self.send_lock:
+                self.conn.send(M.Error(None, "ProtocolError",
+                                       f"the engine got a message it could not read "
+                                       f"({type(e).__name__}); it restarts"))
+        except Exception:
+            pass
+        logging.shutdown()
+        os._exit(M.PROTOCOL_EXIT)
 
     def run(self) -> None:
         from .backend import detect
@@ -239,17 +255,30 @@ class WorkerClient:
             self.replies.put(msg)
 
     def _reader(self, proc, conn) -> None:
+        broken = None
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
+                break
+            except Exception as e:  # a frame we cannot read: the stream is out of step
+                broken = e
+                log.error("broken frame from the worker (%s): it is stopped", type(e).__name__)
+                with self._reap_lock:
+                    proc.kill()
                 break
             self._deliver(msg)
         with self._reap_lock:
             proc.join(timeout=5)
             code = proc.exitcode
         if not self._stopping and proc is self.proc:
-            self._deliver(M.WorkerDied(code, f"the engine process stopped unexpectedly (exit code {code})"))
+            if broken is not None:
+                what = f"a message from the engine could not be read ({type(broken).__name__})"
+            elif code == M.PROTOCOL_EXIT:
+                what = "the engine got a message it could not read"
+            else:
+                what = f"the engine process stopped unexpectedly (exit code {code})"
+            self._deliver(M.WorkerDied(code, what, broken is not None or code == M.PROTOCOL_EXIT))
 
     def send(self, msg) -> None:
         if not self.is_alive() or self.conn is None:
