@@ -143,3 +143,45 @@ def test_token_ids_outside_the_vocabulary_keep_the_worker(client, tiny_model_pat
             list(client.generate([1, bad], {"max_tokens": 2}))
     assert client.is_alive()
     assert list(client.generate([1, 2], {"max_tokens": 2}))[-1].reason in ("stop", "length")
+
+
+def test_worker_log_keeps_no_prompt_text_and_is_private(client):
+    import logging.handlers
+    import os
+    import stat
+
+    from app import paths
+    from app.engine.worker import LOG_BACKUPS, _PrivateLog, describe
+
+    secret = "my bank PIN is 4921"
+    with pytest.raises(WorkerError, match="max_tokens"):
+        list(client.generate([{"role": "user", "content": secret}], {"max_tokens": -5}))
+    with pytest.raises(WorkerError, match="max_tokens"):
+        list(client.generate(secret, {"max_tokens": -5}))
+    client.send(M.GetStats())  # answered after the requests above: their lines are written
+    client._wait(lambda m: isinstance(m, M.Stats), 60)
+    log = paths.log_dir() / "worker.log"
+    text = log.read_text()
+    assert "request failed: Generate #" in text and "1 messages" in text
+    assert "PIN" not in text and "4921" not in text
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
+    assert describe(M.Generate(3, [5, 6, 7], {})) == "Generate #3 (3 token ids, settings [])"
+    assert LOG_BACKUPS >= 1 and issubclass(_PrivateLog, logging.handlers.RotatingFileHandler)
+
+
+def test_worker_log_rotates_privately(tmp_path):
+    import logging
+    import os
+    import stat
+
+    from app.engine.worker import _PrivateLog
+
+    h = _PrivateLog(tmp_path / "w.log", maxBytes=200, backupCount=2)
+    lg = logging.getLogger("rq-test-rotation")
+    lg.addHandler(h)
+    for i in range(50):
+        lg.warning("line %d of the log, long enough to rotate", i)
+    h.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["w.log", "w.log.1", "w.log.2"]
+    assert all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == 0o600 for f in files)

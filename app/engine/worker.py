@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import logging.handlers
 import multiprocessing as mp
 import os
 import queue
@@ -17,11 +18,34 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from pathlib import Path
 
 from . import messages as M
 
 STATS_INTERVAL = 0.5  # seconds between stats messages while generating (throttled at the source)
+LOG_BYTES = 1 << 20  # worker.log rotates at 1 MiB, three old files kept
+LOG_BACKUPS = 3
 log = logging.getLogger("rotaryquant.worker")
+
+
+class _PrivateLog(logging.handlers.RotatingFileHandler):
+    """worker.log and its rotations, readable by the user only (0600)."""
+
+    def _open(self):
+        from ..paths import private_file
+
+        private_file(Path(self.baseFilename))
+        return super()._open()
+
+
+def describe(msg) -> str:
+    """A request as the log may keep it: its type and sizes, never the prompt's text."""
+    if isinstance(msg, M.Generate):
+        p = msg.prompt
+        what = (f"{len(p)} chars of text" if isinstance(p, str) else
+                f"{len(p)} messages" if p and isinstance(p[0], dict) else f"{len(p)} token ids")
+        return f"Generate #{msg.req_id} ({what}, settings {sorted(msg.settings)})"
+    return f"{type(msg).__name__} #{getattr(msg, 'req_id', '-')}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,10 +55,9 @@ def _worker_main(conn, env: dict) -> None:
     os.environ.update(env)
     from ..paths import log_dir
 
-    logging.basicConfig(
-        filename=str(log_dir() / "worker.log"), level=logging.INFO,
-        format="%(asctime)s %(process)d %(levelname)s %(message)s",
-    )
+    handler = _PrivateLog(log_dir() / "worker.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         _Worker(conn).run()
     except (EOFError, OSError, BrokenPipeError):
@@ -105,7 +128,7 @@ class _Worker:
             try:
                 self.handle(msg)
             except Exception as e:  # a bad request must not kill the worker
-                log.exception("request failed: %r", msg)
+                log.exception("request failed: %s", describe(msg))
                 self.send(M.Error(getattr(msg, "req_id", None), type(e).__name__, str(e)))
 
     def handle(self, msg) -> None:
