@@ -103,6 +103,12 @@ def read_config(path: str | os.PathLike) -> dict:
         raise ModelLoadError(f"config.json is not valid JSON: {e}", str(cfg_path)) from e
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError("config.json has no model_type", str(cfg_path))
+    from .sizes import SizeError, check_dimensions
+
+    try:
+        check_dimensions(config)
+    except SizeError as e:
+        raise ModelLoadError(e.reason, str(cfg_path)) from None
     return config
 
 
