@@ -166,6 +166,10 @@ def test_worker_log_keeps_no_prompt_text_and_is_private(client):
     assert "PIN" not in text and "4921" not in text
     assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
     assert describe(M.Generate(3, [5, 6, 7], {})) == "Generate #3 (3 token ids, settings [])"
+    assert describe(M.Generate(4, 5, None)) == "Generate #4 (a int, settings ?)"
+    with pytest.raises(WorkerError, match="a prompt is text|no model loaded"):
+        list(client.generate(12345))  # a request the log cannot measure still gets its answer
+    assert client.is_alive()
     assert LOG_BACKUPS >= 1 and issubclass(_PrivateLog, logging.handlers.RotatingFileHandler)
 
 

@@ -42,9 +42,14 @@ def describe(msg) -> str:
     """A request as the log may keep it: its type and sizes, never the prompt's text."""
     if isinstance(msg, M.Generate):
         p = msg.prompt
-        what = (f"{len(p)} chars of text" if isinstance(p, str) else
-                f"{len(p)} messages" if p and isinstance(p[0], dict) else f"{len(p)} token ids")
-        return f"Generate #{msg.req_id} ({what}, settings {sorted(msg.settings)})"
+        if isinstance(p, str):
+            what = f"{len(p)} chars of text"
+        elif isinstance(p, (list, tuple)):
+            what = f"{len(p)} messages" if p and isinstance(p[0], dict) else f"{len(p)} token ids"
+        else:
+            what = f"a {type(p).__name__}"
+        keys = sorted(map(str, msg.settings)) if isinstance(msg.settings, dict) else "?"
+        return f"Generate #{msg.req_id} ({what}, settings {keys})"
     return f"{type(msg).__name__} #{getattr(msg, 'req_id', '-')}"
 
 
