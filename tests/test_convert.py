@@ -286,3 +286,57 @@ def test_corrupt_record_is_reported_on_load(tmp_path):
         f.write(b"\xAA\x55")
     with pytest.raises(ExpertRecordError, match="layer 2, expert 5: checksum mismatch"):
         load(out, verify=True)
+
+
+def test_destination_holding_the_source_is_refused(tmp_path):
+    _, hf = _hf(tmp_path, "qwen3_moe")
+    before = sorted(p.name for p in hf.iterdir())
+    for dst in (hf.parent, hf, hf / "inner"):
+        with pytest.raises(ConvertError, match="must not contain one another"):
+            convert(hf, dst, overwrite=True)
+    assert sorted(p.name for p in hf.iterdir()) == before
+
+
+def test_one_conversion_per_destination(tmp_path):
+    from app.engine.fsutil import exclusive
+
+    _, hf = _hf(tmp_path, "qwen3_moe")
+    out = tmp_path / "out"
+    with exclusive(out):  # as a conversion running in another process holds it
+        with pytest.raises(ConvertError, match="another conversion to it is running"):
+            convert(hf, out)
+    assert not out.exists()
+    convert(hf, out)
+    assert is_converted(out) and not list(tmp_path.glob(".out.*"))
+
+
+def test_kill_between_the_overwrite_renames_is_mended(tmp_path):
+    """kill -9 after the old model was moved aside and before the new one took its place:
+    the next run puts the old model back (then refuses, or replaces it with overwrite)."""
+    import subprocess
+    import sys
+
+    _, hf = _hf(tmp_path, "qwen3_moe")
+    out = tmp_path / "out"
+    convert(hf, out, widths="routed=4")
+    kill_at_second_rename = (
+        "import os, signal, sys\n"
+        "real = os.replace\n"
+        "def replace(a, b):\n"
+        "    if os.path.basename(a).startswith('.out.rq-partial-'):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    real(a, b)\n"
+        "os.replace = replace\n"
+        "from app.engine.quant.convert import convert\n"
+        "convert(sys.argv[1], sys.argv[2], overwrite=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", kill_at_second_rename, str(hf), str(out)],
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert r.returncode == -9
+    assert not out.exists() and list(tmp_path.glob(".out.rq-old-*"))
+    with pytest.raises(ConvertError, match="destination exists"):
+        convert(hf, out)
+    assert Manifest.load(out).roles["routed"]["bits"] == 4  # the old model, back in place
+    assert not list(tmp_path.glob(".out.*"))
+    convert(hf, out, overwrite=True)
+    assert Manifest.load(out).roles["routed"]["bits"] == 2

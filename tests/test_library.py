@@ -145,6 +145,29 @@ def test_verify_notices_deleted_and_damaged_files(hub_env, tiny_mlx):
     assert b.state == "broken" and b.error == f"{e.folder}: the folder is missing"
 
 
+def test_verify_checks_expert_records_without_deep(hub_env, tiny_hf):
+    """A flipped byte in an expert record (same size) is found by a plain verify: the records'
+    CRCs are checked, as every load does, without deep's sha256 of every file."""
+    from app.engine.offload.records import ExpertStore
+
+    hub_env.add_folder(REPO, tiny_hf)
+    lib = Library()
+    e = lib.download(REPO, transfer_options=FAST)
+    r = lib.verify(e.name)
+    assert r.ok and r.records > 0 and not r.deep
+    with ExpertStore(e.folder) as st:
+        layer = st.layers[1]
+        path, off = Path(e.folder) / st.layout(layer).file, st.layout(layer).record_offset(2)
+    with open(path, "r+b") as f:
+        f.seek(off + 5)
+        b = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = lib.verify(e.name)
+    assert not r.ok and f"layer {layer}, expert 2: checksum mismatch" in r.problems[0]
+    assert lib.get(e.name).state == "broken"
+
+
 def test_missing_repo_leaves_no_entry(hub_env):
     lib = Library()
     with pytest.raises(RepoNotFoundError, match="org/nothing was not found"):

@@ -268,3 +268,22 @@ def test_cli_plan(capsys):
     args = parser.parse_args(["sizes", "gpt-oss-20b"])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["architecture"] == "gpt_oss"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "0"], "at least 1 token, got 0"),
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "-5"], "at least 1 token, got -5"),
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "foo=4"], "unknown role 'foo'"),
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "routed=x"], "expected role=bits"),
+    (["sizes", "qwen3-30b-a3b", "--widths", "foo=4"], "unknown role 'foo'"),
+])
+def test_cli_refuses_bad_context_and_widths_with_a_message(argv, match):
+    from app.engine import planner_commands
+    from app.engine.errors import EngineError
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    planner_commands.add_commands(sub)
+    args = parser.parse_args(argv)
+    with pytest.raises(EngineError, match=match):
+        args.func(args)

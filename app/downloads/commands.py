@@ -166,7 +166,9 @@ def cmd_verify(args) -> int:
 
     r = Library().verify(args.name, deep=args.deep)
     if r.ok:
-        print(f"{r.name}: OK ({r.files} files, {gib(r.bytes)}{', hashes checked' if r.deep else ''})")
+        checked = (", hashes checked" if r.deep else "") + \
+            (f", {r.records} expert records checked" if r.records else "")
+        print(f"{r.name}: OK ({r.files} files, {gib(r.bytes)}{checked})")
         return 0
     print(f"{r.name}: BROKEN", file=sys.stderr)
     for p in r.problems:

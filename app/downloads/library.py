@@ -68,6 +68,17 @@ class VerifyReport:
     files: int = 0
     bytes: int = 0
     deep: bool = False
+    records: int = 0  # expert records whose CRC was checked (a converted model)
+
+
+def _verify_records(folder: Path, section: dict) -> int:
+    """CRC-check every expert record (what a load checks too): a corrupt record is found
+    without `deep`'s sha256 of every file. Returns the number of records."""
+    from app.engine.offload.records import ExpertStore
+
+    with ExpertStore(folder, section) as store:
+        store.verify_all()
+        return sum(store.layout(x).num_experts for x in store.layers)
 
 
 @dataclass
@@ -600,17 +611,23 @@ class Library:
                         continue
                 n += 1
                 nbytes += size
+        records = 0
         if structure and not problems and e.folder and e.state in ("ready", "broken"):
             from app.engine.errors import ModelLoadError
             from app.engine.loader import check_folder
+            from app.engine.offload.records import ExpertRecordError
 
             try:
-                check_folder(e.folder)
+                _, manifest = check_folder(e.folder)
+                if manifest is not None and manifest.experts:
+                    records = _verify_records(Path(e.folder), manifest.experts)
             except ModelLoadError as err:
+                problems.append(str(err))
+            except ExpertRecordError as err:
                 problems.append(str(err))
         if problems:
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             self._set(name, None, state="broken", error=problems[0] + more)
         elif e.state == "broken":
             self._set(name, None, state="ready" if e.folder else "downloaded", error="")
-        return VerifyReport(name, not problems, tuple(problems), n, nbytes, deep)
+        return VerifyReport(name, not problems, tuple(problems), n, nbytes, deep, records)

@@ -6,6 +6,7 @@ detokenizer; the app adds chat templates, cancellation, KV modes and honest stat
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import kvcache
+from . import kvcache, prompts
 from . import loader as _loader
 from .errors import EngineError
 
@@ -35,6 +36,17 @@ class GenerationSettings:
     prefill_step_size: int = 512
 
     def __post_init__(self):
+        for name, f in self.__dataclass_fields__.items():
+            v = getattr(self, name)
+            if f.type in ("int", "int | None") and v is not None and \
+                    (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if f.type == "float" and not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError("seed must be in 0..2**64-1")
+        if self.prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
         if self.max_tokens == 0 or self.max_tokens < -1:
             raise ValueError("max_tokens must be positive (or -1 for no limit)")
         if self.temperature < 0:
@@ -208,18 +220,18 @@ class Engine:
         return self.loaded
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    should_stop: Callable[[], bool] = lambda: False) -> list[int]:
+        """Chat messages through the model's template, within a time and size limit."""
         tok = self._require().tokenizer
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-            if isinstance(ids, dict):  # transformers >= 5 may return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
+            return prompts.render_chat(tok, messages, add_generation_prompt, should_stop)
+        prompts.check_messages(messages)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(tok.encode(text))
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self._require().tokenizer.encode(text))
+        return list(self._require().tokenizer.encode(prompts.check_text(text)))
 
     # -- caches ----------------------------------------------------------------------------
     def make_cache(self, settings: GenerationSettings, tokens: int = 8192) -> list:
@@ -276,12 +288,21 @@ class Engine:
         settings = settings or GenerationSettings()
         if isinstance(prompt, str):
             ids = self.encode_text(prompt)
+        elif not isinstance(prompt, (list, tuple)):
+            raise prompts.PromptError("a prompt is text, chat messages or token ids")
         elif prompt and isinstance(prompt[0], dict):
-            ids = self.encode_chat(prompt)  # type: ignore[arg-type]
+            try:
+                ids = self.encode_chat(prompt, should_stop=should_stop)  # type: ignore[arg-type]
+            except prompts.Cancelled:
+                yield Finished("cancelled", 0, 0, 0.0, 0.0, int(mx.get_peak_memory()), 0)
+                return
         else:
-            ids = list(prompt)  # type: ignore[arg-type]
+            ids = prompts.check_ids(prompt, prompts.vocab_size(lm.model, lm.config))
         if not ids:
             raise EngineError("empty prompt")
+        ctx, why = prompts.context_limit(lm.config, (self.info.extra or {}).get("plan")
+                                         if self.info else None)
+        max_tokens = prompts.fit_context(len(ids), settings.max_tokens, ctx, why)
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         sampler = make_sampler(
@@ -292,7 +313,7 @@ class Engine:
             make_logits_processors(repetition_penalty=settings.repetition_penalty)
             if settings.repetition_penalty != 1.0 else None
         )
-        limit = settings.max_tokens if settings.max_tokens > 0 else 32768
+        limit = max_tokens if max_tokens > 0 else 32768
         cache = self.make_cache(settings, len(ids) + limit)
         self.last_cache = cache
         tokenizer = lm.tokenizer
@@ -301,10 +322,15 @@ class Engine:
         eos = set(tokenizer.eos_token_ids)
         mx.reset_peak_memory()
         prompt_arr = mx.array(ids)
+        def between_chunks(done: int, total: int) -> None:  # mlx-lm calls it after each chunk
+            if should_stop():
+                raise prompts.Cancelled("cancelled during prefill")
+
         steps = generate_step(
-            prompt_arr, lm.model, max_tokens=settings.max_tokens, sampler=sampler,
+            prompt_arr, lm.model, max_tokens=max_tokens, sampler=sampler,
             logits_processors=procs, prompt_cache=cache,
             prefill_step_size=settings.prefill_step_size,
+            prompt_progress_callback=between_chunks,
         )
         t0 = time.perf_counter()
         prompt_tps = decode_tps = 0.0
@@ -330,6 +356,8 @@ class Engine:
                 if should_stop():
                     reason = "cancelled"
                     break
+        except prompts.Cancelled:
+            reason = "cancelled"
         finally:
             steps.close()
         detok.finalize()

@@ -104,6 +104,12 @@ def read_config(path: str | os.PathLike) -> dict:
         raise ModelLoadError(f"config.json is not valid JSON: {e}", str(cfg_path)) from e
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError("config.json has no model_type", str(cfg_path))
+    from .sizes import SizeError, check_dimensions
+
+    try:
+        check_dimensions(config)
+    except SizeError as e:
+        raise ModelLoadError(e.reason, str(cfg_path)) from None
     return config
 
 
@@ -196,10 +202,10 @@ def folder_tokenizer(path: Path, config: dict):
         raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
 
 
-def load(path: str | os.PathLike, lazy: bool = False, verify: bool = False) -> LoadedModel:
+def load(path: str | os.PathLike, lazy: bool = False, verify: bool = True) -> LoadedModel:
     """Load a model folder, every weight resident. Raises ModelLoadError naming the file and the
     reason. A converted folder keeps its routed experts in per-expert records: they are stacked
-    back into the model (verify: check each record's checksum first)."""
+    back into the model, each record's checksum checked as it is read (verify=False skips it)."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 

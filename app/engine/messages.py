@@ -115,3 +115,7 @@ class WorkerDied:
 
     exitcode: int | None
     message: str
+    broken_pipe: bool = False  # ended over a frame one side could not read: restart it
+
+
+PROTOCOL_EXIT = 70  # the worker's exit code after a frame it could not read (EX_SOFTWARE)

@@ -481,7 +481,7 @@ def make_plan(
     `kv_mode` / `expert_budget` are overrides, refused with PlanRefused if they cannot fit."""
     s, m = sizes, machine
     explicit_context = context is not None
-    target = context or min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    target = context if explicit_context else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
     if target < 1:
         raise PlanRefused("context", f"context must be at least 1 token, got {target}")
     if s.max_context and target > s.max_context:
@@ -737,7 +737,7 @@ def plan_model(
             f"{name} is converted at {_describe(base.widths)}; other widths need a new conversion",
         )
     s = base if widths is None else compute(config, widths, name=name)
-    target = context or min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    target = context if context is not None else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
     share = None
     if folder is not None and not machine.simulated:
         # a measured profile applies only to the machine it was measured on

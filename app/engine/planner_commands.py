@@ -84,9 +84,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_sizes(args: argparse.Namespace) -> int:
+    from .errors import EngineError
     from .quant.widths import RoleWidths
     from .sizes import sizes_for
 
-    s = sizes_for(args.model, RoleWidths.parse(args.widths) if args.widths else None)
+    try:
+        widths = RoleWidths.parse(args.widths) if args.widths else None
+    except ValueError as e:
+        raise EngineError(f"--widths: {e}") from e
+    s = sizes_for(args.model, widths)
     print(json.dumps(s.to_dict(), indent=2))
     return 0

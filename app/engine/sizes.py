@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -847,8 +848,44 @@ def widths_of(config: dict) -> RoleWidths | None:
     return RoleWidths(dense=w, routed=w, shared=w)
 
 
+# Config dimensions: every integer size, count or rank. Bounds far above any real model, so
+# that a hostile config (num_hidden_layers 1e9) is refused before anything is built from it.
+_DIM_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_heads|_layers|_experts|_rank|_per_tok)$")
+_NOT_DIMS = {"num_experts_per_tok_scale"}  # floats whose names look like counts
+MAX_DIM = 1 << 24  # vocabularies and context lengths reach millions, no dimension 16M
+MAX_LAYERS = 4096  # the deepest real models have a few hundred layers
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+             "intermediate_size", "max_position_embeddings")
+_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def check_dimensions(config: dict, where: str | None = None) -> None:
+    """Refuse a config whose dimensions are not whole numbers in range, with the key and its
+    value: the one check that sizes, the planner, the download pre-check and the loader share."""
+    if not isinstance(config, dict):
+        raise SizeError("config is not a JSON object", where)
+    parts = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for part in parts:
+        for key, v in part.items():
+            if v is None or isinstance(v, (list, dict)) or key in _NOT_DIMS or \
+                    not _DIM_KEY.search(key):
+                continue  # lists of layer indices and nested blocks are not dimensions
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SizeError(f"config {key} must be a whole number, got {v!r}", where)
+            top = MAX_LAYERS if key.endswith("_layers") else MAX_DIM
+            low = 1 if key in _POSITIVE else 0
+            if not low <= v <= top:
+                raise SizeError(f"config {key} = {v} is out of range ({low}..{top})", where)
+        k = part.get("num_experts_per_tok")
+        n = next((part[c] for c in _EXPERT_COUNTS if part.get(c)), None)
+        if k is not None and n is not None and k > n:
+            raise SizeError(f"config num_experts_per_tok = {k} exceeds the {n} experts per "
+                            "layer", where)
+
+
 def tensors(config: dict) -> tuple[list[Tensor], _Info, str]:
     """The tensor list of a config (for tests and the converter's cross-check)."""
+    check_dimensions(config)
     arch, text, excluded = _text_config(config)
     fn = _ARCHS.get(arch)
     if fn is None:

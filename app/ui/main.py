@@ -122,6 +122,11 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(
                 f"Recovered {self.chat.recovered} answer(s) interrupted when the app last closed", 8000
             )
+        if self.chat.store.set_aside is not None:
+            self.statusBar().showMessage(
+                f"The conversation history was damaged and is kept as {self.chat.store.set_aside}; "
+                "starting with an empty history", 30000
+            )
         if theme is not None:
             theme.changed.connect(self._on_theme)
             self._on_theme(theme.dark)
