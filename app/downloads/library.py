@@ -434,6 +434,10 @@ class Library:
         if not check.fits:
             raise DiskFullError(f"{e.repo}: {check.message}")
 
+    def finish(self, name: str, on_event: Callback | None = None) -> LibraryEntry:
+        """A downloaded model to ready: converted (an MoE) or registered as it is."""
+        return self._finish(name, _DEFAULT, on_event)
+
     def _finish(
         self, name: str, converter, on_event: Callback | None, opts: dict | None = None
     ) -> LibraryEntry:
@@ -552,6 +556,41 @@ class Library:
             architecture=str(config.get("model_type", "")), files=files,
             disk_bytes=sum(f["size"] for f in files), plan=plan_summary(config, folder=folder),
         ))
+
+    def open_folder(self, folder: Path, on_event: Callback | None = None,
+                    converter: Converter | None | object = _DEFAULT) -> LibraryEntry:
+        """A model folder the user already has: an MoE in Hugging Face form is converted into
+        the library (the folder itself is never changed); anything else loadable is added
+        where it is."""
+        from app.engine.manifest import Manifest
+
+        folder = Path(folder).expanduser().resolve()
+        if not folder.is_dir():
+            raise LibraryError(f"{folder} is not a folder")
+        if not (folder / "config.json").is_file():
+            raise LibraryError(f"{folder} has no config.json: not a model folder")
+        known = next((e for e in self.store.all() if e.folder and Path(e.folder) == folder), None)
+        if known is not None:
+            raise LibraryError(f"{folder} is already in the library as {known.name!r}")
+        cfg = read_config(folder)
+        try:
+            converted = bool((m := Manifest.load(folder)) and m.roles)
+        except Exception:  # an unreadable manifest: check_folder below says what is wrong
+            converted = False
+        conv = default_converter() if converter is _DEFAULT else converter
+        if converted or conv is None or not is_moe(cfg) or is_prequantized(cfg):
+            return self.add_folder(folder, self._unique_name(slug(folder.name)))
+        name = self._unique_name(slug(folder.name))
+        self.store.insert(LibraryEntry(
+            name=name, state="downloaded", original=str(folder),
+            architecture=str(cfg.get("model_type", "")),
+            options={"convert": True, "keep_original": True, "widths": None},
+        ))
+        try:
+            return self.convert(name, conv, on_event=on_event)
+        except BaseException:
+            self.store.delete(name)  # nothing of the user's was touched; no entry left behind
+            raise
 
     def remove(self, name: str, delete_files: bool = True) -> None:
         e = self.get(name)
