@@ -131,3 +131,19 @@ def test_catalog_has_a_download_button_per_model_and_a_verdict(qtbot, view):
     for i, e in enumerate(ctl.catalog):
         verdict = view.cat.index(i, 4).data()
         assert verdict.startswith("fits: peak") or verdict.startswith("too large"), (e.name, verdict)
+
+
+def test_sizes_agree_between_the_app_and_the_cli(qtbot, tmp_path, capsys):
+    """One unit (GiB, labelled) in the catalog table and in `rotaryquant models --catalog`."""
+    from app.cli import main
+    from app.ui.library_model import CatalogModel
+
+    ctl = LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3"))
+    model = CatalogModel(ctl)
+    assert main(["models", "--catalog"]) == 0
+    out = capsys.readouterr().out
+    for row, e in enumerate(ctl.catalog):
+        shown = model.index(row, 3).data()
+        assert shown.endswith(" GiB"), shown
+        line = next(x for x in out.splitlines() if x.startswith(e.name + " "))
+        assert f"download ~{shown}" in line, (shown, line)

@@ -232,6 +232,28 @@ class Library:
                     out[i] = self.store.get(e.name)
         return out
 
+    def builtin(self) -> LibraryEntry | None:
+        """The model that ships with the app (listed first, never removed; None until it has
+        been prepared)."""
+        from app.engine.embedded import DEFAULT_MODEL_NAME, default_model_path
+
+        folder = default_model_path()
+        if not (folder / "config.json").is_file():
+            return None
+        files = [{"path": p.name, "size": p.stat().st_size} for p in sorted(folder.iterdir())
+                 if p.is_file()]
+        return LibraryEntry(
+            name=DEFAULT_MODEL_NAME, state="ready", folder=str(folder),
+            architecture=str(read_config(folder).get("model_type", "")), files=files,
+            disk_bytes=sum(f["size"] for f in files),
+        )
+
+    def is_builtin(self, name: str) -> bool:
+        from app.engine.embedded import DEFAULT_MODEL_NAME
+
+        return self.store.get(name) is None and name.lower().removesuffix(" (built in)") == (
+            DEFAULT_MODEL_NAME.lower())
+
     def get(self, name: str) -> LibraryEntry:
         self.recover(name)
         e = self.store.get(name)
@@ -592,7 +614,23 @@ class Library:
             self.store.delete(name)  # nothing of the user's was touched; no entry left behind
             raise
 
+    def _verify_builtin(self) -> VerifyReport:
+        """The built-in model has no recorded hashes: its folder must load (structure)."""
+        from app.engine.errors import ModelLoadError
+        from app.engine.loader import check_folder
+
+        b = self.builtin()
+        if b is None:
+            return VerifyReport("built-in model", False, ("not prepared yet: run `rotaryquant prepare-default`",))
+        try:
+            check_folder(b.folder)
+        except ModelLoadError as err:
+            return VerifyReport(b.name, False, (f"{err}; run `rotaryquant prepare-default --force`",))
+        return VerifyReport(b.name, True, (), len(b.files), b.disk_bytes, False)
+
     def remove(self, name: str, delete_files: bool = True) -> None:
+        if self.is_builtin(name):
+            raise LibraryError(f"{name} is built into the app and cannot be removed")
         e = self.get(name)
         if e.busy:
             raise LibraryError(f"{name} is {e.state} in process {e.owner_pid}; stop it first")
@@ -607,6 +645,8 @@ class Library:
         """Check a model's files against the sizes (and with `deep`, the sha256) recorded when it
         was downloaded or converted, and (`structure`) that the folder loads: config, shard
         headers, tokenizer. Marks it broken, or ready again, accordingly."""
+        if self.is_builtin(name):
+            return self._verify_builtin()
         e = self.get(name)
         if e.busy or e.state == "paused":
             raise LibraryError(f"{name} is {e.state}; verify it when the download is done")

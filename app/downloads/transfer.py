@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx2
 
+from ..units import size
 from . import hub
 from .control import Control
 from .errors import (
@@ -92,7 +93,7 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 def gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+    return size(n, 2)
 
 
 class _Hashers:

@@ -22,6 +22,7 @@ from ..downloads.library import Library
 from ..downloads.manager import DownloadManager
 from ..downloads.store import LibraryEntry
 from ..engine import jobs
+from ..units import size
 from .session import DEFAULT_MODEL_REF
 from .tasks import TaskRunner
 from .theme import current_colors
@@ -32,9 +33,7 @@ RefRole = Qt.ItemDataRole.UserRole + 2  # what the worker loads for this row
 
 
 def gib(n: float | int | None) -> str:
-    if not n:
-        return "—"
-    return f"{n / 2**30:.1f} GB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MB"
+    return size(n) if n else "—"
 
 
 def duration(seconds: float | None) -> str:

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..units import size
 from .plan_model import GiB, Overrides, PlanController, PlanResult, Refusal
 from .session import DEFAULT_MODEL_REF
 from .theme import current_colors
@@ -50,9 +51,7 @@ PART_LABELS = {
 
 
 def gb(n: int | float | None) -> str:
-    if n is None:
-        return "—"
-    return f"{n / GiB:.2f} GB" if n >= GiB / 10 else f"{n / 2**20:.0f} MB"
+    return size(n, 2)
 
 
 def _bits(w: dict) -> str:
@@ -133,7 +132,7 @@ class PlanView(QWidget):
         self.kv_note.setWordWrap(True)
         self.budget_auto = QCheckBox("Planner's choice")
         self.budget_auto.setChecked(True)
-        self.budget_spin = QDoubleSpinBox(minimum=0.0, maximum=4096.0, decimals=2, singleStep=0.5, suffix=" GB")
+        self.budget_spin = QDoubleSpinBox(minimum=0.0, maximum=4096.0, decimals=2, singleStep=0.5, suffix=" GiB")
         self.budget_spin.setEnabled(False)
         self.budget_auto.toggled.connect(lambda on: self.budget_spin.setEnabled(not on))
         self.context_auto = QCheckBox("Planner's choice")
