@@ -82,6 +82,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatModel(self.session, parent=self)
         self.library = library or LibraryController(parent=self)
         self.planner = PlanController(self)
+        self.applied: PlanResult | None = None  # the plan the engine runs, once applied
         self._restore_chat_defaults()
 
         self.chat_view = ChatView(self.chat)
@@ -223,6 +224,7 @@ class MainWindow(QMainWindow):
 
     # -- engine ------------------------------------------------------------------------------
     def load_model(self, ref: str, options: dict | None = None) -> None:
+        self.applied = None
         self.session.load(ref, options)
         self._select_model(ref)
 
@@ -252,8 +254,14 @@ class MainWindow(QMainWindow):
 
     def _on_loaded(self, info: dict) -> None:
         self.settings.setValue("last_model", self.session.model_ref)
+        a = self.applied if self.applied and self.applied.target == self.session.model_ref else None
+        if a is not None and a.plan.kv_mode in info.get("kv_modes", ["fp16"]):
+            self.chat.set_settings({"kv_mode": a.plan.kv_mode})
         self.chat_view.set_kv_modes(list(info.get("kv_modes", ["fp16"])), self.plan_view.unavailable)
-        self.planner.set_target(self.session.model_ref, info["name"])
+        if a is None:
+            self.planner.set_target(self.session.model_ref, info["name"])
+        else:  # the plan view keeps the applied plan and its overrides
+            self._show_expected(a)
         self.memory.set_note(
             f"{info['name']}: {info['num_layers']} layers, {info['architecture']}, on {info['backend']}."
         )
@@ -270,15 +278,21 @@ class MainWindow(QMainWindow):
     def _on_plan(self, r: PlanResult) -> None:
         if r.target != self.session.model_ref:
             return
+        if self.applied is None:  # once a plan is applied, the panel shows that one
+            self._show_expected(r)
+        if self.session.info:
+            self.chat_view.set_kv_modes(list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable)
+
+    def _show_expected(self, r: PlanResult) -> None:
         self.memory.set_expected_peak(r.plan.process_peak)
         sizes = r.plan.sizes
         if sizes is not None:
             self.memory.history.kv_fp16 = lambda tokens: sizes.kv_bytes(tokens, "fp16")
-        if self.session.info:
-            self.chat_view.set_kv_modes(list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable)
 
     def apply_plan(self, r: PlanResult) -> None:
-        """Load the planned model with the plan's expert budget, and use its KV mode in chat."""
+        """Run the planned model as planned: a fresh engine (the memory of the model it
+        replaces goes back to the system) loads it with the plan's expert budget, KV mode and
+        context, and the chat uses the plan's KV mode."""
         plan = r.plan
         if not _ref_exists(r.target):
             entry = next((e for e in self.library.catalog if e.config == r.target), None)
@@ -286,13 +300,20 @@ class MainWindow(QMainWindow):
                 self.library.download(entry.repo, widths=plan.widths.to_dict())
                 self.show_tab(1)
             return
-        options = {"expert_budget": plan.expert_budget} if plan.paging else {}
-        self.load_model(r.target, options)
-        kv = plan.kv_mode
-        modes = (self.session.info or {}).get("kv_modes", ["fp16"])
-        if kv in modes or kv == "fp16":
-            self.chat.set_settings({"kv_mode": kv})
-        self.statusBar().showMessage(f"Loading {r.label} with its plan (KV {kv})", 5000)
+        if self.session.generating:
+            self.statusBar().showMessage("Stop the answer (Esc) before applying a plan", 5000)
+            return
+        options = {"kv_mode": plan.kv_mode, "context": plan.context_limit}
+        if plan.paging:
+            options["expert_budget"] = plan.expert_budget
+        self.applied = r
+        self.chat.set_settings({"kv_mode": plan.kv_mode})
+        self._select_model(r.target)
+        self._show_expected(r)
+        self.session.restart(r.target, options)
+        self.statusBar().showMessage(
+            f"Restarting the engine with the plan for {r.label}: KV {plan.kv_mode}, "
+            f"context {plan.context_limit}", 5000)
 
     # -- models ------------------------------------------------------------------------------
     def refresh_models(self) -> None:

@@ -18,6 +18,7 @@ __all__ = ["GiB", "Overrides", "PlanController", "PlanResult", "Refusal", "resol
 
 class PlanController(QObject):
     computing = Signal(str)  # label
+    target_changed = Signal(str)  # another model is planned: overrides back to the planner's
     plan_ready = Signal(object)  # PlanResult
     refused = Signal(object)  # Refusal
     failed = Signal(str)
@@ -34,6 +35,7 @@ class PlanController(QObject):
         """Plan another model, from the planner's own choices (overrides reset)."""
         self.target, self.label = target, label or target
         self.last = None
+        self.target_changed.emit(target)
         self.compute(Overrides())
 
     def compute(self, overrides: Overrides | None = None) -> None:

@@ -117,6 +117,7 @@ class PlanView(QWidget):
         self.unavailable: dict[str, str] = {}
         self._build()
         ctl.computing.connect(lambda label: self.state.setText(f"Planning {label}…"))
+        ctl.target_changed.connect(lambda _t: self.reset_boxes())
         ctl.plan_ready.connect(self.show_plan)
         ctl.refused.connect(self.show_refusal)
         ctl.failed.connect(self.show_failure)
@@ -257,11 +258,15 @@ class PlanView(QWidget):
             return
         self.ctl.compute(o)
 
-    def reset(self) -> None:
+    def reset_boxes(self) -> None:
+        """The boxes show the planner's own choices (as the plan's "overrides: none" says)."""
         self.kv_combo.setCurrentIndex(0)
         self.budget_auto.setChecked(True)
         self.context_auto.setChecked(True)
         self.widths_combo.setCurrentIndex(0)
+
+    def reset(self) -> None:
+        self.reset_boxes()
         self.ctl.compute(Overrides())
 
     def _apply(self) -> None:
