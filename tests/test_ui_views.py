@@ -269,3 +269,38 @@ def test_default_model_reference_matches_the_engine():
     from app.ui.session import DEFAULT_MODEL_REF as UI_REF
 
     assert UI_REF == DEFAULT_MODEL_REF
+
+
+def test_after_a_crash_the_window_keeps_its_size_place_and_says_it_once(qtbot, win):
+    """An engine killed mid-answer: the window keeps its width, the crash is said once (the
+    banner), the transcript stays where the user was reading, the memory panel drops the dead
+    engine's figures."""
+    win.resize(1280, 800)
+    win.show()
+    qtbot.waitExposed(win)
+    for i in range(12):
+        assert win.chat.send(f"Question {i}")
+        win.bridge.play_done("A long answer. " * 40, n=40)
+    win.memory.add_stats(M.Stats(0, 0.0, 3 << 30, 0, 0, 0, 1 << 30, 0, 12.5, False))
+    win.memory.redraw()
+    assert win.memory.metrics["rss"].text() == "3.00 GiB"
+    assert win.chat.send("One more")
+    win.bridge.play_tokens(["Partial ", "answer"])
+    win.chat_view.flush_tokens()
+    sb = win.chat_view.transcript.verticalScrollBar()
+    qtbot.waitUntil(lambda: sb.maximum() > 1000)
+    sb.setValue(sb.maximum() // 2)
+    mid = sb.value()
+    statuses = []
+    win.statusBar().messageChanged.connect(statuses.append)
+    with qtbot.waitSignal(win.session.crashed):
+        win.bridge.play_death()
+    qtbot.wait(50)
+    assert win.width() == 1280
+    said = "stopped unexpectedly"
+    places = [win.banner_text.text(), win.engine_label.text(), *statuses,
+              win.chat_view.transcript.toPlainText()]
+    assert sum(said in p for p in places) == 1, places
+    assert win.banner.isVisibleTo(win) and said in win.banner_text.text()
+    assert abs(sb.value() - mid) <= 2
+    assert win.memory.metrics["rss"].text() == "—" and win.memory.metrics["tps"].text() == "—"

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPlainTextEdit,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QSplitter,
     QTextBrowser,
@@ -68,7 +69,7 @@ class ChatView(QWidget):
         m.token_received.connect(self._on_token)
         m.busy_changed.connect(lambda _b: self.update_actions())
         m.settings_changed.connect(self.load_settings)
-        m.stream_failed.connect(lambda why: self.status.emit(f"The answer stopped: {why}"))
+        m.stream_failed.connect(self._on_stream_failed)
         m.session.state_changed.connect(lambda *_: self.update_actions())
         m.session.model_loaded.connect(self._on_model_loaded)
         self.refresh_conversations()
@@ -125,6 +126,8 @@ class ChatView(QWidget):
         self.send_btn.clicked.connect(self.send)
         self.hint = QLabel("")
         self.hint.setObjectName("muted")
+        # a long engine message must not widen the window (it is elided; the tooltip has it)
+        self.hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         buttons = QHBoxLayout()
         buttons.addWidget(self.hint, 1)
         for b in (self.regen_btn, self.copy_btn, self.stop_btn, self.send_btn):
@@ -315,8 +318,11 @@ class ChatView(QWidget):
             self.hint.setText("Generating… Esc to stop")
         elif s.state == "ready":
             self.hint.setText("Ctrl+Enter to send")
+        elif s.state == "crashed":  # the banner above says why, once
+            self.hint.setText("The engine stopped: restart it above")
         else:
             self.hint.setText(s.message)
+        self.hint.setToolTip(s.message)
 
     def _on_model_loaded(self, info: dict) -> None:
         self.update_actions()
@@ -347,7 +353,7 @@ class ChatView(QWidget):
                 "Ctrl+Enter sends, Esc stops.</p>"
             )
         sb = self.transcript.verticalScrollBar()
-        at_end = sb.value() >= sb.maximum() - 4
+        pos, at_end = sb.value(), sb.value() >= sb.maximum() - 4
         self.transcript.setHtml("".join(parts))
         self.splitter_think = render.ThinkSplitter()
         if self.model.streaming is not None:
@@ -359,6 +365,12 @@ class ChatView(QWidget):
                 self._append(self.splitter_think.feed(text))
         if at_end or self.model.streaming is not None:
             sb.setValue(sb.maximum())
+        else:  # setHtml goes back to the top: keep the place the user was reading
+            sb.setValue(min(pos, sb.maximum()))
+
+    def _on_stream_failed(self, why: str) -> None:
+        if self.model.session.state != "crashed":  # a crash is said once, by the window's banner
+            self.status.emit(f"The answer stopped: {why}")
 
     def _on_message_added(self, m: Message) -> None:
         self.render_all()

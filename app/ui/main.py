@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QTabWidget,
     QVBoxLayout,
@@ -144,6 +145,8 @@ class MainWindow(QMainWindow):
         label.setBuddy(self.model_combo)
         self.engine_label = QLabel("")
         self.engine_label.setObjectName("muted")
+        # a long message must not widen the window past the screen
+        self.engine_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.top = QHBoxLayout()
         self.top.addWidget(label)
         self.top.addWidget(self.model_combo)
@@ -233,12 +236,15 @@ class MainWindow(QMainWindow):
         self.session.restart()
 
     def _on_state(self, state: str, message: str) -> None:
-        self.engine_label.setText(message)
+        # the crash's sentence is in the banner; the top line only says the engine stopped
+        self.engine_label.setText("" if state == "crashed" else message)
+        self.engine_label.setToolTip(message)
         self.status_label.setText(
             {"ready": "●  engine ready", "loading": "◌  loading", "starting": "◌  starting",
              "crashed": "✕  engine stopped", "idle": "●  no model"}.get(state, state)
         )
         if state == "crashed":
+            self.memory.engine_stopped()
             self.banner_text.setText(message)
             self.restart_btn.show()
             self.fallback_btn.hide()

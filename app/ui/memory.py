@@ -246,6 +246,13 @@ class MemoryPanel(QWidget):
             self.peak_line.hide()
             self.metrics["peak"].setText("—")
 
+    def engine_stopped(self) -> None:
+        """The engine's figures are gone with it: blank until a new engine reports."""
+        for key, label in self.metrics.items():
+            if key != "peak":
+                label.setText("—")
+        self.drawn = self.history.version  # the next report redraws, the last one does not
+
     def set_note(self, text: str) -> None:
         self.note.setText(text)
 
