@@ -4,6 +4,7 @@ remove. No network."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import hubserver
@@ -147,3 +148,35 @@ def test_sizes_agree_between_the_app_and_the_cli(qtbot, tmp_path, capsys):
         assert shown.endswith(" GiB"), shown
         line = next(x for x in out.splitlines() if x.startswith(e.name + " "))
         assert f"download ~{shown}" in line, (shown, line)
+
+
+def test_offline_download_says_the_hub_cannot_be_reached_and_offers_retry(qtbot, view, hub_env, tiny_hf, monkeypatch):
+    """No connection can be made: the message says so and what to check, the typed repo id
+    stays, Retry starts the download again (and works once the hub is back)."""
+    hub_env.add_folder(REPO, tiny_hf)
+    real = os.environ["HF_ENDPOINT"]
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    view.repo_edit.setText(REPO)
+    with qtbot.waitSignal(view.ctl.failed, timeout=60_000) as b:
+        qtbot.mouseClick(view.repo_btn, Qt.MouseButton.LeftButton)
+    msg = b.args[1]
+    assert "the hub cannot be reached" in msg and "lost the connection" not in msg
+    assert "online" in msg and "HF_ENDPOINT" in msg
+    assert view.repo_edit.text() == REPO
+    assert view.retry_btn.isVisibleTo(view) and "cannot be reached" in view.catalog_error.text()
+    monkeypatch.setenv("HF_ENDPOINT", real)
+    with qtbot.waitSignal(view.ctl.state_changed, timeout=120_000,
+                          check_params_cb=lambda e: e.state == "ready"):
+        qtbot.mouseClick(view.retry_btn, Qt.MouseButton.LeftButton)
+    assert not view.retry_btn.isVisibleTo(view)
+    qtbot.waitUntil(lambda: view.repo_edit.text() == "")  # cleared once its download is done
+
+
+def test_download_button_selects_its_own_catalog_row(qtbot, view, monkeypatch):
+    started = []
+    monkeypatch.setattr(view.ctl, "download", lambda repo, **kw: started.append(repo) or True)
+    view.catalog.selectRow(0)
+    last = len(view.ctl.catalog) - 1
+    qtbot.mouseClick(view.buttons[view.ctl.catalog[last].repo.lower()], Qt.MouseButton.LeftButton)
+    assert started == [view.ctl.catalog[last].repo]
+    assert [ix.row() for ix in view.catalog.selectionModel().selectedRows()] == [last]

@@ -31,6 +31,10 @@ class ConnectionLostError(DownloadError):
     pass
 
 
+class HubUnreachableError(ConnectionLostError):
+    """No connection to the hub could be made at all (offline, DNS, refused, proxy)."""
+
+
 class IntegrityError(DownloadError):
     """A file's bytes do not match the hub's hash or size (it was deleted, not kept)."""
 

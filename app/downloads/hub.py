@@ -7,8 +7,10 @@ saved by `hf auth login`), read at call time so that a changed environment takes
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_url
@@ -19,6 +21,7 @@ from .errors import (
     ConnectionLostError,
     DownloadError,
     GatedRepoError,
+    HubUnreachableError,
     RepoNotFoundError,
     RevisionNotFoundError,
 )
@@ -105,9 +108,21 @@ def translate(e: BaseException, repo: str, revision: str | None = None) -> Downl
     if isinstance(e, hf_errors.HfHubHTTPError):
         status = e.response.status_code if e.response is not None else "?"
         return ConnectionLostError(f"the hub answered {status} for {repo}: {str(e).strip()[:300]}")
+    if isinstance(e, httpx2.ConnectError | httpx2.ConnectTimeout | socket.gaierror):
+        return unreachable_error(e)
     if isinstance(e, httpx2.TransportError | OSError):
         return ConnectionLostError(f"lost the connection to {endpoint()} while asking about {repo}: {e}")
     return DownloadError(f"{repo}: {e}")
+
+
+def unreachable_error(e: BaseException) -> HubUnreachableError:
+    """No connection was ever made: say so, and what to check."""
+    host = urlsplit(endpoint()).hostname or endpoint()
+    return HubUnreachableError(
+        f"the hub cannot be reached ({endpoint()}: {e}). Check that this computer is online, "
+        f"that {host} resolves and is not blocked by a firewall or proxy (HTTPS_PROXY), or set "
+        "HF_ENDPOINT to a mirror; then retry."
+    )
 
 
 def gated_error(repo: str, has_token: bool = False) -> GatedRepoError:
@@ -136,9 +151,11 @@ def repo_listing(
             info = api.model_info(repo, revision=revision, files_metadata=True, token=tok or False)
             break
         except (hf_errors.HfHubHTTPError, httpx2.TransportError) as e:
-            transient = isinstance(e, httpx2.TransportError) or (
-                e.response is not None and e.response.status_code >= 500
-            )
+            # no connection at all (offline, DNS): said at once, with a Retry in the app
+            transient = isinstance(e, httpx2.TransportError) and not isinstance(
+                e, httpx2.ConnectError
+            ) or (not isinstance(e, httpx2.TransportError)
+                  and e.response is not None and e.response.status_code >= 500)
             if isinstance(e, hf_errors.RepositoryNotFoundError | hf_errors.RevisionNotFoundError):
                 transient = False
             if not transient or attempt == retries:

@@ -117,6 +117,7 @@ class LibraryController(QObject):
     catalog_changed = Signal()
     failed = Signal(str, str)  # name or repo, message
     message = Signal(str)
+    job_finished = Signal(str, str)  # repo, outcome (done, paused, cancelled, failed)
     _event = Signal(object)  # from download threads
     _job_done = Signal(str, str, str)  # repo, outcome, error
 
@@ -332,6 +333,7 @@ class LibraryController(QObject):
                 self.finish(e.name)
         self.refresh()
         self.catalog_changed.emit()
+        self.job_finished.emit(repo, outcome)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..downloads.catalog import find as cat_find
 from .library_model import (
     CatalogModel,
     LibraryController,
@@ -84,6 +85,7 @@ class LibraryView(QWidget):
         self._build()
         ctl.catalog_changed.connect(self._update_download_buttons)
         ctl.failed.connect(self._on_failed)
+        ctl.job_finished.connect(self._on_job_finished)
         ctl.message.connect(self.status)
         self._keep: str | None = None
         self.local.modelAboutToBeReset.connect(self._remember_selection)
@@ -154,7 +156,7 @@ class LibraryView(QWidget):
         for i, e in enumerate(self.ctl.catalog):
             b = QPushButton("Download")
             b.setAccessibleName(f"Download {e.name}")
-            b.clicked.connect(lambda _c=False, repo=e.repo: self.ctl.download(repo))
+            b.clicked.connect(lambda _c=False, i=i: self.download_catalog_row(i))
             self.buttons[e.repo.lower()] = b
             self.catalog.setIndexWidget(self.cat.index(i, 5), b)
         self.catalog.doubleClicked.connect(self._plan_catalog)
@@ -170,6 +172,13 @@ class LibraryView(QWidget):
         self.catalog_error.setObjectName("error")
         self.catalog_error.setWordWrap(True)
         self.catalog_error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.retry_btn = QPushButton("&Retry")
+        self.retry_btn.clicked.connect(self.retry)
+        self.retry_btn.hide()
+        self._retry_repo: str | None = None
+        errors = QHBoxLayout()
+        errors.addWidget(self.catalog_error, 1)
+        errors.addWidget(self.retry_btn, 0, Qt.AlignmentFlag.AlignTop)
         bottom = QWidget()
         bl = QVBoxLayout(bottom)
         bl.setContentsMargins(0, 0, 0, 0)
@@ -178,7 +187,7 @@ class LibraryView(QWidget):
         bl.addWidget(head2)
         bl.addWidget(self.catalog, 1)
         bl.addLayout(free)
-        bl.addWidget(self.catalog_error)
+        bl.addLayout(errors)
 
         self.splitter = QSplitter(Qt.Orientation.Vertical)
         self.splitter.setObjectName("librarySplitter")
@@ -218,8 +227,26 @@ class LibraryView(QWidget):
         if e.config:
             self.plan_requested.emit(e.config, e.name)
 
+    def download_catalog_row(self, i: int) -> None:
+        """The Download button of catalog row `i`: that row becomes the selected one."""
+        self.catalog.selectRow(i)
+        self._start(self.ctl.catalog[i].repo)
+
     def _download_repo(self) -> None:
-        if self.ctl.download(self.repo_edit.text()):
+        # the typed id stays until its download is done: a failure leaves it to retry or fix
+        self._start(self.repo_edit.text())
+
+    def _start(self, repo: str) -> None:
+        self.catalog_error.clear()
+        self.retry_btn.hide()
+        self.ctl.download(repo)
+
+    def retry(self) -> None:
+        if self._retry_repo:
+            self._start(self._retry_repo)
+
+    def _on_job_finished(self, repo: str, outcome: str) -> None:
+        if outcome == "done" and self.repo_edit.text().strip().lower() == repo.lower():
             self.repo_edit.clear()
 
     def _remember_selection(self) -> None:
@@ -270,5 +297,9 @@ class LibraryView(QWidget):
 
     def _on_failed(self, who: str, message: str) -> None:
         self.catalog_error.setText(f"{who}: {message}")
+        # a download that failed before it began (not a local model's conversion or verify)
+        e = cat_find(who)
+        self._retry_repo = who if (e.repo if e else who).strip().lower() in self.ctl.errors else None
+        self.retry_btn.setVisible(self._retry_repo is not None)
         self._update_actions()
         self._update_download_buttons()
