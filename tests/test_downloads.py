@@ -249,7 +249,7 @@ def test_full_disk_during_download_keeps_the_partial(hub_env, tmp_path, monkeypa
         written["n"] += len(data)
 
     monkeypatch.setattr(transfer, "write_all", filling_write)
-    with pytest.raises(DiskFullError, match="disk filled up while writing model.safetensors"):
+    with pytest.raises(DiskFullError, match=r"^disk full: .* more needed .*\(model.safetensors: "):
         transfer.Downloader(listing, tmp_path / "dl", **fast()).run()
     part = tmp_path / "dl" / transfer.PARTIAL_DIR / "model.safetensors.part"
     kept = part.stat().st_size
@@ -399,3 +399,23 @@ def test_meter_is_monotonic_and_paces_events():
     rates = [e.rate for e in ev if e.rate]
     assert rates and all(r > 0 for r in rates)
     assert ev[-1].eta == 0.0
+
+
+def test_download_stops_while_the_library_can_still_write(hub_env, tmp_path, monkeypatch):
+    """Free space drops below what the library needs to record the failure: the download
+    stops there, before the disk is full, and says how much more it needs."""
+    hub_env.add_repo(REPO, make_files())
+    listing = hub.repo_listing(REPO)
+    free = {"n": 10 << 30}
+    monkeypatch.setattr(transfer, "free_bytes", lambda p: free["n"])
+    monkeypatch.setattr(transfer, "FREE_CHECK_EVERY", 64 << 10)
+    real_write = transfer.write_all
+
+    def write(fd, data):
+        real_write(fd, data)
+        free["n"] = 16 << 20  # someone else filled the disk meanwhile
+
+    monkeypatch.setattr(transfer, "write_all", write)
+    dl = transfer.Downloader(listing, tmp_path / "dl", **fast(reserve=1 << 30))
+    with pytest.raises(DiskFullError, match=r"^disk full: 0\.99 GiB more needed to finish org/tiny"):
+        dl.run()

@@ -3,6 +3,7 @@ against the local hub (tests/hubserver.py) serving a tiny random MoE model. No n
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -384,3 +385,51 @@ def test_command_line(hub_env, tiny_mlx, capsys):
     assert run("remove", "tiny-moe") == 0
     assert run("models", "--json") == 0
     assert json.loads(capsys.readouterr().out.split("removed tiny-moe\n")[-1]) == []
+
+
+def test_disk_full_mid_transfer_is_said_and_recorded(hub_env, tiny_mlx, monkeypatch):
+    """The disk fills up mid-transfer and SQLite cannot write either: the user reads "disk
+    full: N more needed", the entry is shown paused (not "downloading") at once, the library
+    can still be listed, and the state reaches the store once space is freed."""
+    import errno
+    import sqlite3
+
+    from app.downloads.store import Store
+
+    hub_env.add_folder(REPO, tiny_mlx)
+    lib = Library()
+    full = {"on": False}
+    real_write, real_connect = transfer.write_all, Store._connect
+
+    def filling_write(fd, data):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, data)
+        if os.fstat(fd).st_size > 100_000:  # the weights are well under way
+            full["on"] = True
+
+    def full_connect(self, write=True):
+        if write and full["on"]:
+            @contextlib.contextmanager
+            def failing():
+                with real_connect(self, write=False) as db:
+                    raise sqlite3.OperationalError("database or disk is full")
+                    yield db
+            return failing()
+        return real_connect(self, write)
+
+    monkeypatch.setattr(transfer, "write_all", filling_write)
+    monkeypatch.setattr(Store, "_connect", full_connect)
+    events = []
+    with pytest.raises(DiskFullError, match=r"^disk full: .* more needed to finish org/tiny-moe") as e:
+        lib.download(REPO, on_event=events.append, transfer_options=FAST)
+    assert "database" not in str(e.value)
+    assert states(events)[-1] == "paused"
+    listed = {x.name: x for x in lib.entries(check=False)}  # `models` works on the full disk
+    assert listed["tiny-moe"].state == "paused" and "disk full" in listed["tiny-moe"].error
+    assert lib.store.get("tiny-moe").state == "downloading"  # not written yet
+    full["on"] = False  # space freed
+    assert lib.entries(check=False)[0].state == "paused"
+    assert lib.store.get("tiny-moe").state == "paused" and "disk full" in lib.store.get("tiny-moe").error
+    monkeypatch.setattr(transfer, "write_all", real_write)
+    assert lib.download(REPO, transfer_options=FAST).state == "ready"

@@ -51,3 +51,7 @@ class Cancelled(DownloadError):
 
 class LibraryError(EngineError):
     """A library operation failed (unknown name, wrong state, damaged store)."""
+
+
+class LibraryDiskFull(LibraryError):
+    """The library's database could not be written: the disk is full."""

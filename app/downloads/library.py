@@ -32,6 +32,7 @@ from .errors import (
     Cancelled,
     DiskFullError,
     DownloadError,
+    LibraryDiskFull,
     LibraryError,
     Paused,
 )
@@ -195,6 +196,8 @@ class Library:
         self.root.mkdir(parents=True, exist_ok=True)
         self.db_path = Path(db) if db else paths.data_dir() / DB_NAME
         self.store = self._open_store()
+        # changes the store could not take (a full disk): shown meanwhile, written when it can
+        self._pending: dict[str, dict] = {}
 
     def _open_store(self) -> Store:
         try:
@@ -224,7 +227,7 @@ class Library:
         """All models. `check`: notice deleted folders and changed sizes (a stat per file, no
         reading); `verify(name, deep=True)` re-hashes on demand."""
         self.recover()
-        out = self.store.all()
+        out = [self._with_pending(e) for e in self.store.all()]
         if check:
             for i, e in enumerate(out):
                 if e.state in ("ready", "downloaded"):  # un-breaking takes an explicit verify
@@ -268,8 +271,30 @@ class Library:
                 return e
         return None
 
+    def _with_pending(self, e: LibraryEntry) -> LibraryEntry:
+        ch = self._pending.get(e.name)
+        return LibraryEntry.from_dict({**e.to_dict(), **ch}) if ch else e
+
+    def _record_failure(self, name: str, on_event: Callback | None, **changes) -> None:
+        """Record how a download ended; on a full disk keep it to write later (the entry
+        must not stay "downloading"), and say it."""
+        try:
+            self._set(name, on_event, **changes)
+        except LibraryDiskFull:
+            self._pending.setdefault(name, {}).update(changes)
+            if on_event is not None and "state" in changes:
+                on_event(StateChanged(name, changes["state"], changes.get("error", "")))
+
     def recover(self, name: str | None = None) -> list[str]:
         """Put entries whose owning process died back into a true state; returns their names."""
+        for n, ch in list(self._pending.items()):  # what a full disk kept from the store
+            try:
+                self.store.update(n, **ch)
+            except LibraryDiskFull:
+                break
+            except LibraryError:  # removed meanwhile: nothing left to record
+                pass
+            del self._pending[n]
         fixed = []
         for e in [self.store.get(name)] if name else self.store.all():
             if e is None or not e.busy or _alive(e.owner_pid, e.owner_started):
@@ -421,15 +446,15 @@ class Library:
                 if on_event:
                     on_event(StateChanged(name, "removed", "cancelled"))
             else:
-                self._set(name, on_event, state="paused", owner_pid=0,
-                          error="cancelled; the partial download is kept")
+                self._record_failure(name, on_event, state="paused", owner_pid=0,
+                                     error="cancelled; the partial download is kept")
             raise
         except Paused:
-            self._set(name, on_event, state="paused", owner_pid=0, error="")
+            self._record_failure(name, on_event, state="paused", owner_pid=0, error="")
             raise
         except BaseException as e:
             msg = str(e) if isinstance(e, DownloadError) else f"interrupted: {type(e).__name__} {e}"
-            self._set(name, on_event, state="paused", owner_pid=0, error=msg)
+            self._record_failure(name, on_event, state="paused", owner_pid=0, error=msg)
             raise
         cfg = read_config(self._dl_dir(name))
         self._set(

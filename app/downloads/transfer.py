@@ -41,6 +41,9 @@ from .errors import (
 from .events import Callback, Meter
 
 PARTIAL_DIR = ".rq-partial"
+# A download stops while this much is still free, so that the library can record why.
+LIBRARY_ROOM = 32 << 20
+FREE_CHECK_EVERY = 8 << 20  # bytes written between two looks at the free space
 SIDECAR_FORMAT = "rotaryquant-partial"
 SIDECAR_VERSION = 1
 CHUNK = 1 << 20  # 1 MiB reads: small enough for smooth progress, large enough to be cheap
@@ -497,10 +500,23 @@ class Downloader:
             return start
         raise DownloadError(f"{where}: unexpected answer {s} from the hub")
 
+    def _disk_full(self, f: hub.RemoteFile, offset: int) -> DiskFullError:
+        """"disk full: N more needed", N being what the rest of the download needs beyond
+        what is free now (the reserve included)."""
+        left = f.size - offset + sum(
+            x.size for x in self.files[self.files.index(f) + 1:] if not (self.dest / x.path).exists()
+        )
+        more = max(left + self.reserve - free_bytes(self.dest), f.size - offset)
+        return DiskFullError(
+            f"disk full: {gib(more)} more needed to finish {self.listing.repo} in {self.dest} "
+            f"({f.path}: {gib(offset)} of {gib(f.size)} kept); free that much and resume"
+        )
+
     def _receive(self, st: _FileState, r: httpx2.Response) -> None:
         f = st.file
         fd = os.open(st.part, os.O_WRONLY | os.O_CREAT)
         last_sync = st.offset
+        since_check = 0
         try:
             os.ftruncate(fd, st.offset)
             os.lseek(fd, st.offset, os.SEEK_SET)
@@ -514,14 +530,15 @@ class Downloader:
                 except OSError as e:
                     os.ftruncate(fd, st.offset)  # drop a half-written chunk
                     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise DiskFullError(
-                            f"the disk filled up while writing {f.path} into {self.dest} "
-                            f"({gib(st.offset)} of {gib(f.size)} kept); free "
-                            f"{gib(f.size - st.offset)} or more and run the download again"
-                        ) from None
+                        raise self._disk_full(f, st.offset) from None
                     raise
                 st.hashers.update(chunk)
                 st.offset += len(chunk)
+                since_check += len(chunk)
+                if since_check >= FREE_CHECK_EVERY:
+                    since_check = 0
+                    if free_bytes(self.dest) < LIBRARY_ROOM:  # stop while the library can still write
+                        raise self._disk_full(f, st.offset)
                 self.meter.advance(st.offset, len(chunk))
                 if st.offset - last_sync >= self.fsync_every:
                     os.fsync(fd)
