@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from app.downloads import catalog, transfer
 from app.downloads.errors import (
     Cancelled,
     DiskFullError,
+    DownloadError,
     GatedRepoError,
     LibraryError,
     Paused,
@@ -433,3 +435,14 @@ def test_disk_full_mid_transfer_is_said_and_recorded(hub_env, tiny_mlx, monkeypa
     assert lib.store.get("tiny-moe").state == "paused" and "disk full" in lib.store.get("tiny-moe").error
     monkeypatch.setattr(transfer, "write_all", real_write)
     assert lib.download(REPO, transfer_options=FAST).state == "ready"
+
+
+def test_absurd_config_stops_the_download_before_the_weights(hub_env, tiny_hf, tmp_path):
+    cfg = json.loads((tiny_hf / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_hf, bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1e8}))
+    hub_env.add_folder(REPO, bad)
+    with pytest.raises(DownloadError, match="num_hidden_layers = 100000000.0 is not a dimension"):
+        Library().download(REPO, transfer_options=FAST)
+    assert not hub_env.resolve_requests("model.safetensors")  # the weights were never asked for

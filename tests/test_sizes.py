@@ -355,3 +355,16 @@ def test_quantized_folder_widths():
     cfg = {**TINY_CONFIGS["llama"], "quantization": {"bits": 4, "group_size": 32}}
     s = sizes.compute(cfg)
     assert s.widths.dense.bits == 4 and s.widths.dense.group_size == 32
+
+
+def test_absurd_dimensions_are_refused_before_anything_is_computed():
+    """num_hidden_layers: 1e8 once built a tensor list without end; now one check refuses it
+    (sizes, the planner and the download's disk check all come through it)."""
+    from app.engine import sizes as S
+
+    cfg = json.loads((S.shared_configs_dir() / "qwen3-30b-a3b.json").read_text())
+    for key, bad in (("num_hidden_layers", 1e8), ("hidden_size", -4), ("vocab_size", "many"),
+                     ("num_experts", 2.5), ("num_attention_heads", True)):
+        with pytest.raises(S.SizeError, match=f"{key} = .* is not a dimension this app can size"):
+            S.compute({**cfg, key: bad})
+    S.compute(cfg)  # the real config passes

@@ -469,9 +469,15 @@ class Library:
     def _preflight(self, name: str, dl: transfer.Downloader) -> None:
         """Called once the small files (config.json) are in: check room for the conversion too."""
         e = self.store.get(name)
+        cfg = read_config(dl.dest)
+        from app.engine.sizes import SizeError, check_dimensions
+
+        try:
+            check_dimensions(cfg)  # before anything is computed from it, or the weights fetched
+        except SizeError as err:
+            raise DownloadError(f"{e.repo}: {err}") from None
         if not e.options.get("convert", True):
             return
-        cfg = read_config(dl.dest)
         if not is_moe(cfg) or is_prequantized(cfg):
             return
         est = converted_size(cfg, e.options.get("widths"))

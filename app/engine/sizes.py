@@ -862,8 +862,40 @@ def widths_of(config: dict) -> RoleWidths | None:
     return RoleWidths(dense=w, routed=w, shared=w)
 
 
+# Sane bounds of a config's dimensions, far beyond any released model: a config outside them is
+# damaged or hostile, and sizing it would build a tensor list without end.
+DIM_BOUNDS = {
+    "num_hidden_layers": 4096, "n_layer": 4096, "hidden_size": 1 << 18, "d_model": 1 << 18,
+    "intermediate_size": 1 << 21, "moe_intermediate_size": 1 << 21,
+    "shared_expert_intermediate_size": 1 << 21, "num_attention_heads": 4096,
+    "num_key_value_heads": 4096, "head_dim": 1 << 14, "vocab_size": 1 << 24,
+    "num_experts": 1 << 16, "n_routed_experts": 1 << 16, "num_local_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16, "n_shared_experts": 1 << 10,
+    "max_position_embeddings": 1 << 28,
+}
+
+
+def check_dimensions(config: dict) -> None:
+    """Refuse a config whose dimensions are not whole numbers in sane bounds (SizeError), before
+    anything is computed from them. The size calculator, the planner and the download's disk
+    check all read a config through here."""
+    for where, c in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(c, dict):
+            continue
+        for key, hi in DIM_BOUNDS.items():
+            v = c.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or not 0 <= v <= hi:
+                raise SizeError(
+                    f"config.json: {where}{key} = {v!r} is not a dimension this app can size "
+                    f"(a whole number from 0 to {hi:,}); the config is damaged or not a model's"
+                )
+
+
 def tensors(config: dict) -> tuple[list[Tensor], _Info, str]:
     """The tensor list of a config (for tests and the converter's cross-check)."""
+    check_dimensions(config)
     arch, text, excluded = _text_config(config)
     fn = _ARCHS.get(arch)
     if fn is None:
