@@ -446,3 +446,31 @@ def test_absurd_config_stops_the_download_before_the_weights(hub_env, tiny_hf, t
     with pytest.raises(DownloadError, match="num_hidden_layers = 100000000.0 is not a dimension"):
         Library().download(REPO, transfer_options=FAST)
     assert not hub_env.resolve_requests("model.safetensors")  # the weights were never asked for
+
+
+def test_two_downloads_of_one_repo_started_together(hub_env, tiny_mlx):
+    """A lock per repo: the second finds the first's entry claimed; no "tiny-moe-2", every
+    file fetched once."""
+    import threading
+
+    hub_env.add_folder(REPO, tiny_mlx)
+    hub_env.delay = 0.002
+    lib, other = Library(), Library()  # two library objects, as two processes would have
+    results, go = {}, threading.Barrier(2)
+
+    def run(key, library):
+        go.wait()
+        try:
+            results[key] = library.download(REPO, convert=False, transfer_options=FAST).state
+        except LibraryError as e:
+            results[key] = str(e)
+
+    threads = [threading.Thread(target=run, args=(k, x)) for k, x in (("a", lib), ("b", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results.values(), key=len)[0] == "ready", results
+    assert any("is already being downloaded" in v for v in results.values()), results
+    assert [e.name for e in lib.entries(check=False)] == ["tiny-moe"]
+    assert len(hub_env.resolve_requests("model.safetensors")) == 1

@@ -12,6 +12,8 @@ that reads the store sees the owner is gone and puts the entry back to a state t
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -19,6 +21,7 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -348,6 +351,18 @@ class Library:
 
     # -- the pipeline -------------------------------------------------------------------------
 
+    @contextmanager
+    def _repo_lock(self, repo: str):
+        locks = self.root / ".locks"
+        locks.mkdir(exist_ok=True)
+        key = hashlib.sha1(repo.lower().encode()).hexdigest()[:16]
+        with open(locks / f"{key}.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def _dl_dir(self, name: str) -> Path:
         return self.root / f".{name}.download"
 
@@ -399,38 +414,43 @@ class Library:
         entry = catalog.find(repo)
         repo = entry.repo if entry else repo
         tok = hub.token(tok)
-        existing = self.find_repo(repo)
-        if existing is not None:
-            self.recover(existing.name)
-            existing = self.store.get(existing.name)
-            if existing.busy:
-                raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed by another process (pid {existing.owner_pid})")
-            if existing.state in ("ready", "downloaded", "broken"):
-                if existing.state == "downloaded":
-                    return self._finish(existing.name, converter, on_event) if finish else existing
-                raise LibraryError(
-                    f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
-                    "remove it first to download it again"
-                )
-            # paused: continue the same commit so the partial files stay valid
-            listing = hub.repo_listing(repo, existing.commit, tok)
-            name = existing.name
-            opts = dict(existing.options)
-        else:
-            listing = hub.repo_listing(repo, revision, tok)
-            if listing.gated and not tok:
-                raise hub.gated_error(repo)  # before anything is written
-            name = self._unique_name(name or slug(repo))
-            opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
-            self.store.insert(LibraryEntry(
-                name=name, state="paused", repo=repo, revision=listing.revision,
-                commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
-            ))
-        files = hub.model_files(listing)
-        if not files:
-            self._set(name, on_event, state="broken", error=f"{repo} has no model files")
-            raise DownloadError(f"{repo} has no model files (config.json, *.safetensors)")
-        self._claim(name, "downloading", on_event)
+        # one download of a repo at a time, across threads and processes: the second one finds
+        # the first's entry claimed (no "model-2", nothing fetched twice)
+        with self._repo_lock(repo):
+            existing = self.find_repo(repo)
+            if existing is not None:
+                self.recover(existing.name)
+                existing = self.store.get(existing.name)
+                if existing.busy:
+                    who = ("" if existing.owner_pid == os.getpid()
+                           else f" by another process (pid {existing.owner_pid})")
+                    raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed{who}")
+                if existing.state in ("ready", "downloaded", "broken"):
+                    if existing.state == "downloaded":
+                        return self._finish(existing.name, converter, on_event) if finish else existing
+                    raise LibraryError(
+                        f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
+                        "remove it first to download it again"
+                    )
+                # paused: continue the same commit so the partial files stay valid
+                listing = hub.repo_listing(repo, existing.commit, tok)
+                name = existing.name
+                opts = dict(existing.options)
+            else:
+                listing = hub.repo_listing(repo, revision, tok)
+                if listing.gated and not tok:
+                    raise hub.gated_error(repo)  # before anything is written
+                name = self._unique_name(name or slug(repo))
+                opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
+                self.store.insert(LibraryEntry(
+                    name=name, state="paused", repo=repo, revision=listing.revision,
+                    commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
+                ))
+            files = hub.model_files(listing)
+            if not files:
+                self._set(name, on_event, state="broken", error=f"{repo} has no model files")
+                raise DownloadError(f"{repo} has no model files (config.json, *.safetensors)")
+            self._claim(name, "downloading", on_event)
         control = control or Control()
         dl = transfer.Downloader(
             listing, self._dl_dir(name), files=files, tok=tok, control=control,
