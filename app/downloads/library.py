@@ -353,8 +353,8 @@ class Library:
 
     @contextmanager
     def _repo_lock(self, repo: str):
-        locks = self.root / ".locks"
-        locks.mkdir(exist_ok=True)
+        locks = self.db_path.parent / "library-locks"  # beside the store, not among the models
+        locks.mkdir(parents=True, exist_ok=True)
         key = hashlib.sha1(repo.lower().encode()).hexdigest()[:16]
         with open(locks / f"{key}.lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
