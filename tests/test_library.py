@@ -474,3 +474,51 @@ def test_two_downloads_of_one_repo_started_together(hub_env, tiny_mlx):
     assert any("is already being downloaded" in v for v in results.values()), results
     assert [e.name for e in lib.entries(check=False)] == ["tiny-moe"]
     assert len(hub_env.resolve_requests("model.safetensors")) == 1
+
+
+@pytest.mark.parametrize("bad", ["../evil.json", "/etc/evil.json", "nul\x00.json", "a" * 241 + ".json",
+                                 "new\nline.json", "ansi\x1b[31mred.json", "sub/../../up.json"])
+def test_hostile_file_names_are_refused_before_anything_is_written(hub_env, tiny_mlx, bad):
+    from app.downloads.errors import UnsafeFileNameError
+
+    files = {p.name: p.read_bytes() for p in tiny_mlx.iterdir() if p.is_file()}
+    hub_env.add_repo(REPO, {**files, bad: b"{}"})
+    lib = Library()
+    with pytest.raises(UnsafeFileNameError, match="lists a file this app will not write") as e:
+        lib.download(REPO, transfer_options=FAST)
+    msg = str(e.value)
+    assert "\n" not in msg and "\x1b" not in msg and "\x00" not in msg and len(msg) < 400
+    assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
+
+
+def test_custom_code_is_said_at_download_time(hub_env, tiny_mlx, tmp_path):
+    """A model type mlx-lm lacks, with auto_map and .py files: refused once config.json is in,
+    with no entry left; a known model type that also ships code downloads without the code."""
+    from app.downloads.errors import UnsupportedModelError
+
+    cfg = json.loads((tiny_mlx / "config.json").read_text())
+    files = {p.name: p.read_bytes() for p in tiny_mlx.iterdir() if p.is_file()}
+    custom = {**cfg, "model_type": "acme_moe", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}
+    hub_env.add_repo(REPO, {**files, "config.json": json.dumps(custom).encode(),
+                            "modeling_acme.py": b"raise SystemExit('never run')\n"})
+    lib = Library()
+    with pytest.raises(UnsupportedModelError, match="custom code is not supported: org/tiny-moe .*auto_map.*1 .py file"):
+        lib.download(REPO, transfer_options=FAST)
+    assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
+    assert not hub_env.resolve_requests("model.safetensors")
+    known = {**cfg, "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}
+    hub_env.add_repo("org/known", {**files, "config.json": json.dumps(known).encode(),
+                                   "modeling_acme.py": b"raise SystemExit('never run')\n"})
+    e = lib.download("org/known", convert=False, transfer_options=FAST)
+    assert e.state == "ready" and not (Path(e.folder) / "modeling_acme.py").exists()
+
+
+def test_a_wrong_token_leaves_no_entry_and_no_folder(hub_env, tiny_mlx):
+    from app.downloads.errors import GatedRepoError
+
+    hub_env.add_folder(REPO, tiny_mlx, gated=True, tokens=("hf_right",))
+    lib = Library()
+    with pytest.raises(GatedRepoError):
+        lib.download(REPO, tok="hf_wrong", transfer_options=FAST)
+    assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
+    assert lib.download(REPO, tok="hf_right", convert=False, transfer_options=FAST).state == "ready"

@@ -31,6 +31,18 @@ class ConnectionLostError(DownloadError):
     pass
 
 
+class UnsafeFileNameError(DownloadError):
+    """The repo lists a file name that would escape or break the model folder."""
+
+    resumable = False
+
+
+class UnsupportedModelError(DownloadError):
+    """The model needs code the app never runs (custom code) and mlx-lm has no module for it."""
+
+    resumable = False
+
+
 class HubUnreachableError(ConnectionLostError):
     """No connection to the hub could be made at all (offline, DNS, refused, proxy)."""
 

@@ -24,7 +24,10 @@ from .errors import (
     HubUnreachableError,
     RepoNotFoundError,
     RevisionNotFoundError,
+    UnsafeFileNameError,
 )
+
+MAX_NAME_BYTES = 240  # the partial file adds ".part.json" within the file system's 255
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 LIBRARY_NAME = "rotaryquant"
@@ -52,8 +55,11 @@ class RemoteFile:
     blob_id: str | None = None  # git blob sha1; of the content itself for non-LFS files
 
     def __post_init__(self):
-        if not self.path or self.path.startswith("/") or ".." in self.path.split("/"):
-            raise ValueError(f"unsafe file path in repo listing: {self.path!r}")
+        why = unsafe_name(self.path)
+        if why:  # refused while listing: nothing is written, no library entry is made
+            raise UnsafeFileNameError(
+                f"the repo lists a file this app will not write: {printable(self.path)} ({why})"
+            )
         if not isinstance(self.size, int) or self.size < 0:
             raise ValueError(f"bad size {self.size!r} for {self.path}")
 
@@ -164,13 +170,39 @@ def repo_listing(
     files = []
     for s in info.siblings or []:
         if s.size is None:
-            raise DownloadError(f"the hub gave no size for {repo}/{s.rfilename}")
-        files.append(
-            RemoteFile(s.rfilename, int(s.size), s.lfs.sha256 if s.lfs else None, s.blob_id)
-        )
+            raise DownloadError(f"the hub gave no size for {repo}/{printable(s.rfilename)}")
+        try:
+            files.append(
+                RemoteFile(s.rfilename, int(s.size), s.lfs.sha256 if s.lfs else None, s.blob_id)
+            )
+        except UnsafeFileNameError as e:
+            raise UnsafeFileNameError(str(e).replace("the repo", repo, 1)) from None
     if not info.sha:
         raise DownloadError(f"the hub gave no commit for {repo}")
     return RepoListing(repo, revision or "main", info.sha, tuple(files), bool(info.gated))
+
+
+def printable(name: str, limit: int = 120) -> str:
+    """A hub-supplied name for a message: quoted, control characters (newlines, ANSI escapes)
+    escaped, long names cut."""
+    r = ascii(name) if any(ord(c) < 32 or ord(c) == 127 for c in name) else repr(name)
+    return r if len(r) <= limit else r[: limit - 5] + "…" + r[-4:]
+
+
+def unsafe_name(path: str) -> str | None:
+    """Why a listed path cannot be written safely inside a model folder, or None."""
+    if "\0" in path:
+        return "a NUL byte"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return "control characters"
+    if path.startswith(("/", "\\")) or (len(path) > 1 and path[1] == ":"):
+        return "an absolute path"
+    parts = path.replace("\\", "/").split("/")
+    if any(p in ("..", ".", "") for p in parts):
+        return "a '..', '.' or empty path component"
+    if any(len(p.encode()) > MAX_NAME_BYTES for p in parts):
+        return f"a name over {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def repo_files(repo: str, revision: str | None = None, tok: str | None = None):
@@ -186,8 +218,8 @@ def file_url(repo: str, commit: str, path: str) -> str:
 # What a model folder needs; the rest of a repo (original checkpoints, other formats, images)
 # is left on the hub. gpt-oss, for one, also ships `original/` and `metal/` copies of its weights.
 _WANTED_SUFFIXES = (
-    ".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja", ".py", ".md",
-)
+    ".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja", ".md",
+)  # never *.py: custom code is not run, so it is not fetched either
 _WEIGHT_FALLBACKS = (".bin", ".pt", ".pth", ".gguf")
 
 

@@ -38,6 +38,7 @@ from .errors import (
     LibraryDiskFull,
     LibraryError,
     Paused,
+    UnsupportedModelError,
 )
 from .events import Callback, ConvertProgress, StateChanged
 from .store import LibraryEntry, Store
@@ -118,6 +119,14 @@ def is_moe(config: dict) -> bool:
     texts = [config, config.get("text_config") or {}]
     keys = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
     return any(isinstance(c, dict) and (c.get(k) or 0) > 1 for c in texts for k in keys)
+
+
+def custom_code(config: dict, listing: hub.RepoListing) -> str:
+    """What says a repo ships its own modelling code ('' if nothing)."""
+    py = [f.path for f in listing.files if f.path.endswith(".py")]
+    signs = (["auto_map in config.json"] if config.get("auto_map") else []) + (
+        [f"{len(py)} .py file(s)"] if py else [])
+    return ", ".join(signs)
 
 
 def is_prequantized(config: dict) -> bool:
@@ -416,6 +425,7 @@ class Library:
         tok = hub.token(tok)
         # one download of a repo at a time, across threads and processes: the second one finds
         # the first's entry claimed (no "model-2", nothing fetched twice)
+        created = False
         with self._repo_lock(repo):
             existing = self.find_repo(repo)
             if existing is not None:
@@ -446,6 +456,7 @@ class Library:
                     name=name, state="paused", repo=repo, revision=listing.revision,
                     commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
                 ))
+                created = True
             files = hub.model_files(listing)
             if not files:
                 self._set(name, on_event, state="broken", error=f"{repo} has no model files")
@@ -473,6 +484,13 @@ class Library:
             self._record_failure(name, on_event, state="paused", owner_pid=0, error="")
             raise
         except BaseException as e:
+            if created and isinstance(e, DownloadError) and not e.resumable:
+                # refused (a wrong token, custom code, a repo gone): no entry, no empty folder
+                shutil.rmtree(self._dl_dir(name), ignore_errors=True)
+                self.store.delete(name)
+                if on_event:
+                    on_event(StateChanged(name, "removed", str(e)))
+                raise
             msg = str(e) if isinstance(e, DownloadError) else f"interrupted: {type(e).__name__} {e}"
             self._record_failure(name, on_event, state="paused", owner_pid=0, error=msg)
             raise
@@ -496,6 +514,17 @@ class Library:
             check_dimensions(cfg)  # before anything is computed from it, or the weights fetched
         except SizeError as err:
             raise DownloadError(f"{e.repo}: {err}") from None
+        custom = custom_code(cfg, dl.listing)
+        if custom:
+            from app.engine.loader import mlx_lm_has_model
+
+            mt = str(cfg.get("model_type", "?"))
+            if not mlx_lm_has_model(mt):
+                raise UnsupportedModelError(
+                    f"custom code is not supported: {e.repo} needs its own Python code "
+                    f"({custom}) for model type {mt!r}, which mlx-lm does not have and "
+                    "RotaryQuant never runs"
+                )
         if not e.options.get("convert", True):
             return
         if not is_moe(cfg) or is_prequantized(cfg):
