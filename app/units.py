@@ -9,6 +9,21 @@ from __future__ import annotations
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
+def parse_size(text: str | int) -> int:
+    """'5GB', '512MB', '2g', '1.5 GiB' or a byte count -> bytes (GB means GiB, as in size)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().replace(" ", "").removesuffix("b").removesuffix("i")
+    mult = {"k": KiB, "m": MiB, "g": GiB, "t": GiB << 10}.get(s[-1:], 1)
+    try:
+        n = float(s[:-1] if mult != 1 else s)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 512MB)") from None
+    if n < 0:
+        raise ValueError(f"a size cannot be negative: {text!r}")
+    return int(n * mult)
+
+
 def size(n: float | int | None, digits: int = 1, none: str = "—") -> str:
     """'56.9 GiB', '94 MiB', '1.4 MiB', '512 B' (None: `none`)."""
     if n is None:

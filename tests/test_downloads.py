@@ -419,3 +419,32 @@ def test_download_stops_while_the_library_can_still_write(hub_env, tmp_path, mon
     dl = transfer.Downloader(listing, tmp_path / "dl", **fast(reserve=1 << 30))
     with pytest.raises(DiskFullError, match=r"^disk full: 0\.99 GiB more needed to finish org/tiny"):
         dl.run()
+
+
+def test_a_500_on_every_get_is_said_and_stops_in_bounded_time(hub_env, tmp_path):
+    """Every GET answers 500: not worded as a lost connection, and retrying stops once the
+    configured time without progress is up (the number of tries alone would go on)."""
+    from app.downloads.errors import ServerError
+
+    hub_env.add_repo(REPO, make_files())
+    listing = hub.repo_listing(REPO)
+    hub_env.inject(REPO, "config.json", Fault("status", status=500, times=10_000))
+    with pytest.raises(ServerError, match=r"the hub answered 500 to every request for org/tiny/config.json .*hub's side") as e:
+        transfer.Downloader(listing, tmp_path / "dl", **fast(retries=10_000, give_up_after=0.3)).run()
+    assert "lost the connection" not in str(e.value)
+    assert 1 < len(hub_env.resolve_requests("config.json")) < 10_000
+
+
+def test_one_disk_reserve_configurable_in_the_check_and_the_plan(hub_env, tmp_path, monkeypatch):
+    from app.downloads import catalog
+
+    monkeypatch.setenv("ROTARYQUANT_DISK_RESERVE", "5GB")
+    assert transfer.disk_reserve() == 5 << 30
+    check = catalog.disk_check(tmp_path, {"download": 1 << 20})
+    assert check.keep_free == 5 << 30 and "keeping 5.00 GiB free" in check.message
+    hub_env.add_repo(REPO, make_files())
+    monkeypatch.setattr(transfer, "free_bytes", lambda p: 5 << 30)
+    with pytest.raises(DiskFullError, match=r"\(\+5\.00 GiB kept free\)"):
+        transfer.Downloader(hub.repo_listing(REPO), tmp_path / "dl", **fast(reserve=None)).run()
+    monkeypatch.delenv("ROTARYQUANT_DISK_RESERVE")
+    assert catalog.disk_check(tmp_path, {}).keep_free == transfer.disk_reserve() == 2 << 30

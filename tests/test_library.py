@@ -169,7 +169,6 @@ def test_conversion_that_will_not_fit_stops_early(hub_env, tiny_hf, monkeypatch)
     """The download alone fits, download + conversion does not: stop before the weights."""
     hub_env.add_folder(REPO, tiny_hf)
     size = sum(p.stat().st_size for p in tiny_hf.iterdir())
-    monkeypatch.setattr(catalog, "KEEP_FREE", 0)
     monkeypatch.setattr(transfer, "free_bytes", lambda p: size + 1000)
     lib = Library()
     with pytest.raises(DiskFullError, match="conversion.*does NOT fit"):

@@ -22,6 +22,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--keep-original", action="store_true", help="keep the downloaded original")
     p.add_argument("--name", help="name in the library (default: the repo's name)")
     p.add_argument("--token", help="hub token (default: HF_TOKEN or `hf auth login`)")
+    p.add_argument("--reserve", help="disk space to keep free, e.g. 5GB (default: "
+                   "$ROTARYQUANT_DISK_RESERVE, else 2GB)")
     p.set_defaults(func=cmd_download)
 
     p = subparsers.add_parser("models", help="list the models in the library")
@@ -82,10 +84,16 @@ class _Printer:
 
 
 def cmd_download(args) -> int:
+    from ..units import parse_size
     from .library import Library
 
     lib = Library()
-    plan = lib.plan(args.repo, args.revision, args.token, args.convert)
+    try:
+        reserve = parse_size(args.reserve) if args.reserve else None
+    except ValueError as e:
+        print(f"error: --reserve: {e}", file=sys.stderr)
+        return 2
+    plan = lib.plan(args.repo, args.revision, args.token, args.convert, reserve)
     print(f"{plan.listing.repo} @ {plan.listing.commit[:12]}: {len(plan.files)} files, "
           f"{gib(plan.download_bytes)}")
     for f in plan.files:
@@ -96,6 +104,7 @@ def cmd_download(args) -> int:
         e = lib.download(
             plan.listing.repo, args.revision, name=args.name, convert=args.convert,
             keep_original=args.keep_original, tok=args.token, on_event=printer,
+            transfer_options={"reserve": plan.disk.keep_free},
         )
     except KeyboardInterrupt:
         printer._end()

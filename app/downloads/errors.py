@@ -47,6 +47,10 @@ class HubUnreachableError(ConnectionLostError):
     """No connection to the hub could be made at all (offline, DNS, refused, proxy)."""
 
 
+class ServerError(DownloadError):
+    """The hub answered with an error (5xx, 429) to every try."""
+
+
 class IntegrityError(DownloadError):
     """A file's bytes do not match the hub's hash or size (it was deleted, not kept)."""
 

@@ -329,7 +329,8 @@ class Library:
     # -- planning -----------------------------------------------------------------------------
 
     def plan(
-        self, repo: str, revision: str | None = None, tok: str | None = None, convert: bool = True
+        self, repo: str, revision: str | None = None, tok: str | None = None, convert: bool = True,
+        reserve: int | None = None,
     ) -> RepoPlan:
         """File list, sizes and disk check for `repo`, without downloading."""
         entry = catalog.find(repo)
@@ -341,7 +342,7 @@ class Library:
             est = converted_size(self._catalog_config(entry) or {})
             if est:
                 parts["conversion"] = est
-        return RepoPlan(listing, files, entry, catalog.disk_check(self.root, parts))
+        return RepoPlan(listing, files, entry, catalog.disk_check(self.root, parts, reserve))
 
     def catalog_plan(self, entry: catalog.CatalogEntry) -> dict:
         """Sizes at the role widths and, when the planner is built, its verdict for this
@@ -532,7 +533,9 @@ class Library:
         est = converted_size(cfg, e.options.get("widths"))
         if not est:
             return
-        check = catalog.disk_check(self.root, {"rest of the download": dl.remaining_bytes(), "conversion": est})
+        check = catalog.disk_check(
+            self.root, {"rest of the download": dl.remaining_bytes(), "conversion": est}, dl.reserve
+        )
         if not check.fits:
             raise DiskFullError(f"{e.repo}: {check.message}")
 
