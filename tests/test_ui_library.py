@@ -180,3 +180,41 @@ def test_download_button_selects_its_own_catalog_row(qtbot, view, monkeypatch):
     qtbot.mouseClick(view.buttons[view.ctl.catalog[last].repo.lower()], Qt.MouseButton.LeftButton)
     assert started == [view.ctl.catalog[last].repo]
     assert [ix.row() for ix in view.catalog.selectionModel().selectedRows()] == [last]
+
+
+def test_open_folder_converts_a_moe_and_adds_it(qtbot, view, tiny_hf, tmp_path):
+    """"Open folder…": a Hugging Face MoE folder is checked and converted (in its own
+    process) into the library, the user's folder untouched; a folder that is not a model is
+    refused with the reason, and nothing is added."""
+    import hashlib
+
+    def digest(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+    before = digest(tiny_hf)
+    with qtbot.waitSignal(view.ctl.message, timeout=180_000,
+                          check_params_cb=lambda m: m.startswith("Added")):
+        view.open_folder(str(tiny_hf))
+    qtbot.waitUntil(lambda: row_of(view, "hf") is not None and row_of(view, "hf").state == "ready",
+                    timeout=10_000)
+    r = row_of(view, "hf")
+    assert r.architecture == "qwen3_moe" and Path(r.ref).parent == view.ctl.library.root
+    assert (Path(r.ref) / "rotaryquant.json").exists() and digest(tiny_hf) == before
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with qtbot.waitSignal(view.ctl.failed, timeout=60_000) as b:
+        view.open_folder(str(empty))
+    assert "no config.json" in b.args[1] and "no config.json" in view.catalog_error.text()
+    assert not view.retry_btn.isVisibleTo(view)
+    assert [x.name for x in view.ctl.library.entries(check=False)] == ["hf"]
+
+
+def test_plan_button_plans_a_selected_catalog_row(qtbot, view):
+    assert not view.plan_btn.isEnabled()
+    row = next(i for i, e in enumerate(view.ctl.catalog) if e.config)
+    view.catalog.selectRow(row)
+    assert view.plan_btn.isEnabled()
+    with qtbot.waitSignal(view.plan_requested) as b:
+        qtbot.mouseClick(view.plan_btn, Qt.MouseButton.LeftButton)
+    e = view.ctl.catalog[row]
+    assert b.args == [e.config, e.name]

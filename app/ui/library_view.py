@@ -102,7 +102,7 @@ class LibraryView(QWidget):
         h.setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
         for col, w in enumerate((210, 90, 70, 200, 280)):
             self.table.setColumnWidth(col, w)
-        self.table.selectionModel().selectionChanged.connect(lambda *_: self._update_actions())
+        self.table.selectionModel().selectionChanged.connect(self._on_local_selected)
         self.table.doubleClicked.connect(lambda _ix: self.load_selected())
         self.load_btn = QPushButton("&Load")
         self.plan_btn = QPushButton("&Plan…")
@@ -112,6 +112,10 @@ class LibraryView(QWidget):
         self.convert_btn = QPushButton("Con&vert")
         self.verify_btn = QPushButton("&Verify")
         self.remove_btn = QPushButton("Remove")
+        self.open_btn = QPushButton("&Open folder…")
+        self.open_btn.setToolTip("Add a model folder you already have (MLX or Hugging Face "
+                                 "safetensors); a mixture-of-experts model is converted")
+        self.open_btn.clicked.connect(lambda: self.open_folder())
         actions = (
             (self.load_btn, self.load_selected), (self.plan_btn, self.plan_selected),
             (self.pause_btn, lambda: self._on_selected(self.ctl.pause)),
@@ -126,6 +130,7 @@ class LibraryView(QWidget):
             b.clicked.connect(fn)
             row.addWidget(b)
         row.addStretch(1)
+        row.addWidget(self.open_btn)
         self.detail = QLabel("")
         self.detail.setWordWrap(True)
         self.detail.setObjectName("error")
@@ -160,6 +165,8 @@ class LibraryView(QWidget):
             self.buttons[e.repo.lower()] = b
             self.catalog.setIndexWidget(self.cat.index(i, 5), b)
         self.catalog.doubleClicked.connect(self._plan_catalog)
+        # one selection across the two tables: "Plan…" plans the selected model, local or not
+        self.catalog.selectionModel().selectionChanged.connect(self._on_catalog_selected)
         self.repo_edit = QLineEdit()
         self.repo_edit.setPlaceholderText("Any Hugging Face repo id, e.g. mlx-community/Qwen3-30B-A3B-4bit")
         self.repo_btn = QPushButton("Download repo")
@@ -221,6 +228,36 @@ class LibraryView(QWidget):
         r = self.selected_row()
         if r is not None and r.state == "ready":
             self.plan_requested.emit(r.ref, r.name)
+            return
+        e = self.selected_catalog()
+        if e is not None and e.config:
+            self.plan_requested.emit(e.config, e.name)
+
+    def selected_catalog(self):
+        ix = self.catalog.selectionModel().selectedRows()
+        return self.ctl.catalog[ix[0].row()] if ix else None
+
+    def _on_local_selected(self, *_):
+        if self.table.selectionModel().hasSelection():
+            self.catalog.clearSelection()
+        self._update_actions()
+
+    def _on_catalog_selected(self, *_):
+        if self.catalog.selectionModel().hasSelection():
+            self.table.clearSelection()
+        self._update_actions()
+
+    def open_folder(self, folder: str | None = None) -> None:
+        """Add a model folder the user has; asks for it when not given."""
+        if folder is None:
+            from PySide6.QtWidgets import QFileDialog
+
+            folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
+            if not folder:
+                return
+        self.catalog_error.clear()
+        self.status.emit(f"Checking {folder}…")
+        self.ctl.open_folder(folder)
 
     def _plan_catalog(self, ix: QModelIndex) -> None:
         e = self.ctl.catalog[ix.row()]
@@ -264,7 +301,8 @@ class LibraryView(QWidget):
         st = r.state if r else ""
         builtin = bool(r and r.builtin)
         self.load_btn.setEnabled(st == "ready")
-        self.plan_btn.setEnabled(st == "ready")
+        cat_entry = self.selected_catalog() if r is None else None
+        self.plan_btn.setEnabled(st == "ready" or bool(cat_entry and cat_entry.config))
         self.pause_btn.setEnabled(st == "downloading")
         self.resume_btn.setEnabled(st == "paused")
         self.cancel_btn.setEnabled(st in ("downloading", "paused"))

@@ -42,7 +42,7 @@ SETTINGS_FILE = "settings.ini"
 SHORTCUTS = (
     ("Ctrl+Enter", "send the message"), ("Esc", "stop the answer"),
     ("Ctrl+R", "regenerate the last answer"), ("Ctrl+Shift+C", "copy the last answer"),
-    ("Ctrl+N", "new chat"), ("Delete", "delete the selected chat or model"),
+    ("Ctrl+N", "new chat"), ("Ctrl+O", "open a model folder"), ("Delete", "delete the selected chat or model"),
     ("Ctrl+1 / 2 / 3", "chat, library, plan"), ("Ctrl+L", "focus the message box"),
     ("Ctrl+M", "show or hide the memory panel"), ("Enter", "load the selected model (library)"),
     ("F5", "re-check the library"), ("Ctrl+Shift+R", "restart the engine"),
@@ -172,6 +172,8 @@ class MainWindow(QMainWindow):
         mb = self.menuBar()
         file = mb.addMenu("&File")
         self._action(file, "&New chat", "Ctrl+N", self._new_chat)
+        self._action(file, "&Open model folder…", "Ctrl+O",
+                     lambda: (self.show_tab(1), self.library_view.open_folder()))
         file.addSeparator()
         self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         view = mb.addMenu("&View")
