@@ -7,8 +7,9 @@ cost per token stays constant however long the conversation grows.
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import (
+    QAction,
     QColor,
     QKeySequence,
     QShortcut,
@@ -84,6 +85,15 @@ class ChatView(QWidget):
         self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.conv_list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.conv_list.itemSelectionChanged.connect(self._on_conv_selected)
+        # F2 or a double click renames a conversation in place
+        self.conv_list.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
+                                       | QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.conv_list.itemChanged.connect(self._on_conv_renamed)
+        self.conv_list.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
+        for text, slot in (("Rename", self.rename_current), ("Delete", self.delete_current)):
+            a = QAction(text, self.conv_list)
+            a.triggered.connect(slot)
+            self.conv_list.addAction(a)
         self.new_btn = QPushButton("&New chat")
         self.new_btn.clicked.connect(self.new_chat)
         self.delete_btn = QPushButton("Delete")
@@ -115,6 +125,8 @@ class ChatView(QWidget):
         self.input.setPlaceholderText("Message — Ctrl+Enter to send, Esc to stop")
         self.input.setFixedHeight(84)
         self.input.setTabChangesFocus(True)
+        self.enter_sends = False  # the settings' option: Enter sends, Shift+Enter a new line
+        self.input.installEventFilter(self)
         self.regen_btn = QPushButton("&Regenerate")
         self.copy_btn = QPushButton("&Copy answer")
         self.stop_btn = QPushButton("Stop")
@@ -263,6 +275,7 @@ class ChatView(QWidget):
         for c in self.model.conversations():
             item = QListWidgetItem(c.title)
             item.setData(Qt.ItemDataRole.UserRole, c.id)
+            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
             item.setToolTip(f"{c.title}\n{c.model}" if c.model else c.title)
             self.conv_list.addItem(item)
             if c.id == cur:
@@ -284,6 +297,30 @@ class ChatView(QWidget):
     def new_chat(self) -> None:
         if self.model.new_conversation() is not None:
             self.input.setFocus()
+
+    def set_enter_sends(self, on: bool) -> None:
+        self.enter_sends = bool(on)
+        keys = "Enter to send, Shift+Enter for a new line" if on else "Ctrl+Enter to send"
+        self.input.setPlaceholderText(f"Message — {keys}, Esc to stop")
+
+    def eventFilter(self, obj, event) -> bool:
+        if (obj is self.input and self.enter_sends and event.type() == QEvent.Type.KeyPress
+                and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+                and not event.modifiers() & (Qt.KeyboardModifier.ShiftModifier
+                                             | Qt.KeyboardModifier.ControlModifier)):
+            self.send()
+            return True
+        return super().eventFilter(obj, event)
+
+    def rename_current(self) -> None:
+        item = self.conv_list.currentItem()
+        if item is not None:
+            self.conv_list.editItem(item)
+
+    def _on_conv_renamed(self, item) -> None:
+        cid = item.data(Qt.ItemDataRole.UserRole)
+        if cid is not None and not self.model.rename_conversation(cid, item.text()):
+            self.refresh_conversations()  # an empty name: the old one comes back
 
     def delete_current(self) -> None:
         c = self.model.current
@@ -409,6 +446,10 @@ class ChatView(QWidget):
         if kind == "think" and arg.isdigit():
             self.expanded ^= {int(arg)}
             self.render_all()
+        elif kind == "copycode":
+            mid, _, n = arg.partition(":")
+            if mid.isdigit() and n.isdigit() and self.model.copy_code(int(mid), int(n)):
+                self.status.emit("Code copied to the clipboard")
         elif kind == "copy" and arg.isdigit():
             self.model.copy_message(int(arg))
             self.status.emit("Copied to the clipboard")

@@ -77,6 +77,8 @@ class MainWindow(QMainWindow):
         self.settings = settings or app_settings()
         self.theme = theme
         last = str(self.settings.value("last_model", "") or "")
+        default = str(self.settings.value("default_model", "") or "")  # set in Settings
+        last = default if default and _ref_exists(default) else last
         model = model or (last if last and _ref_exists(last) else DEFAULT_MODEL_REF)
         self.session = EngineSession(model, bridge, parent=self)
         self.bridge = self.session.bridge
@@ -175,6 +177,8 @@ class MainWindow(QMainWindow):
         self._action(file, "&Open model folder…", "Ctrl+O",
                      lambda: (self.show_tab(1), self.library_view.open_folder()))
         file.addSeparator()
+        self._action(file, "&Settings…", QKeySequence.StandardKey.Preferences, self.show_settings)
+        file.addSeparator()
         self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         view = mb.addMenu("&View")
         for i, name in enumerate(self.TABS):
@@ -222,6 +226,14 @@ class MainWindow(QMainWindow):
         self.library.entries_changed.connect(self.refresh_models)
         self.planner.plan_ready.connect(self._on_plan)
         self.plan_view.apply_requested.connect(self.apply_plan)
+
+    def settings_dialog(self):
+        from .settings_dialog import SettingsDialog
+
+        return SettingsDialog(self)
+
+    def show_settings(self) -> None:
+        self.settings_dialog().exec()
 
     def show_shortcuts(self) -> None:
         rows = "".join(f"<tr><td><b>{k}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>" for k, what in SHORTCUTS)
@@ -411,6 +423,7 @@ class MainWindow(QMainWindow):
 
     def _restore_state(self) -> None:
         s = self.settings
+        self.chat_view.set_enter_sends(str(s.value("chat/enter_sends", "false")).lower() == "true")
         if int(s.value("version", 0) or 0) != SETTINGS_VERSION:
             return
         geo = s.value("window/geometry")
