@@ -202,7 +202,7 @@ class MemoryPanel(QWidget):
                          for _ in range(2)]
         self.ssd_plot = g.addPlot(row=2, col=1, title="SSD MB/s")
         self.curves["ssd_mbs"] = self.ssd_plot.plot([], [], pen=pg.mkPen("#ff9f0a", width=2), connect="finite")
-        self.kv_plot = g.addPlot(row=3, col=0, colspan=2, title="KV saved vs fp16 (MB)")
+        self.kv_plot = g.addPlot(row=3, col=0, colspan=2, title="KV saved vs fp16 (MiB)")
         self.curves["kv_saved"] = self.kv_plot.plot([], [], pen=pg.mkPen("#ff375f", width=2), connect="finite")
         self.plots = (self.mem_plot, self.tps_plot, self.hit_plot, self.ssd_plot, self.kv_plot)
         for p in self.plots:
