@@ -218,3 +218,37 @@ def test_plan_button_plans_a_selected_catalog_row(qtbot, view):
         qtbot.mouseClick(view.plan_btn, Qt.MouseButton.LeftButton)
     e = view.ctl.catalog[row]
     assert b.args == [e.config, e.name]
+
+
+def test_a_conversion_killed_like_by_the_oom_killer_leaves_the_window_working(qtbot, view, hub_env, tiny_hf):
+    """The conversion runs in a process of its own: killed mid-way (SIGKILL, as the OOM killer
+    does), the window hears of it, the entry is back to "downloaded" with the reason, and
+    converting again works."""
+    import psutil
+
+    hub_env.add_folder(REPO, tiny_hf)
+    ctl = view.ctl
+    ctl.library.download(REPO, transfer_options=FAST, finish=False)
+    ctl.refresh()
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+
+    def conversion_child():
+        for p in me.children():
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if p.pid not in before and "spawn_main" in cmd and "resource_tracker" not in cmd:
+                return p
+        return None
+
+    with qtbot.waitSignal(ctl.failed, timeout=120_000) as b:
+        ctl.convert("tiny-moe")
+        qtbot.waitUntil(lambda: conversion_child() is not None, timeout=60_000)
+        conversion_child().kill()
+    assert b.args[0] == "tiny-moe" and "stopped unexpectedly (killed by signal 9)" in b.args[1]
+    e = ctl.library.store.get("tiny-moe")
+    assert e.state == "downloaded" and "conversion failed" in e.error and not e.busy
+    with qtbot.waitSignal(ctl.state_changed, timeout=120_000, check_params_cb=lambda ev: ev.state == "ready"):
+        ctl.convert("tiny-moe")

@@ -257,7 +257,10 @@ class LibraryController(QObject):
                 return jobs.run_once(fn, *self._lib_args(), *args, name=f"rotaryquant-{what}",
                                      on_event=self._emit_event)
             except jobs.JobCrashed as err:
-                if name and self.library.recover(name):
+                # the dead process may have claimed the entry: put it back, then say why
+                self.library.recover(name)
+                e = self.library.store.get(name)
+                if e is not None and not e.busy:
                     self.library.store.update(name, error=f"{what} failed: {err}")
                 raise
 
