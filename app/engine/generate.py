@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -143,6 +143,7 @@ class Engine:
         self.last_cache: list | None = None
         self.default_kv_mode = "fp16"
         self.last_kv_mode = "fp16"
+        self.context_limit: int | None = None  # tokens (an applied plan's); None: no limit
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, options: dict | None = None) -> ModelInfo:
@@ -179,6 +180,7 @@ class Engine:
             # (cached per model, backend and device), then plan again with it.
             plan = self._profile_and_replan(lm, path, options, plan)
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
+        self.context_limit = int(options["context"]) if options.get("context") else None
         backend = detect()
         modes = self._kv_modes(kv) + (("zipfusion",) if "zipfusion" in backend.kv_modes else ())
         self.info = ModelInfo(
@@ -336,6 +338,15 @@ class Engine:
             ids = list(prompt)  # type: ignore[arg-type]
         if not ids:
             raise EngineError("empty prompt")
+        if self.context_limit:  # the plan's memory holds this many tokens, prompt and answer
+            room = self.context_limit - len(ids)
+            if room < 1:
+                raise EngineError(
+                    f"the conversation is {len(ids)} tokens, beyond this plan's context of "
+                    f"{self.context_limit}: start a new chat, or plan a longer context"
+                )
+            if settings.max_tokens < 0 or settings.max_tokens > room:
+                settings = replace(settings, max_tokens=room)
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         sampler = make_sampler(
