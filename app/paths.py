@@ -37,10 +37,37 @@ def private_file(p: Path) -> Path:
     return p
 
 
-def data_dir() -> Path:
+
+
+def location_file() -> Path:
+    """Where a data folder chosen in the settings is remembered (outside the data folder)."""
     root = os.environ.get("ROTARYQUANT_HOME")
-    p = Path(root) / "data" if root else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
-    return private_dir(p)
+    base = Path(root) if root else Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
+    return base / "data-location"
+
+
+def default_data_dir() -> Path:
+    root = os.environ.get("ROTARYQUANT_HOME")
+    return Path(root) / "data" if root else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+
+
+def data_dir() -> Path:
+    try:
+        chosen = location_file().read_text().strip()
+    except OSError:
+        chosen = ""
+    return private_dir(Path(chosen) if chosen else default_data_dir())
+
+
+def set_data_dir(folder: str | os.PathLike | None) -> None:
+    """Use `folder` for models, library and conversations from the next start (None: the
+    default). The old folder is left as it is."""
+    f = location_file()
+    if folder is None:
+        f.unlink(missing_ok=True)
+        return
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(str(Path(folder).expanduser().resolve()))
 
 
 def models_dir() -> Path:

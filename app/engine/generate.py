@@ -134,6 +134,7 @@ class Engine:
         self.last_cache: list | None = None
         self.default_kv_mode = "fp16"
         self.last_kv_mode = "fp16"
+        self.context_limit: int | None = None  # tokens (an applied plan's); None: no limit
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, options: dict | None = None) -> ModelInfo:
@@ -166,6 +167,7 @@ class Engine:
             # (cached per model, backend and device), then plan again with it.
             plan = self._profile_and_replan(lm, path, options, plan)
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
+        self.context_limit = int(options["context"]) if options.get("context") else None
         backend = detect()
         self.info = ModelInfo(
             path=str(lm.path),
@@ -300,8 +302,10 @@ class Engine:
             ids = prompts.check_ids(prompt, prompts.vocab_size(lm.model, lm.config))
         if not ids:
             raise EngineError("empty prompt")
-        ctx, why = prompts.context_limit(lm.config, (self.info.extra or {}).get("plan")
-                                         if self.info else None)
+        plan = dict((self.info.extra or {}).get("plan") or {}) if self.info else {}
+        if self.context_limit:  # the context of the plan the engine was loaded with
+            plan["context_limit"] = min(self.context_limit, plan.get("context_limit") or 1 << 62)
+        ctx, why = prompts.context_limit(lm.config, plan)
         max_tokens = prompts.fit_context(len(ids), settings.max_tokens, ctx, why)
         if settings.seed is not None:
             mx.random.seed(settings.seed)

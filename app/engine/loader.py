@@ -153,6 +153,28 @@ def _architecture_supported(config: dict) -> bool:
     return True
 
 
+def mlx_lm_has_model(model_type: str) -> bool:
+    """Whether mlx-lm has a module for `model_type`, read from its files without importing it
+    (the window process never loads MLX)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = Path(next(iter(spec.submodule_search_locations)))
+    remap: dict = {}
+    try:
+        for node in ast.parse((root / "utils.py").read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets
+            ):
+                remap = ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError):
+        pass  # no remapping known: the module name is the model type
+    return (root / "models" / f"{remap.get(model_type, model_type)}.py").is_file()
+
+
 def architecture_module(model_type: str):
     from mlx_lm.utils import MODEL_REMAPPING
 

@@ -8,7 +8,7 @@ up, in this order: expert residency (page experts, down to the minimum the pager
 precision (IsoQuant 3-bit on full-attention layers), context length; then it refuses and
 names the smallest machine that would run the model.
 
-"GB" in this module means GiB (2**30 bytes): a "32 GB" Mac has 32 GiB of RAM.
+Sizes are shown in GiB (app/units.py); a "32 GB" Mac, as machines are sold, has 32 GiB of RAM.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..units import size
 from . import kvcache
 from .errors import EngineError
 from .profile import ShareSource, estimate_share, share_for
@@ -77,7 +78,7 @@ class ModelTooLarge(PlanRefused):
 
 
 def gb(n: int | float) -> str:
-    return f"{n / GiB:.1f} GB" if abs(n) >= GiB / 10 else f"{n / MiB:.0f} MB"
+    return size(n)
 
 
 def parse_size(text: str | int) -> int:
@@ -500,7 +501,7 @@ def make_plan(
         (
             "widths fixed by the conversion"
             if widths_fixed
-            else "widths by role (SPEC §2): dense 4-bit, routed experts 2-bit, shared experts 8-bit, norms/routers float"
+            else "default widths by role: " + _default_widths_text(s)
             if w == RoleWidths()
             else "widths as requested"
         )
@@ -764,6 +765,13 @@ def _is_converted(folder: Path) -> bool:
     except Exception:
         return False
     return man is not None and bool(man.roles)
+
+
+def _default_widths_text(s: ModelSizes) -> str:
+    """The default widths of the roles this model has (no shared experts for most MoEs)."""
+    parts = {"dense": "dense 4-bit", "routed": "routed experts 2-bit",
+             "shared": "shared experts 8-bit", "keep_float": "norms/routers float"}
+    return ", ".join(t for r, t in parts.items() if s.params.get(r, 0) > 0)
 
 
 def _describe(w: RoleWidths) -> str:

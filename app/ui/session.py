@@ -81,7 +81,10 @@ class EngineSession(QObject):
         self._set("loading", f"Loading {_short(self.model_ref)}…")
         self.load_req = self.bridge.load(self.model_ref, self.options)
 
-    def restart(self) -> None:
+    def restart(self, model: str | None = None, options: dict | None = None) -> None:
+        """A fresh worker, loading the same model (or `model` with `options`)."""
+        if model is not None:
+            self.model_ref, self.options = model, dict(options or {})
         self.poll.stop()
         self._set("starting", "Restarting the engine…")
         self.bridge.restart()
