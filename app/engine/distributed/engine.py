@@ -28,8 +28,9 @@ class StageEngine(Engine):
 
         options = dict(options or {})
         t0 = time.perf_counter()
-        lm = load_stage(path, self.group, split=options.get("split"),
-                        expert_budget=options.get("expert_budget"))
+        lm = load_stage(
+            path, self.group, split=options.get("split"), expert_budget=options.get("expert_budget")
+        )
         kv = _kvcache_module()
         if kv is not None and hasattr(kv, "install"):
             kv.install(lm.model)
@@ -43,12 +44,19 @@ class StageEngine(Engine):
         self.default_kv_mode = options.get("kv_mode") or "fp16"
         stage = lm.model.rq_stage
         self.info = ModelInfo(
-            path=str(lm.path), name=Path(lm.path).name, architecture=lm.architecture,
-            num_layers=stage.num_layers, weight_bytes=_weight_bytes(lm.model),
-            kv_modes=self._kv_modes(kv), backend=detect().name,
+            path=str(lm.path),
+            name=Path(lm.path).name,
+            architecture=lm.architecture,
+            num_layers=stage.num_layers,
+            weight_bytes=_weight_bytes(lm.model),
+            kv_modes=self._kv_modes(kv),
+            backend=detect().name,
             load_seconds=time.perf_counter() - t0,
-            extra={"stage": stage.to_dict(), "expert_budget": options.get("expert_budget"),
-                   "default_kv_mode": self.default_kv_mode},
+            extra={
+                "stage": stage.to_dict(),
+                "expert_budget": options.get("expert_budget"),
+                "default_kv_mode": self.default_kv_mode,
+            },
         )
         return self.info
 
@@ -70,8 +78,9 @@ class StageEngine(Engine):
 def broadcast_ids(ids: list[int] | None, group) -> list[int]:
     """Rank 0's token ids on every rank (others pass None); [] ends the session."""
     root = group.rank() == 0
-    n = mx.distributed.all_sum(mx.array([len(ids) if root and ids else 0], dtype=mx.int32),
-                               group=group).item()
+    n = mx.distributed.all_sum(
+        mx.array([len(ids) if root and ids else 0], dtype=mx.int32), group=group
+    ).item()
     if n == 0:
         return []
     arr = mx.array(ids if root else [0] * n, dtype=mx.int32)

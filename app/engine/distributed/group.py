@@ -19,6 +19,10 @@ import mlx.core as mx
 from ..errors import EngineError
 
 _MAX_SOCKETS = 32  # per rank; the ring opens one or two per neighbour and IP
+POLL_S = 0.25  # how often the watchdog looks at the sockets
+# after a peer's sockets close, MLX may raise (then the main thread reports) or block for ever
+# in a collective that waits on another rank: the watchdog ends the rank after this long
+GRACE_S = 1.5
 
 
 class PeerLost(EngineError):
@@ -60,6 +64,8 @@ class Peers:
         self.group, self.labels = group, labels
         self.rank, self.size = group.rank(), group.size()
         self.by_endpoint: dict[tuple, int] = {}
+        self.gone_since: dict[int, float] = {}
+        self.mine: dict[tuple, int | None] = {}
         if self.size > 1:
             self._exchange()
 
@@ -82,14 +88,27 @@ class Peers:
     def label(self, rank: int) -> str:
         return self.labels[rank] if 0 <= rank < len(self.labels) else f"rank {rank}"
 
-    def lost(self) -> list[int]:
-        """Ranks whose every socket to this rank is gone or closed by them."""
+    def poll(self) -> None:
+        """Note when each peer's sockets stopped being ESTABLISHED (the watchdog polls)."""
         if self.size == 1:
+            return
+        alive = {
+            self.by_endpoint.get((*_ip_bytes(c.raddr.ip), c.raddr.port))
+            for c in _sockets()
+            if c.status == "ESTABLISHED"
+        }
+        now = time.monotonic()
+        for r in {r for r in self.mine.values() if r is not None} - alive:
+            self.gone_since.setdefault(r, now)
+
+    def lost(self) -> list[int]:
+        """The peers that dropped first: once one host is gone the survivors give up and close
+        their own sockets too, so only those within POLL_S of the first are the cause."""
+        self.poll()
+        if not self.gone_since:
             return []
-        alive = {self.by_endpoint.get((*_ip_bytes(c.raddr.ip), c.raddr.port))
-                 for c in _sockets() if c.status == "ESTABLISHED"}
-        known = {r for r in self.mine.values() if r is not None}
-        return sorted(known - alive)
+        first = min(self.gone_since.values())
+        return sorted(r for r, t in self.gone_since.items() if t <= first + 2 * POLL_S)
 
     def failure(self, cause: str) -> PeerLost:
         lost = self.lost()
@@ -110,6 +129,7 @@ class Watchdog:
     def __init__(self, peers: Peers, timeout_s: float, exit_code: int = 3):
         self.peers, self.timeout_s, self.exit_code = peers, timeout_s, exit_code
         self._deadline: float | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rq-watchdog", daemon=True)
         self._thread.start()
@@ -124,19 +144,39 @@ class Watchdog:
         with self._lock:
             self._deadline = None
 
+    def close(self) -> None:
+        """The session is over: peers leaving now is expected."""
+        self._closed = True
+
     def _run(self) -> None:
-        while True:
-            time.sleep(min(0.5, self.timeout_s / 4))
+        while not self._closed:
+            time.sleep(min(POLL_S, self.timeout_s / 4))
+            self.peers.poll()
+            gone = self.peers.gone_since
+            if gone and not self._closed and time.monotonic() > min(gone.values()) + GRACE_S:
+                self._end("its connection closed")  # the group cannot recover: no wait
             with self._lock:
                 late = self._deadline is not None and time.monotonic() > self._deadline
-            if late:
-                err = self.peers.failure(f"no step finished in {self.timeout_s:g} s")
-                print(f"error: {err}", file=sys.stderr, flush=True)
-                os._exit(self.exit_code)
+            if late and not self._closed:
+                self._end(f"no step finished in {self.timeout_s:g} s")
+
+    def _end(self, cause: str) -> None:
+        report(self.peers.failure(cause))
+        os._exit(self.exit_code)
+
+
+_reported = threading.Lock()
+
+
+def report(err: PeerLost) -> None:
+    """Print the failure once per process (the main thread and the watchdog may both see it)."""
+    if _reported.acquire(blocking=False):
+        print(f"error: {err}", file=sys.stderr, flush=True)
 
 
 def is_link_error(e: BaseException) -> bool:
     """MLX's ring/JACCL/MPI report a lost peer as a RuntimeError naming the backend."""
     text = str(e)
     return isinstance(e, RuntimeError) and any(
-        k in text for k in ("[ring]", "[jaccl]", "[mpi]", "[nccl]", "peer", "connection"))
+        k in text for k in ("[ring]", "[jaccl]", "[mpi]", "[nccl]", "peer", "connection")
+    )

@@ -72,16 +72,27 @@ def parse_hosts(data, path: str = "") -> Hosts:
     """A hosts.json document (a dict with `hosts`, or mlx's plain list) -> Hosts."""
     items = data.get("hosts") if isinstance(data, dict) else data
     if not isinstance(items, list):
-        raise ValueError("expected a list of hosts (or {\"hosts\": [...]})")
+        raise ValueError('expected a list of hosts (or {"hosts": [...]})')
     hosts = []
     for i, h in enumerate(items):
         if not isinstance(h, dict):
             raise ValueError(f"host {i}: expected an object with `ssh`")
-        hosts.append(Host(ssh=str(h.get("ssh", "")), ips=tuple(h.get("ips", ())),
-                          ram=_ram(h.get("ram")), name=str(h.get("name", ""))))
+        hosts.append(
+            Host(
+                ssh=str(h.get("ssh", "")),
+                ips=tuple(h.get("ips", ())),
+                ram=_ram(h.get("ram")),
+                name=str(h.get("name", "")),
+            )
+        )
     meta = data if isinstance(data, dict) else {}
-    return Hosts(tuple(hosts), backend=meta.get("backend") or "ring",
-                 link=meta.get("link", "thunderbolt5"), path=path, raw=meta)
+    return Hosts(
+        tuple(hosts),
+        backend=meta.get("backend") or "ring",
+        link=meta.get("link", "thunderbolt5"),
+        path=path,
+        raw=meta,
+    )
 
 
 def load_hosts(path: str | os.PathLike) -> Hosts:

@@ -29,8 +29,9 @@ def run_greedy(model, prompt: list[int], cache: list, max_tokens: int, on_token=
     from mlx_lm.generate import generate_step
 
     toks, lps = [], []
-    for tok, lp in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                 prompt_cache=cache):
+    for tok, lp in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache
+    ):
         toks.append(int(tok))
         lps.append(lp)
         if on_token is not None:
@@ -58,9 +59,15 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
     rank = engine.group.rank()
     results = []
     for run in spec["runs"]:
-        engine.load(run["model"], {"split": run.get("split"), "kv_mode": run.get("kv_mode"),
-                                   "expert_budget": run.get("expert_budget"),
-                                   "cpu_float_weights": False})
+        engine.load(
+            run["model"],
+            {
+                "split": run.get("split"),
+                "kv_mode": run.get("kv_mode"),
+                "expert_budget": run.get("expert_budget"),
+                "cpu_float_weights": False,
+            },
+        )
         model = engine.loaded.model
         stage = model.rq_stage
         cache = engine.make_cache(GenerationSettings(kv_mode=run.get("kv_mode", "fp16")))
@@ -76,15 +83,18 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
         elapsed = time.perf_counter() - t0
         watchdog.disarm()
         mx.eval(lps)
-        results.append({
-            "tokens": toks,
-            "logprobs": [lp.astype(mx.float32).tolist() for lp in lps],
-            "bytes_sent": stage.traffic.sent - sent0,
-            "seconds": elapsed,
-            "stage": stage.to_dict(),
-            "kv_bytes": engine.cache_nbytes(engine.local_cache(cache)),
-            "pager": model.rq_pager.stats() if hasattr(model, "rq_pager") else None,
-        })
+        results.append(
+            {
+                "tokens": toks,
+                "logprobs": [lp.astype(mx.float32).tolist() for lp in lps],
+                "bytes_sent": stage.traffic.sent - sent0,
+                "seconds": elapsed,
+                "stage": stage.to_dict(),
+                "kv_bytes": engine.cache_nbytes(engine.local_cache(cache)),
+                "pager": model.rq_pager.stats() if hasattr(model, "rq_pager") else None,
+            }
+        )
+    watchdog.close()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "runs": results}))
 
@@ -95,9 +105,12 @@ def _chat(engine, args, watchdog) -> None:
 
     group = engine.group
     root = group.rank() == 0
-    settings = GenerationSettings(max_tokens=args.max_tokens, temperature=args.temp,
-                                  seed=args.seed if args.seed is not None else 0,
-                                  kv_mode=args.kv_mode)
+    settings = GenerationSettings(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        seed=args.seed if args.seed is not None else 0,
+        kv_mode=args.kv_mode,
+    )
     messages: list[dict] = []
     while True:
         ids = None
@@ -111,6 +124,7 @@ def _chat(engine, args, watchdog) -> None:
                 ids = engine.encode_chat(messages)
         ids = broadcast_ids(ids, group)
         if not ids:
+            watchdog.close()
             return
         watchdog.arm()
         answer = ""
@@ -121,9 +135,20 @@ def _chat(engine, args, watchdog) -> None:
             elif isinstance(ev, Finished):
                 answer = ev.text
                 if root:
-                    print(f"\n[{ev.generated_tokens} tokens, {ev.decode_tps:.1f} tok/s]", flush=True)
+                    print(
+                        f"\n[{ev.generated_tokens} tokens, {ev.decode_tps:.1f} tok/s]", flush=True
+                    )
         watchdog.disarm()
         messages.append({"role": "assistant", "content": answer})
+
+
+def _budget(text: str | None, rank: int, parse_size) -> int | None:
+    """--expert-budget: one size for every rank, or one per rank ("None" keeps all resident)."""
+    if not text:
+        return None
+    parts = text.split(",")
+    part = parts[rank] if len(parts) > 1 else parts[0]
+    return None if part in ("", "None") else parse_size(part)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model")
     p.add_argument("--hosts", help="hosts.json (names the hosts in errors)")
     p.add_argument("--split", help="layers per rank, rank 0 first, e.g. 20,28")
-    p.add_argument("--expert-budget", help="this rank's routed-expert budget, e.g. 12GB")
+    p.add_argument(
+        "--expert-budget", help="routed-expert budget, e.g. 12GB, or one per rank: 12GB,None"
+    )
     p.add_argument("--kv-mode", default="fp16")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", default=os.environ.get("RQ_DIST_BACKEND", "ring"))
-    p.add_argument("--step-timeout", type=float, default=60.0,
-                   help="seconds a step may take before this rank gives up on the others")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a step may take before this rank gives up on the others",
+    )
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--chat", action="store_true")
     mode.add_argument("--check", help="SPEC.json of greedy runs (writes --out/rank{r}.json)")
@@ -147,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..errors import EngineError
     from .engine import StageEngine
-    from .group import Peers, Watchdog, init_group, is_link_error
+    from .group import Peers, Watchdog, init_group, is_link_error, report
 
     peers = None
     try:
@@ -160,17 +191,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from ..planner import parse_size
 
-        opts = {"kv_mode": args.kv_mode,
-                "split": [int(x) for x in args.split.split(",")] if args.split else None,
-                "expert_budget": parse_size(args.expert_budget) if args.expert_budget else None}
+        opts = {
+            "kv_mode": args.kv_mode,
+            "split": [int(x) for x in args.split.split(",")] if args.split else None,
+            "expert_budget": _budget(args.expert_budget, group.rank(), parse_size),
+        }
         engine.load(args.model, opts)
         _chat(engine, args, watchdog)
         return 0
     except RuntimeError as e:
         if peers is None or not is_link_error(e):
             raise
-        err = peers.failure(str(e))
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        report(peers.failure(str(e)))
         time.sleep(1.0)  # the other survivors read their sockets before this one closes
         return EXIT_PEER_LOST
     except EngineError as e:

@@ -41,7 +41,7 @@ def stage_range(split: list[int], rank: int) -> tuple[int, int]:
     """[start, end) of rank `rank`'s layers under `split` (layers per rank, rank 0 first)."""
     if any(s <= 0 for s in split):
         raise ValueError(f"split {split}: every rank needs at least one layer")
-    start = sum(split[rank + 1:])
+    start = sum(split[rank + 1 :])
     return start, start + split[rank]
 
 
@@ -66,8 +66,11 @@ def layer_list(model) -> list:
 def _plain_attrs(layer) -> dict:
     """Scalar attributes models read while looping (nemotron_h `block_type`, qwen3_next
     `is_linear`): the stand-ins carry them."""
-    return {k: v for k, v in vars(layer).items()
-            if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
+    return {
+        k: v
+        for k, v in vars(layer).items()
+        if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))
+    }
 
 
 class RemoteLayer(nn.Module):
@@ -95,8 +98,15 @@ class StageLayer(nn.Module):
     """A layer of this rank (or the model's last, remote or not) with the pipeline's transfers
     around it: receive before, send after, gather the final hidden state after the last."""
 
-    def __init__(self, layer: nn.Module, group, recv_from: int | None, send_to: int | None,
-                 gather: bool, traffic: Traffic):
+    def __init__(
+        self,
+        layer: nn.Module,
+        group,
+        recv_from: int | None,
+        send_to: int | None,
+        gather: bool,
+        traffic: Traffic,
+    ):
         super().__init__()
         self.layer = layer
         for k, v in _plain_attrs(layer).items():
@@ -137,7 +147,9 @@ class Stage:
 
     def __post_init__(self):
         if len(self.split) != self.size:
-            raise ValueError(f"split {self.split} has {len(self.split)} entries for {self.size} ranks")
+            raise ValueError(
+                f"split {self.split} has {len(self.split)} entries for {self.size} ranks"
+            )
         if sum(self.split) != self.num_layers:
             raise ValueError(f"split {self.split} must sum to {self.num_layers} layers")
         self.start, self.end = stage_range(self.split, self.rank)
@@ -146,8 +158,12 @@ class Stage:
         return self.start <= layer < self.end
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "split": list(self.split),
-                "layers": [self.start, self.end]}
+        return {
+            "rank": self.rank,
+            "size": self.size,
+            "split": list(self.split),
+            "layers": [self.start, self.end],
+        }
 
 
 def drop_remote_layers(model, stage: Stage) -> None:
@@ -166,7 +182,8 @@ def wire(model, stage: Stage, group) -> None:
     ends = {stage.start, stage.end - 1, last}
     for i in sorted(ends):
         layers[i] = StageLayer(
-            layers[i], group,
+            layers[i],
+            group,
             recv_from=r + 1 if i == stage.start and r < n - 1 else None,
             send_to=r - 1 if i == stage.end - 1 and r > 0 else None,
             gather=i == last and n > 1,
@@ -180,7 +197,9 @@ def cache_owners(model, n_caches: int) -> list[int]:
     layers = layer_list(model)
     if n_caches == len(layers):
         return list(range(n_caches))
-    owners = [i for i, layer in enumerate(layers) if getattr(layer, "block_type", None) in ("M", "*")]
+    owners = [
+        i for i, layer in enumerate(layers) if getattr(layer, "block_type", None) in ("M", "*")
+    ]
     if len(owners) != n_caches:
         raise ValueError(f"cannot map {n_caches} cache slots onto {len(layers)} layers")
     return owners
@@ -243,23 +262,31 @@ def experts_section(section: dict, stage: Stage) -> dict:
     return dict(section, layers=layers)
 
 
-def load_stage(path: str | Path, group, split: list[int] | None = None,
-               expert_budget: int | None = None):
+def load_stage(
+    path: str | Path, group, split: list[int] | None = None, expert_budget: int | None = None
+):
     """Load only this rank's layers of the model folder `path` (plain mlx-lm or converted;
     converted experts resident or paged within `expert_budget` bytes on this rank); `split`:
     layers per rank, rank 0 first (default even) -> `LoadedModel` with `model.rq_stage`."""
     from mlx.utils import tree_flatten
 
     from ..errors import EngineError, ModelLoadError
-    from ..loader import LoadedModel, check_folder, folder_tokenizer, sanitized_weights, weight_errors
+    from ..loader import (
+        LoadedModel,
+        check_folder,
+        folder_tokenizer,
+        sanitized_weights,
+        weight_errors,
+    )
     from ..offload.pager import BudgetError
 
     path = Path(path).resolve()
     config, manifest = check_folder(path)
     section = manifest.experts if manifest is not None and manifest.experts else None
     if expert_budget is not None and section is None:
-        raise ModelLoadError("an expert budget needs a converted MoE model (rotaryquant convert)",
-                             str(path))
+        raise ModelLoadError(
+            "an expert budget needs a converted MoE model (rotaryquant convert)", str(path)
+        )
     with weight_errors(path, keep=(BudgetError,)):
         model, config, weights = sanitized_weights(path)
         n = len(layer_list(model))
@@ -269,8 +296,9 @@ def load_stage(path: str | Path, group, split: list[int] | None = None,
         except ValueError as e:  # the user's split, not the weights
             raise EngineError(str(e)) from e
         drop_remote_layers(model, stage)
-        weights = {k: v for k, v in weights.items()
-                   if (i := layer_of_key(k)) is None or stage.local(i)}
+        weights = {
+            k: v for k, v in weights.items() if (i := layer_of_key(k)) is None or stage.local(i)
+        }
         pager = None
         if section is not None:
             mine = experts_section(section, stage)
