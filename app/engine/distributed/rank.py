@@ -39,6 +39,20 @@ def run_greedy(model, prompt: list[int], cache: list, max_tokens: int, on_token=
     return toks, lps
 
 
+def message_seconds(group, n: int) -> float | None:
+    """Median time of a one-element all_sum over the group (the link's latency, measured)."""
+    import mlx.core as mx
+
+    if n <= 0 or group.size() == 1:
+        return None
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=group))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
 def _labels(hosts_path: str | None, size: int) -> list[str]:
     from .hosts import load_hosts, ring_labels
 
@@ -58,6 +72,7 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
 
     rank = engine.group.rank()
     results = []
+    probe = message_seconds(engine.group, spec.get("latency_probe", 0))
     for run in spec["runs"]:
         engine.load(
             run["model"],
@@ -65,30 +80,37 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
                 "split": run.get("split"),
                 "kv_mode": run.get("kv_mode"),
                 "expert_budget": run.get("expert_budget"),
-                "cpu_float_weights": False,
+                "cpu_float_weights": run.get("cpu_float_weights", False),
             },
         )
         model = engine.loaded.model
         stage = model.rq_stage
         cache = engine.make_cache(GenerationSettings(kv_mode=run.get("kv_mode", "fp16")))
         sent0 = stage.traffic.sent
+        first = {}  # time and bytes sent when the first token came out (decode starts)
         watchdog.arm()
 
-        def beat(i):
+        def beat(i, first=first, stage=stage):
             watchdog.beat()
+            if i == 1:
+                first.update(t=time.perf_counter(), sent=stage.traffic.sent)
             print(f"rank {rank} token {i}", flush=True)
 
         t0 = time.perf_counter()
         toks, lps = run_greedy(model, spec["prompt"], cache, spec["max_tokens"], beat)
-        elapsed = time.perf_counter() - t0
+        t1 = time.perf_counter()
         watchdog.disarm()
         mx.eval(lps)
         results.append(
             {
                 "tokens": toks,
-                "logprobs": [lp.astype(mx.float32).tolist() for lp in lps],
+                "logprobs": [lp.astype(mx.float32).tolist() for lp in lps]
+                if spec.get("logprobs", True)
+                else None,
                 "bytes_sent": stage.traffic.sent - sent0,
-                "seconds": elapsed,
+                "decode_bytes": stage.traffic.sent - first["sent"],
+                "decode_seconds": t1 - first["t"],
+                "seconds": t1 - t0,
                 "stage": stage.to_dict(),
                 "kv_bytes": engine.cache_nbytes(engine.local_cache(cache)),
                 "pager": model.rq_pager.stats() if hasattr(model, "rq_pager") else None,
@@ -96,7 +118,9 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
         )
     watchdog.close()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "runs": results}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "runs": results, "message_seconds": probe})
+    )
 
 
 def _chat(engine, args, watchdog) -> None:

@@ -126,7 +126,8 @@ class StageLayer(nn.Module):
             x = mx.distributed.send(x, self._send_to, group=g)
             self._traffic.sent += x.nbytes
             # mlx-lm's prefill evaluates only the cache states, which on this rank do not depend
-            # on the send: run it now or the next rank waits for ever
+            # on the send: run it now or the next rank waits for ever (a prefill chunk of one
+            # token looks like a decode step, so every step does it)
             mx.eval(x)
         if self._gather:
             # ring all_gather: each rank forwards the N-1 other ranks' blocks once
