@@ -87,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3_moe,nemotron_h")
     ap.add_argument("--ranks", default="2")
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from app.engine.bench import machine
@@ -130,7 +130,7 @@ def main() -> None:
                     }
                 )
     print(
-        f"{'model':32s} {'ranks':>5s} {'tok/s':>7s} {'vs 1':>6s} {'bytes/token':>12s} {'tokens = 1':>10s}"
+        f"{'model':32s} {'ranks':>5s} {'tok/s':>7s} {'vs 1':>6s} {'bytes/token':>12s} {'msg ms':>7s} {'tokens = 1':>10s}"
     )
     base = {}
     for r in rows:
@@ -138,7 +138,8 @@ def main() -> None:
             base[r["model"]] = r["tps"]
         print(
             f"{r['model']:32s} {r['ranks']:5d} {r['tps']:7.2f} {r['tps'] / base[r['model']]:6.2f} "
-            f"{r['bytes_per_token']:12d} {str(r['tokens_equal_single']):>10s}"
+            f"{r['bytes_per_token']:12d} {r.get('message_ms', 0):7.2f} "
+            f"{str(r['tokens_equal_single']):>10s}"
         )
     proj = projection()
     for s in proj["settings"]:
@@ -148,7 +149,8 @@ def main() -> None:
         "projection": proj,
         "notes": "ranks are local processes on one machine sharing its cores (loopback "
         "ring); tok/s are decode, after a 64-token prompt, greedy; bytes_per_token "
-        "sums every rank's sends (pipeline send + ring all_gather)",
+        "sums every rank's sends (pipeline send + ring all_gather); message_ms: median "
+        "one-element all_sum between the local ranks, measured before the run",
     }
     write_result("distributed", payload, path=Path(a.out) if a.out else None)
 
