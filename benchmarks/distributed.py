@@ -51,6 +51,7 @@ SHAPES = {
     ),
 }
 PROMPT = list(range(3, 67))  # 64 tokens
+CPU = False  # --cpu: the ring backend moves CPU arrays; on a GPU machine keep ranks there
 
 
 def _env() -> dict:
@@ -72,6 +73,7 @@ def run(folder: Path, ranks: int, tokens: int, work: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
     args = ["x", "--check", str(out / "spec.json"), "--out", str(out), "--step-timeout", "300"]
+    args += ["--cpu"] if CPU else []
     if ranks == 1:
         argv = [sys.executable, "-m", "app.engine.distributed.rank", *args]
     else:
@@ -89,7 +91,10 @@ def main() -> None:
     ap.add_argument("--ranks", default="2")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu", action="store_true", help="ranks on the CPU on a GPU machine (ring)")
     a = ap.parse_args()
+    global CPU
+    CPU = a.cpu
     from app.engine.bench import machine
 
     desc = machine()

@@ -2,9 +2,10 @@
 loopback) give the single process's greedy tokens and log-probabilities.
 
 Tiny converted models (random weights at scale 0.5 so routing keeps changing, 2-bit experts)
-for qwen3_moe, gpt_oss and nemotron_h (Mamba + attention + MoE); fp16 and isoquant3 caches;
-experts resident and paged (each rank pages its own share within its own budget). All twelve
-runs go through one launch per rank count (process start is the slow part on a shared CPU).
+for qwen3_moe, gpt_oss, nemotron_h (Mamba + attention + MoE) and qwen3_next (Gated DeltaNet +
+attention); fp16 and isoquant3 caches; experts resident and paged (each rank pages its own
+share within its own budget). All sixteen runs go through one launch per rank count (process
+start is the slow part on a shared CPU).
 """
 
 import json
@@ -27,9 +28,11 @@ from app.engine.offload import load_paged
 from app.engine.offload.records import ExpertStore
 from app.engine.quant.convert import convert
 from app.engine.quant.converted import load_converted
-from app.engine.random_models import make_random_model
+from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
+from app.engine.random_models import TINY_CONFIGS, make_random_model
 
-ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h"]
+ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h", "qwen3_next"]
+CONFIGS = {**TINY_CONFIGS, "qwen3_next": EXTRA_TINY_CONFIGS["qwen3_next"]}
 KV_MODES = ["fp16", "isoquant3"]
 PROMPT = np.random.default_rng(3).integers(3, 1000, 24).tolist()
 GEN = 8
@@ -50,7 +53,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     out = {}
     for arch in ARCHS:
-        src = make_random_model(arch, root / f"{arch}-src", seed=11, scale=0.5)
+        src = make_random_model(CONFIGS[arch], root / f"{arch}-src", seed=11, scale=0.5)
         convert(src, root / f"{arch}-rq")
         with ExpertStore(root / f"{arch}-rq") as st:
             out[arch] = (root / f"{arch}-rq", st.expert_bytes())
@@ -240,3 +243,27 @@ def test_killed_rank_is_named_by_the_others_within_10s(models, tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()  # reaps it and closes its pipes
+
+
+@pytest.mark.slow
+def test_chat_with_hosts_answers_as_one_process(tiny_model_path, tmp_path):
+    """`rotaryquant chat --hosts` starts the ranks with mlx.launch; rank 0 reads the terminal
+    (mlx.launch forwards stdin) and prints the same answer as the single-process engine."""
+    from app.engine.generate import Engine, GenerationSettings
+
+    folder = tiny_model_path("qwen3_moe")
+    hosts = _hosts_file(tmp_path / "hosts.json", ["mac-a", "mac-b"])
+    argv = [sys.executable, "-m", "app.cli", "chat", "--model", str(folder), "--hosts", str(hosts)]
+    argv += ["--max-tokens", "6", "--kv-mode", "isoquant3"]
+    p = subprocess.run(
+        argv, input="Hello there\n\n", env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    eng = Engine()
+    eng.load(folder, {"kv_mode": "isoquant3"})
+    want = eng.generate_text(
+        [{"role": "user", "content": "Hello there"}],
+        GenerationSettings(max_tokens=6, kv_mode="isoquant3", seed=0),
+    )
+    assert want and want in p.stdout
+    assert "tokens," in p.stdout and p.stdout.count("tok/s") == 1  # only rank 0 prints

@@ -57,7 +57,7 @@ def rank_args(args, split: list[int] | None, budgets: list[int] | None) -> list[
 def cmd_chat_hosts(args) -> int:
     """Start one rank per host with mlx.launch; rank 0 reads this terminal (mlx.launch forwards
     stdin) and prints the answers. The model folder must be at the same path on every host."""
-    from .launch import launch_argv
+    from .launch import free_port_base, launch_argv
     from .plan import plan_hosts
 
     if not args.model:
@@ -70,5 +70,12 @@ def cmd_chat_hosts(args) -> int:
         budgets = [s.expert_budget if s.paging else None for s in plan.stages]
         budgets = budgets if any(b is not None for b in budgets) else None
         print(plan.summary())
-    argv = launch_argv(rank_args(args, split, budgets), hostfile=args.hosts, backend=hosts.backend)
+    # all ranks on this machine (a trial run): a free port, not mlx.launch's fixed default
+    local = all(ip.startswith("127.") for h in hosts.hosts for ip in h.ips)
+    argv = launch_argv(
+        rank_args(args, split, budgets),
+        hostfile=args.hosts,
+        backend=hosts.backend,
+        port=free_port_base(len(hosts)) if local else None,
+    )
     return subprocess.call(argv)

@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         default=60.0,
         help="seconds a step may take before this rank gives up on the others",
     )
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--chat", action="store_true")
     mode.add_argument("--check", help="SPEC.json of greedy runs (writes --out/rank{r}.json)")
@@ -205,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     from .group import Peers, Watchdog, init_group, is_link_error, report
 
     peers = None
+    if args.cpu:
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)
     try:
         group = init_group(args.backend)
         peers = Peers(group, _labels(args.hosts, group.size()))
