@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 
 import mlx.core as mx
 
@@ -53,7 +54,7 @@ def _ip_bytes(ip: str) -> list[int]:
     parts = ip.split(".")
     if len(parts) == 4 and all(p.isdigit() for p in parts):
         return [int(p) for p in parts]
-    h = abs(hash(ip))  # IPv6: a stable-per-run digest is enough to match both ends
+    h = zlib.crc32(ip.encode())  # IPv6: a digest both ends compute alike (hash() is salted)
     return [(h >> s) & 0xFF for s in (0, 8, 16, 24)]
 
 
