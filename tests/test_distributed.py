@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from app.engine import kvcache as kv
 from app.engine.distributed.launch import free_port_base, launch_argv
@@ -36,6 +37,7 @@ CONFIGS = {**TINY_CONFIGS, "qwen3_next": EXTRA_TINY_CONFIGS["qwen3_next"]}
 KV_MODES = ["fp16", "isoquant3"]
 PROMPT = np.random.default_rng(3).integers(3, 1000, 24).tolist()
 GEN = 8
+HIDDEN = 128  # every tiny config's hidden size
 ROOT = Path(__file__).resolve().parents[1]
 # Same weights, same op order: only the all_gather's copy differs, which is exact.
 LOGPROB_ATOL = 1e-5
@@ -95,6 +97,7 @@ def reference(models):
         ref[(run["arch"], run["kv_mode"], bool(run["ref_budget"]))] = (
             toks,
             np.array([np.array(lp.astype(mx.float32)) for lp in lps]),
+            sum(v.nbytes for _, v in tree_flatten(lm.model.parameters())),
         )
     return ref
 
@@ -118,7 +121,9 @@ def test_ranks_give_the_single_process_tokens_and_logits(models, reference, tmp_
     results = _launch(models, ranks, tmp_path)
     spec = _runs(models, ranks)
     for i, run in enumerate(spec):
-        toks, lps = reference[(run["arch"], run["kv_mode"], run["expert_budget"] is not None)]
+        toks, lps, weights = reference[
+            (run["arch"], run["kv_mode"], run["expert_budget"] is not None)
+        ]
         what = f"{run['arch']} {run['kv_mode']} {'paged' if run['expert_budget'] else 'resident'}"
         stages = [res["runs"][i]["stage"] for res in results]
         n_layers = sum(s["layers"][1] - s["layers"][0] for s in stages)
@@ -134,9 +139,13 @@ def test_ranks_give_the_single_process_tokens_and_logits(models, reference, tmp_
                 err_msg=f"{what}: rank {res['rank']}",
             )
             # the hidden state crosses once per rank per step: a send from every rank but 0,
-            # plus the all_gather that hands rank 0's final state to all
-            hidden = np.array(got["logprobs"]).shape  # [steps, vocab]
-            assert got["bytes_sent"] > 0, what
+            # plus the all_gather that hands rank 0's final state to all (N-1 blocks each)
+            blocks = (res["rank"] > 0) + ranks - 1
+            # generate_step runs the prompt and GEN steps (the last one ahead of its token)
+            per_token = got["bytes_sent"] / ((len(PROMPT) + GEN) * HIDDEN * blocks)
+            assert per_token in (2, 4), f"{what}: rank {res['rank']} sent {got['bytes_sent']} bytes"
+            # a rank holds its layers (and the embedding and head), not the whole model
+            assert got["weight_bytes"] < weights, f"{what}: rank {res['rank']} loaded everything"
             if run["expert_budget"]:
                 pager = got["pager"]
                 local = got["stage"]["layers"][1] - got["stage"]["layers"][0]
@@ -146,7 +155,6 @@ def test_ranks_give_the_single_process_tokens_and_logits(models, reference, tmp_
                         f"{what}: rank {res['rank']} holds all its experts"
                     )
                     assert len(pager["layers"]) <= local
-            del hidden
         assert n_layers == {"nemotron_h": 6}.get(run["arch"], 4)
 
 

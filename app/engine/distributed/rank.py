@@ -112,6 +112,7 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
                 "decode_seconds": t1 - first["t"],
                 "seconds": t1 - t0,
                 "stage": stage.to_dict(),
+                "weight_bytes": engine.info.weight_bytes,
                 "kv_bytes": engine.cache_nbytes(engine.local_cache(cache)),
                 "pager": model.rq_pager.stats() if hasattr(model, "rq_pager") else None,
             }
