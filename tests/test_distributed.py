@@ -275,3 +275,58 @@ def test_chat_with_hosts_answers_as_one_process(tiny_model_path, tmp_path):
     )
     assert want and want in p.stdout
     assert "tokens," in p.stdout and p.stdout.count("tok/s") == 1  # only rank 0 prints
+
+
+class _Group:
+    """Rank and size only: loading and cache wiring touch no transfer."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "nemotron_h"])
+def test_stage_holds_only_its_layers_and_their_caches(tiny_model_path, arch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from app.engine.distributed.stage import (
+        RemoteCache,
+        RemoteLayer,
+        StageLayer,
+        cache_owners,
+        layer_list,
+        load_stage,
+        local_caches,
+        localize_cache,
+    )
+
+    folder = tiny_model_path(arch)
+    full = load_converted(folder).model
+    n = len(layer_list(full))
+    lm = load_stage(folder, _Group(1, 2))  # rank 1 runs the first half
+    model, stage = lm.model, lm.model.rq_stage
+    assert (stage.start, stage.end) == (0, n // 2)
+    layers = layer_list(model)
+    for i, layer in enumerate(layers):
+        inner = layer.layer if isinstance(layer, StageLayer) else layer
+        assert isinstance(inner, RemoteLayer) == (i >= n // 2), i
+        # the model's loop reads these on every layer, remote or not
+        assert getattr(layer, "block_type", None) == getattr(
+            layer_list(full)[i], "block_type", None
+        )
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    assert not any(f"layers.{i}." in k for k in names for i in range(n // 2, n))
+    caches = make_prompt_cache(model)
+    wired = localize_cache(model, stage, caches)
+    owners = cache_owners(model, len(caches))
+    mine = local_caches(model, stage, caches)
+    for c, owner in zip(wired, owners, strict=True):
+        if stage.local(owner):
+            assert any(c is m for m in mine)
+        else:  # a local cache of the same kind (masks read it) or an empty stand-in
+            assert isinstance(c, RemoteCache) or any(c is m for m in mine)

@@ -70,6 +70,15 @@ class StageEngine(Engine):
         seen = {id(c): c for c in cache or []}
         return Engine.cache_nbytes(list(seen.values()))
 
+    def kv_stats(self) -> dict:
+        # the last cache repeats local caches in remote slots: count this rank's own once
+        full = self.last_cache
+        self.last_cache = self.local_cache(full) if full else full
+        try:
+            return super().kv_stats()
+        finally:
+            self.last_cache = full
+
     def local_cache(self, cache: list) -> list:
         model = self._require().model
         return local_caches(model, model.rq_stage, cache)
