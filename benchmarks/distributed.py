@@ -99,6 +99,8 @@ def main() -> None:
 
     desc = machine()
     label = f"{desc.get('backend', '?')} {desc.get('device', '')}".strip()
+    if CPU:
+        label = f"CPU ranks ({desc.get('cpu_count', '?')} cores) on a {label} machine"
     rows = []
     with tempfile.TemporaryDirectory(prefix="rq-dist-bench-") as tmp:
         work = Path(tmp)
