@@ -31,7 +31,9 @@ def cmd_plan_hosts(args) -> int:
     return 0
 
 
-def rank_args(args, split: list[int] | None, budgets: list[int] | None) -> list[str]:
+def rank_args(
+    args, split: list[int] | None, budgets: list[int] | None, kv_mode: str = "fp16"
+) -> list[str]:
     """The rank processes' arguments for a chat (every rank gets the same line)."""
     out = [
         str(args.model),
@@ -43,7 +45,7 @@ def rank_args(args, split: list[int] | None, budgets: list[int] | None) -> list[
         "--temp",
         str(args.temp),
         "--kv-mode",
-        "fp16" if args.kv_mode == "auto" else args.kv_mode,
+        kv_mode if args.kv_mode == "auto" else args.kv_mode,
     ]
     if args.seed is not None:
         out += ["--seed", str(args.seed)]
@@ -64,16 +66,18 @@ def cmd_chat_hosts(args) -> int:
         raise EngineError("--hosts needs --model: a folder present at the same path on every host")
     hosts = load_hosts(args.hosts)
     split = budgets = None
+    kv_mode = "fp16"
     if args.plan:
         plan = plan_hosts(args.model, hosts)
         split = plan.split
         budgets = [s.expert_budget if s.paging else None for s in plan.stages]
         budgets = budgets if any(b is not None for b in budgets) else None
+        kv_mode = plan.kv_modes.get("full", "fp16")
         print(plan.summary())
     # all ranks on this machine (a trial run): a free port, not mlx.launch's fixed default
     local = all(ip.startswith("127.") for h in hosts.hosts for ip in h.ips)
     argv = launch_argv(
-        rank_args(args, split, budgets),
+        rank_args(args, split, budgets, kv_mode),
         hostfile=args.hosts,
         backend=hosts.backend,
         port=free_port_base(len(hosts)) if local else None,
