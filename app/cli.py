@@ -123,6 +123,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    if getattr(args, "hosts", None):
+        from .engine.distributed.commands import cmd_chat_hosts
+
+        return cmd_chat_hosts(args)
     from .engine import messages as M
     from .engine.worker import WorkerClient
 
@@ -237,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     if sp:
         _add_gen_args(sp)
         sp.add_argument("--system", help="system prompt")
+        sp.add_argument("--hosts", help="hosts.json: run the model split over these machines "
+                        "(mlx.launch's hostfile; see docs/distributed.md)")
     add("models", cmd_models, "list local models")
     sp = add("bench", cmd_bench, "prompt/decode tok/s and peak memory")
     if sp:

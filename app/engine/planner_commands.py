@@ -38,6 +38,7 @@ def add_commands(subparsers) -> None:
         "--widths", help="override widths before conversion, e.g. dense=4,routed=3,shared=8"
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--hosts", help="plan for the machines of hosts.json (split, paging, tok/s)")
     p.set_defaults(func=cmd_plan)
 
     s = subparsers.add_parser(
@@ -67,6 +68,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .errors import EngineError
     from .planner import plan_model
 
+    if getattr(args, "hosts", None):
+        from .distributed.commands import cmd_plan_hosts
+
+        return cmd_plan_hosts(args)
     try:
         plan = plan_model(
             args.model,
