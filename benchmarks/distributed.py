@@ -29,7 +29,7 @@ from distributed_projection import projection  # noqa: E402
 from record import write_result  # noqa: E402
 
 from app.engine.distributed.launch import launch_argv  # noqa: E402
-from app.engine.random_models import TINY_CONFIGS, make_random_model  # noqa: E402
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model  # noqa: E402
 
 # Small enough for a shared 2-core CPU, large enough that a step is not all overhead.
 SHAPES = {

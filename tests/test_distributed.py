@@ -19,18 +19,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
 from mlx.utils import tree_flatten
 
 from app.engine import kvcache as kv
 from app.engine.distributed.launch import free_port_base, launch_argv
 from app.engine.distributed.rank import run_greedy
 from app.engine.distributed.stage import even_split, stage_range
+from app.engine.loader import load as load_converted
 from app.engine.offload import load_paged
 from app.engine.offload.records import ExpertStore
 from app.engine.quant.convert import convert
-from app.engine.quant.converted import load_converted
-from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
-from app.engine.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
 
 ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h", "qwen3_next"]
 CONFIGS = {**TINY_CONFIGS, "qwen3_next": EXTRA_TINY_CONFIGS["qwen3_next"]}
