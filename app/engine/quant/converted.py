@@ -22,7 +22,7 @@ def is_converted(folder: str | os.PathLike) -> bool:
 
 
 def expert_weights(folder: str | os.PathLike, section: dict | None = None,
-                   verify: bool = False) -> dict:
+                   verify: bool = True) -> dict:
     """All routed experts of a converted folder as mlx-lm parameters (stacked per module)."""
     out = {}
     with ExpertStore(folder, section) as store:
