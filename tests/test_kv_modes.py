@@ -128,6 +128,17 @@ def test_one_row_adds_a_mode_everywhere(float_row, tiny_model_path):
     assert kvcache.make_cache(e.loaded.model, name, window=4)  # other modes' knobs are ignored
 
 
+def test_the_plan_view_offers_the_table(float_row, qtbot):
+    from app.ui.plan_model import PlanController
+    from app.ui.plan_view import PlanView
+
+    v = PlanView(PlanController())
+    qtbot.addWidget(v)
+    listed = [v.kv_combo.itemData(i) for i in range(v.kv_combo.count())]
+    assert listed == [None, *kvcache.names(offered=True)] and float_row.name in listed
+    assert not set(RESEARCH) & set(listed)
+
+
 def test_engine_refuses_a_mode_this_backend_cannot_run(tiny_model_path):
     from app.engine.errors import EngineError
     from app.engine.generate import Engine, GenerationSettings

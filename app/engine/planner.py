@@ -466,6 +466,37 @@ def _fp16(s: ModelSizes) -> dict:
     return {k.kind: kvcache.FLOAT for k in s.kv}
 
 
+@dataclass
+class _Request:
+    """One make_plan call: what was asked, and the reasons collected as decisions are made."""
+
+    s: ModelSizes
+    m: Machine
+    context: int | None  # as asked (None: the planner's default)
+    target: int
+    kv_mode: str | None
+    expert_budget: int | str | None
+    widths_fixed: bool
+    share: ShareSource | None
+    search_smallest: bool
+    reasons: list = field(default_factory=list)
+
+    def too_large(
+        self, setting: str, reason: str, needed: int, available: int | None = None
+    ) -> PlanRefused:
+        """A refusal that names the smallest standard machine that would run the request."""
+        smallest = (
+            _smallest_ram(
+                self.s, self.m, self.context, self.kv_mode, self.expert_budget,
+                self.widths_fixed, self.share,
+            )
+            if self.search_smallest
+            else None
+        )  # fmt: skip
+        cls = ModelTooLarge if setting == "model" else PlanRefused
+        return cls(setting, reason, needed, self.m.usable if available is None else available, smallest)
+
+
 def make_plan(
     sizes: ModelSizes,
     machine: Machine,
@@ -480,180 +511,226 @@ def make_plan(
     """Plan `sizes` (a model at its widths) on `machine`. `context` is the wanted context
     (given: it must be honoured; None: DEFAULT_CONTEXT, reduced if memory is short).
     `kv_mode` / `expert_budget` are overrides, refused with PlanRefused if they cannot fit."""
-    s, m = sizes, machine
-    explicit_context = context is not None
-    target = context if explicit_context else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    s = sizes
+    r = _Request(
+        s, machine, context, _target_context(s, context), kv_mode, expert_budget, widths_fixed,
+        share, _search_smallest,
+    )  # fmt: skip
+    resident = _resident_weights(r)  # 1. weights
+    r.share = share or estimate_share(s, r.target)
+    modes = _choose_kv_modes(r)  # 2. KV mode per layer kind
+    b = _Budget(s, machine, resident)
+    modes, context_limit = _fit_kv(r, b, modes)  # 3. compress, else cut the context
+    budget = _choose_expert_budget(r, b.left_for_experts(context_limit, modes))  # 4. experts
+    _note_experts(r, budget)
+    _note_machine(r, b, context_limit, budget)
+    return Plan(
+        model=s.name,
+        architecture=s.architecture,
+        machine=machine,
+        widths=s.widths,
+        widths_fixed=widths_fixed,
+        paging=budget < s.expert_bytes,
+        expert_budget=budget,
+        expert_bytes=s.expert_bytes,
+        min_expert_budget=min_expert_budget(s),
+        kv_modes=modes,
+        context_limit=context_limit,
+        target_context=r.target,
+        attention_share=r.share,
+        peak=_peak(b, budget, modes, context_limit),
+        reasons=tuple(r.reasons),
+        sizes=s,
+    )
+
+
+def _target_context(s: ModelSizes, context: int | None) -> int:
+    """The context to plan for: the asked one, else the default within the model's maximum."""
+    target = context if context is not None else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
     if target < 1:
         raise PlanRefused("context", f"context must be at least 1 token, got {target}")
     if s.max_context and target > s.max_context:
         raise PlanRefused(
             "context", f"{s.name} supports at most {s.max_context} tokens, asked for {target}"
         )
-    reasons: list[str] = []
+    return target
 
-    # 1. weights: on disk if the model is there, else from the config
-    if s.weights_on_disk is not None:
-        resident = max(s.weights_on_disk - s.expert_bytes, 0)
-    else:
-        resident = s.resident_bytes
-    w = s.widths
-    reasons.append(
+
+def _resident_weights(r: _Request) -> int:
+    """Bytes of the always-resident weights: on disk if the model is there, else from the config."""
+    s = r.s
+    resident = max(s.weights_on_disk - s.expert_bytes, 0) if s.weights_on_disk is not None else s.resident_bytes
+    r.reasons.append(
         (
             "widths fixed by the conversion"
-            if widths_fixed
+            if r.widths_fixed
             else "default widths by role: " + _default_widths_text(s)
-            if w == RoleWidths()
+            if s.widths == RoleWidths()
             else "widths as requested"
         )
         + f": {gb(resident + s.expert_bytes)} of weights, {gb(resident)} always resident"
     )
-    b = _Budget(s, m, resident)
-    need_min = min_expert_budget(s)
+    return resident
 
-    def refuse_too_large(
-        setting: str, reason: str, needed: int, available: int | None = None
-    ) -> PlanRefused:
-        smallest = (
-            _smallest_ram(s, m, context, kv_mode, expert_budget, widths_fixed, share)
-            if _search_smallest
-            else None
-        )
-        cls = ModelTooLarge if setting == "model" else PlanRefused
-        return cls(setting, reason, needed, m.usable if available is None else available, smallest)
 
-    # 2. KV mode per layer kind: the ">20% rule" at the target context, then fit
+def _choose_kv_modes(r: _Request) -> dict:
+    """The KV mode per layer kind: the override, else the ">20% rule" at the target context."""
+    s, m, share, target = r.s, r.m, r.share, r.target
     compressible = any(k.kind == "full" for k in s.kv)
-    share = share or estimate_share(s, target)
-    if kv_mode is not None:
-        if kv_mode not in m.kv_modes:
-            raise PlanRefused("kv-mode", _kv_mode_refusal(kv_mode, m))
-        if kv_mode != kvcache.FLOAT and not compressible:
+    if r.kv_mode is not None:
+        if r.kv_mode not in m.kv_modes:
+            raise PlanRefused("kv-mode", _kv_mode_refusal(r.kv_mode, m))
+        if r.kv_mode != kvcache.FLOAT and not compressible:
             raise PlanRefused(
                 "kv-mode",
                 f"{s.name} has no full-attention KV to compress (its layers: {', '.join(k.kind for k in s.kv) or 'none'})",
             )
-        modes = _full_layers(s, kv_mode)
-        reasons.append(f"KV mode {kv_mode} as requested")
-    elif not s.kv:
-        modes = {}
-        reasons.append("no attention KV cache (recurrent layers only)")
-    else:
-        modes = _fp16(s)
-        if compressible and share.share > SHARE_THRESHOLD:
-            if m.fused_kernels:
-                modes = _compressed(s, m, prefer_lossless=True)
-                reasons.append(
-                    f"KV attention is {share.share:.0%} of decode time at {target} tokens "
-                    f"({share.label}: {share.detail}) > {SHARE_THRESHOLD:.0%}: compress full-attention KV ({modes['full']})"
-                )
-            else:
-                reasons.append(
-                    f"KV attention is {share.share:.0%} of decode time at {target} tokens ({share.label}), "
-                    f"but {m.backend} has no fused IsoQuant kernels, so compressing would not speed decode: fp16"
-                )
-        else:
-            reasons.append(
+        r.reasons.append(f"KV mode {r.kv_mode} as requested")
+        return _full_layers(s, r.kv_mode)
+    if not s.kv:
+        r.reasons.append("no attention KV cache (recurrent layers only)")
+        return {}
+    modes = _fp16(s)
+    if compressible and share.share > SHARE_THRESHOLD:
+        if m.fused_kernels:
+            modes = _compressed(s, m, prefer_lossless=True)
+            r.reasons.append(
                 f"KV attention is {share.share:.0%} of decode time at {target} tokens "
-                f"({share.label}: {share.detail}) <= {SHARE_THRESHOLD:.0%}: KV stays fp16"
+                f"({share.label}: {share.detail}) > {SHARE_THRESHOLD:.0%}: compress full-attention KV ({modes['full']})"
             )
-        if any(k.kind != "full" for k in s.kv):
-            kinds = ", ".join(f"{k.layers} {k.kind}" for k in s.kv if k.kind != "full")
-            reasons.append(f"{kinds} layers keep fp16 KV (bounded window or latent cache)")
+        else:
+            r.reasons.append(
+                f"KV attention is {share.share:.0%} of decode time at {target} tokens ({share.label}), "
+                f"but {m.backend} has no fused IsoQuant kernels, so compressing would not speed decode: fp16"
+            )
+    else:
+        r.reasons.append(
+            f"KV attention is {share.share:.0%} of decode time at {target} tokens "
+            f"({share.label}: {share.detail}) <= {SHARE_THRESHOLD:.0%}: KV stays fp16"
+        )
+    if any(k.kind != "full" for k in s.kv):
+        kinds = ", ".join(f"{k.layers} {k.kind}" for k in s.kv if k.kind != "full")
+        r.reasons.append(f"{kinds} layers keep fp16 KV (bounded window or latent cache)")
+    return modes
 
-    # 3. does the KV fit next to the weights and the pager's minimum? else compress, else cut context
+
+def _fit_kv(r: _Request, b: _Budget, modes: dict) -> tuple[dict, int]:
+    """Whether the KV fits beside the weights and the pager's minimum: if not, compress it
+    (when the mode is the planner's), then cut the context (when it was not asked for).
+    Returns (modes, context limit)."""
+    s, m, target = r.s, r.m, r.target
+    need_min = min_expert_budget(s)
+
     def fits(ctx: int, md: dict) -> bool:
         return b.left_for_experts(ctx, md) >= need_min
 
     fixed_min = b.fixed(min(target, MIN_CONTEXT))
     if fixed_min + need_min > m.usable:
-        raise refuse_too_large(
+        raise r.too_large(
             "model",
-            f"{s.name}'s always-resident weights ({gb(resident)}), runtime and the pager's minimum "
+            f"{s.name}'s always-resident weights ({gb(b.resident)}), runtime and the pager's minimum "
             f"expert set ({gb(need_min)}) do not fit",
             fixed_min + need_min,
         )
-    context_limit = target
-    if not fits(target, modes):
-        kv_need = s.kv_bytes(target, modes, PREFILL_CHUNK)
-        if kv_mode is None and compressible and modes.get("full") == kvcache.FLOAT:
-            comp = _compressed(s, m, prefer_lossless=True)
-            if not fits(target, comp):
-                comp = _compressed(s, m, prefer_lossless=False)
-            reasons.append(
-                f"fp16 KV at {target} tokens ({gb(kv_need)}) would not fit beside the weights: "
-                f"compress full-attention KV ({comp['full']}, {gb(s.kv_bytes(target, comp, PREFILL_CHUNK))})"
-            )
-            modes = comp
-        if not fits(target, modes):
-            if explicit_context:
-                raise refuse_too_large(
-                    "context",
-                    f"KV for {target} tokens ({', '.join(f'{k} {v}' for k, v in modes.items())}) does not fit beside the weights",
-                    b.fixed(target) + s.kv_bytes(target, modes, PREFILL_CHUNK) + need_min,
-                    m.usable,
-                )
-            context_limit = _largest_context(target, lambda c: fits(c, modes))
-            if context_limit < MIN_CONTEXT:
-                raise refuse_too_large(
-                    "model" if kv_mode is None else "kv-mode",
-                    f"not even {MIN_CONTEXT} tokens of KV fit beside the weights",
-                    b.fixed(MIN_CONTEXT) + s.kv_bytes(MIN_CONTEXT, modes, PREFILL_CHUNK) + need_min,
-                )
-            reasons.append(
-                f"context limited to {context_limit} tokens (the KV for {target} does not fit)"
-            )
+    if fits(target, modes):
+        return modes, target
+    kv_need = s.kv_bytes(target, modes, PREFILL_CHUNK)
+    compressible = any(k.kind == "full" for k in s.kv)
+    if r.kv_mode is None and compressible and modes.get("full") == kvcache.FLOAT:
+        comp = _compressed(s, m, prefer_lossless=True)
+        if not fits(target, comp):
+            comp = _compressed(s, m, prefer_lossless=False)
+        r.reasons.append(
+            f"fp16 KV at {target} tokens ({gb(kv_need)}) would not fit beside the weights: "
+            f"compress full-attention KV ({comp['full']}, {gb(s.kv_bytes(target, comp, PREFILL_CHUNK))})"
+        )
+        modes = comp
+    if fits(target, modes):
+        return modes, target
+    if r.context is not None:
+        raise r.too_large(
+            "context",
+            f"KV for {target} tokens ({', '.join(f'{k} {v}' for k, v in modes.items())}) does not fit beside the weights",
+            b.fixed(target) + s.kv_bytes(target, modes, PREFILL_CHUNK) + need_min,
+            m.usable,
+        )
+    context_limit = _largest_context(target, lambda c: fits(c, modes))
+    if context_limit < MIN_CONTEXT:
+        raise r.too_large(
+            "model" if r.kv_mode is None else "kv-mode",
+            f"not even {MIN_CONTEXT} tokens of KV fit beside the weights",
+            b.fixed(MIN_CONTEXT) + s.kv_bytes(MIN_CONTEXT, modes, PREFILL_CHUNK) + need_min,
+        )
+    r.reasons.append(f"context limited to {context_limit} tokens (the KV for {target} does not fit)")
+    return modes, context_limit
 
-    # 4. the expert budget: what is left
-    left = b.left_for_experts(context_limit, modes)
-    if expert_budget is not None:
-        want = parse_size(expert_budget) if isinstance(expert_budget, str) else int(expert_budget)
-        if not s.moe_layers:
-            raise PlanRefused("expert-budget", f"{s.name} has no routed experts")
-        if want > left:
-            raise refuse_too_large(
-                "expert-budget",
-                f"a {gb(want)} expert budget does not fit beside the weights and KV",
-                want,
-                left,
-            )
-        if want < need_min:
-            raise PlanRefused(
-                "expert-budget",
-                f"a {gb(want)} expert budget is below the pager's minimum ({gb(need_min)}: one token's "
-                f"{s.experts_per_token} experts x {s.moe_layers} layers + one whole layer)",
-                need_min,
-                want,
-            )
-        budget = min(want, s.expert_bytes)
-        reasons.append(f"expert budget {gb(budget)} as requested")
-    else:
-        budget = min(left, s.expert_bytes)
-    paging = budget < s.expert_bytes
+
+def _choose_expert_budget(r: _Request, left: int) -> int:
+    """The resident expert budget: what is left after weights and KV, or the override if it fits."""
+    s = r.s
+    if r.expert_budget is None:
+        return min(left, s.expert_bytes)
+    need_min = min_expert_budget(s)
+    want = parse_size(r.expert_budget) if isinstance(r.expert_budget, str) else int(r.expert_budget)
+    if not s.moe_layers:
+        raise PlanRefused("expert-budget", f"{s.name} has no routed experts")
+    if want > left:
+        raise r.too_large(
+            "expert-budget",
+            f"a {gb(want)} expert budget does not fit beside the weights and KV",
+            want,
+            left,
+        )
+    if want < need_min:
+        raise PlanRefused(
+            "expert-budget",
+            f"a {gb(want)} expert budget is below the pager's minimum ({gb(need_min)}: one token's "
+            f"{s.experts_per_token} experts x {s.moe_layers} layers + one whole layer)",
+            need_min,
+            want,
+        )
+    budget = min(want, s.expert_bytes)
+    r.reasons.append(f"expert budget {gb(budget)} as requested")
+    return budget
+
+
+def _note_experts(r: _Request, budget: int) -> None:
+    """Say whether the routed experts are paged, and what fixed state recurrent layers hold."""
+    s = r.s
     if s.moe_layers:
-        if paging:
+        if budget < s.expert_bytes:
             frac = budget / s.expert_bytes
-            reasons.append(
+            r.reasons.append(
                 f"routed experts ({gb(s.expert_bytes)}) do not fit: page them from SSD with a "
                 f"{gb(budget)} LRU budget ({frac:.0%} of experts resident; one token uses "
                 f"{s.experts_per_token} of {s.experts_per_layer} per layer)"
             )
         else:
-            reasons.append(f"all routed experts fit in memory ({gb(s.expert_bytes)}): paging off")
+            r.reasons.append(f"all routed experts fit in memory ({gb(s.expert_bytes)}): paging off")
     if s.recurrent_state_bytes:
-        reasons.append(
+        r.reasons.append(
             f"{s.recurrent_layers} recurrent layers hold {gb(s.recurrent_state_bytes)} of fixed state"
         )
+
+
+def _note_machine(r: _Request, b: _Budget, context_limit: int, budget: int) -> None:
+    """What this machine adds: Metal's working-set cap, free memory now, disk to convert."""
+    s, m = r.s, r.m
     if m.backend == "metal" and m.working_set is not None:
-        reasons.append(
+        r.reasons.append(
             f"Metal working set {gb(m.working_set)}{' (estimated)' if m.simulated else ''} caps the engine below RAM less the reserve"
         )
     if m.available is not None and m.available < b.fixed(context_limit) + budget:
-        reasons.append(f"only {gb(m.available)} is free right now: close other apps before loading")
+        r.reasons.append(f"only {gb(m.available)} is free right now: close other apps before loading")
     if s.weights_on_disk is None and m.free_disk is not None and m.free_disk < s.total_bytes:
-        reasons.append(f"converting needs {gb(s.total_bytes)} of disk, {gb(m.free_disk)} free")
+        r.reasons.append(f"converting needs {gb(s.total_bytes)} of disk, {gb(m.free_disk)} free")
 
-    peak = {
-        "dense_weights": resident,
+
+def _peak(b: _Budget, budget: int, modes: dict, context_limit: int) -> dict:
+    """The expected peak memory by part (Plan.PEAK_PARTS)."""
+    s, m = b.s, b.m
+    return {
+        "dense_weights": b.resident,
         "resident_experts": budget,
         "kv_cache": s.kv_bytes(context_limit, modes, PREFILL_CHUNK),
         "recurrent_state": s.recurrent_state_bytes,
@@ -661,24 +738,6 @@ def make_plan(
         "runtime": m.runtime_base + COMPUTE_ALLOWANCE,
         "os_gui_reserve": m.reserve,
     }
-    return Plan(
-        model=s.name,
-        architecture=s.architecture,
-        machine=m,
-        widths=w,
-        widths_fixed=widths_fixed,
-        paging=paging,
-        expert_budget=budget,
-        expert_bytes=s.expert_bytes,
-        min_expert_budget=need_min,
-        kv_modes=modes,
-        context_limit=context_limit,
-        target_context=target,
-        attention_share=share,
-        peak=peak,
-        reasons=tuple(reasons),
-        sizes=s,
-    )
 
 
 def _largest_context(target: int, ok) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..modes import DEFAULT_SINK, DEFAULT_WINDOW
-from . import dispatch, kernel_path
+from . import dispatch
 from .cache import IsoQuantKVCache
 
 
@@ -27,6 +27,8 @@ def make_cache(
     also keep levels[codes] in float32 (CPU benchmarks only: same numbers, more memory).
     Installs the attention dispatch in the model's modules and the kernel path (kernels where
     the backend has them). max_tokens: unused, the cache grows as it goes."""
+    from . import kernel_path  # builds the kernels on first use, not when the package is imported
+
     dispatch.install(model)
     kernel_path.install()
     # type() is exact on purpose: subclasses of KVCache may not be growing full-attention KV.

@@ -1,6 +1,6 @@
 // IsoQuant compressed-space attention: kernel bodies shared by Metal and CUDA.
 //
-// Written once; a backend prologue (metal_kernels/isoquant.py, cuda_kernels/isoquant.py) defines
+// Written once; a backend prologue (metal_prologue.py, cuda_prologue.py) defines
 // the macros below before this text and prepends a few lines to every body that name its thread
 // and group indices. Sections: "@header" (helpers, goes into `header=`) and one "@kernel NAME"
 // per kernel (the function body MLX wraps in a generated signature).
@@ -12,7 +12,7 @@
 //   IQ_EXP2(x)       IQ_NEG_INF       iq_u32 / iq_u64 unsigned integer types
 //   body prologue:   iq_tid (thread in group), iq_bx/iq_by/iq_bz (group position in grid)
 //
-// Packed format (kvcache/packing.py, version 2): 3-bit rows in blocks of 32 codes (three words of
+// Packed format (packing.py, version 2): 3-bit rows in blocks of 32 codes (three words of
 // nibbles, iq_group8), 4-bit rows a nibble a code; code c means levels[c]; the vector in rotated
 // space is (norm/√D)·levels[codes].
 // Shapes (legends): q [B, Hq, L, D]; codes [B, Hkv, T, D*BITS/8] uint8; norms [B, Hkv, T] fp16;

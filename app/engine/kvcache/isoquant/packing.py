@@ -29,7 +29,7 @@ Meaning. With R the layer's rotation for that KV head (rotation.py), the vector 
     x̂ = Rᵀ · (norm / √D) · levels[codes]          (rotated space: ŷ = (norm/√D)·levels[codes])
 
 so, for a rotated query q̃ = R q, <q, x̂> = (norm/√D) · Σ_i q̃_i · levels[code_i]: attention never
-needs x̂ itself (isoquant_attention.py).
+needs x̂ itself (attention.py).
 
 V layouts. K codes are always stored as above, one packed row per token ("rows"). V codes have a
 second layout, "tc16", which a CUDA tensor-core kernel reads without transposing tokens:
