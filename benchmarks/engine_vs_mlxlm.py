@@ -145,11 +145,11 @@ def prefill(r: Runner, ids: list[int], keep: bool) -> tuple[float, int]:
     return len(ids) / dt, peak
 
 
-def decode_round(r: Runner, steps: int) -> float:
-    gen = r.stream([r.last], r.cache, WARM_STEPS + steps + 1)
+def decode_round(r: Runner, steps: int, warm: int = WARM_STEPS) -> float:
+    gen = r.stream([r.last], r.cache, warm + steps + 1)
     t0 = None
     for i, tok in enumerate(gen):
-        if i == WARM_STEPS:
+        if i == warm:
             t0 = time.perf_counter()
         r.last = tok
     return steps / (time.perf_counter() - t0)
@@ -266,6 +266,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 32768])
     ap.add_argument("--rounds", type=int, default=5, help="decode rounds per config")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per round")
+    ap.add_argument("--warm", type=int, default=WARM_STEPS, help="untimed steps a round")
     ap.add_argument("--host-steps", type=int, default=40, help="builds per variant, interleaved")
     ap.add_argument("--layers", type=int, help="fewer layers (a quick check of the script)")
     ap.add_argument("--prefill-rounds", type=int, default=5, help="at most, time budget allowing")
@@ -319,7 +320,7 @@ def main() -> None:
                 uncompiled = v.endswith("_uncompiled")
                 if uncompiled:
                     compiled.uncompile(r.model)
-                res[v]["decode"].append(decode_round(r, args.steps))
+                res[v]["decode"].append(decode_round(r, args.steps, args.warm))
                 if uncompiled:
                     compiled.compile_blocks(r.model)
                 print(f"ctx {ctx} round {rnd} {v:22s} decode {res[v]['decode'][-1]:8.1f} tok/s",
