@@ -155,6 +155,37 @@ def decode_round(r: Runner, steps: int, warm: int = WARM_STEPS) -> float:
     return steps / (time.perf_counter() - t0)
 
 
+class StubKernels:
+    """The IsoQuant kernels' Python path on a backend without them (CPU): every kernel launch
+    replaced by a stub returning arrays of the right shapes, so a step's build costs what it
+    costs on a GPU host. For host time only: the stubs compute nothing meaningful."""
+
+    def __enter__(self):
+        from app.engine import kvcache
+        from app.engine import kvcache_kernels as kk
+        from app.engine.kvcache_kernels import isoquant as iq
+
+        class Stub:
+            def __call__(self, inputs, output_shapes, output_dtypes, **kw):
+                return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        self.iq, self.kv = iq, kvcache
+        self.saved = dict(iq._KERNELS), iq.BACKEND
+        iq._KERNELS.update({(n, dt): Stub() for n in iq.SPECS for dt in iq.DTYPES})
+        iq.BACKEND = "cuda"
+        kvcache.register_kernel(kk._cache_entry)
+        kvcache.register_encoder(kk.encode_pair)
+        return self
+
+    def __exit__(self, *exc):
+        self.iq._KERNELS.clear()
+        self.iq._KERNELS.update(self.saved[0])
+        self.iq.BACKEND = self.saved[1]
+        from app.engine import kvcache_kernels as kk
+
+        kk.install()  # back to what this backend registers
+
+
 def host_ms(runners: dict, variants: list[str], steps: int) -> dict:
     """Thread CPU ms to build one decode step's graph with nothing evaluated: each variant
     builds the same step again and again from the same cache state (the caches' attributes
@@ -169,10 +200,15 @@ def host_ms(runners: dict, variants: list[str], steps: int) -> dict:
                 compiled.uncompile(r.model)
             saved = [dict(vars(c)) for c in r.cache]
             tok = mx.array([r.last])
+            stub = StubKernels() if v.endswith("_stubbed") else None
+            if stub:
+                stub.__enter__()
             t, c = time.perf_counter(), time.thread_time()
             y = r.step(tok)
             c1, t1 = time.thread_time(), time.perf_counter()
             del y
+            if stub:
+                stub.__exit__()
             for cache, state in zip(r.cache, saved, strict=True):
                 vars(cache).clear()
                 vars(cache).update(state)
@@ -296,6 +332,11 @@ def main() -> None:
     variants = [c for c in CONFIGS]
     if args.before:
         variants += ["fp16_uncompiled", "isoquant3_uncompiled"]
+    host_variants = list(variants)
+    from app.engine.kvcache_kernels import kernels_available
+
+    if not kernels_available():  # host time of the kernels' path, launches stubbed
+        host_variants.append("isoquant3_stubbed")
     vocab = config["vocab_size"]
     # warm-up: kernels compiled for prefill chunks and decode steps
     for r in runners.values():
@@ -325,7 +366,8 @@ def main() -> None:
                     compiled.compile_blocks(r.model)
                 print(f"ctx {ctx} round {rnd} {v:22s} decode {res[v]['decode'][-1]:8.1f} tok/s",
                       flush=True)
-        for v, (cpu, wall) in host_ms(runners, variants, args.host_steps).items():
+        for v, (cpu, wall) in host_ms(runners, host_variants, args.host_steps).items():
+            res.setdefault(v, {"decode": [], "prefill": []})
             res[v]["host"], res[v]["wall"] = cpu, wall
             print(f"ctx {ctx} {v:22s} host {statistics.median(cpu):7.3f} ms/step (thread CPU; "
                   f"wall {statistics.median(wall):7.3f})", flush=True)
@@ -335,13 +377,14 @@ def main() -> None:
                 break
             for name in CONFIGS if rnd % 2 else CONFIGS[::-1]:
                 res[name]["prefill"].append(prefill(runners[name], ids, keep=False)[0])
-        for v in variants:
+        for v in host_variants:
             base = v.split("_")[0]
             rows.append({
                 "machine": "", "model": model_name, "context": ctx, "config": v,
                 "prefill_tps": round(statistics.median(res[base]["prefill"]), 1),
                 "prefill_rounds": [round(x, 1) for x in res[base]["prefill"]],
-                "decode_tps": round(statistics.median(res[v]["decode"]), 2),
+                "decode_tps": round(statistics.median(res[v]["decode"]), 2) if res[v]["decode"]
+                else None,
                 "rounds": [round(x, 2) for x in res[v]["decode"]],
                 "peak_gb": round(res[base]["peak"] / 1e9, 2),
                 "host_ms_per_step": round(statistics.median(res[v]["host"]), 3),
@@ -376,7 +419,7 @@ def report(rows: list[dict], args, parts: dict) -> None:
     print(f"\n{'ctx':>6} {'config':22s} {'prefill':>9} {'decode':>8} {'peak GB':>8} {'host ms':>8}")
     by = {(r["context"], r["config"]): r for r in rows}
     for r in rows:
-        print(f"{r['context']:6d} {r['config']:22s} {r['prefill_tps']:9.1f} {r['decode_tps']:8.2f} "
+        print(f"{r['context']:6d} {r['config']:22s} {r['prefill_tps']:9.1f} {r['decode_tps'] or 0:8.2f} "
               f"{r['peak_gb']:8.2f} {r['host_ms_per_step']:8.3f}")
     for ctx in args.contexts:
         s = by[(ctx, "stock")]
