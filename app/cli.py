@@ -12,11 +12,24 @@ import json
 import os
 import sys
 
+from .engine import kvcache
+from .units import size
+
 COMMAND_MODULES = (
     "app.engine.quant.commands",  # convert, inspect
     "app.engine.planner_commands",  # plan
     "app.downloads.commands",  # download, models, remove, verify
 )
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("rotaryquant")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _setup_env() -> None:
@@ -45,7 +58,7 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int)
     p.add_argument("--kv-mode", default="auto",
-                   help="auto (the plan's, else fp16) | fp16 | isoquant3 | isoquant4 | zipfusion ...")
+                   help="auto (the plan's, else fp16) | a KV mode: " + ", ".join(kvcache.names()))
     p.add_argument("--plan", action="store_true",
                    help="apply the auto-planner's choices for this machine (paging, KV mode)")
     p.add_argument("--expert-budget", help="page routed experts within this many bytes, e.g. 4GB")
@@ -110,6 +123,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    if getattr(args, "hosts", None):
+        from .engine.distributed.commands import cmd_chat_hosts
+
+        return cmd_chat_hosts(args)
     from .engine import messages as M
     from .engine.worker import WorkerClient
 
@@ -165,16 +182,37 @@ def cmd_bench(args) -> int:
     from .engine.bench import bench_generate, machine
     from .engine.generate import Engine
 
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    say("loading the model…")
     eng = Engine()
     info = eng.load(_model_path(args.model), _load_options(args))
-    res = bench_generate(eng, args.prompt_tokens, args.gen_tokens, args.trials, args.kv_mode)
+
+    def progress(i: int, n: int) -> None:
+        say(f"warm-up run ({args.prompt_tokens} prompt tokens, {args.gen_tokens} generated)…"
+            if i == 0 else f"trial {i} of {n}…")
+
+    res = bench_generate(eng, args.prompt_tokens, args.gen_tokens, args.trials, args.kv_mode, progress)
     res = {"model": info.name, "machine": machine(), **res}
-    print(json.dumps(res, indent=2))
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    m = res["machine"]
+    print(f"{res['model']} on {m['device']} ({m['backend']}), KV {res['kv_mode']}, "
+          f"median of {res['trials']} trials")
+    rows = (("prompt", f"{res['prompt_tokens']} tokens", f"{res['prompt_tps']:.1f} tok/s"),
+            ("decode", f"{res['generated_tokens']:g} tokens", f"{res['decode_tps']:.1f} tok/s"),
+            ("peak memory", "", size(res["peak_memory_bytes"], 2)),
+            ("KV cache", "", size(res["kv_bytes"], 2)))
+    for name, n, v in rows:
+        print(f"  {name:12s} {n:>12s} {v:>12s}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rotaryquant", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for mod in COMMAND_MODULES:
         try:
@@ -203,10 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     if sp:
         _add_gen_args(sp)
         sp.add_argument("--system", help="system prompt")
+        sp.add_argument("--hosts", help="hosts.json: run the model split over these machines "
+                        "(mlx.launch's hostfile; see docs/distributed.md)")
     add("models", cmd_models, "list local models")
     sp = add("bench", cmd_bench, "prompt/decode tok/s and peak memory")
     if sp:
         _add_gen_args(sp)
+        sp.add_argument("--json", action="store_true", help="print the result as JSON")
         sp.add_argument("--prompt-tokens", type=int, default=256)
         sp.add_argument("--gen-tokens", type=int, default=64)
         sp.add_argument("--trials", type=int, default=3)

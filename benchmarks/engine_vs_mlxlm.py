@@ -161,27 +161,27 @@ class StubKernels:
     costs on a GPU host. For host time only: the stubs compute nothing meaningful."""
 
     def __enter__(self):
-        from app.engine import kvcache
-        from app.engine import kvcache_kernels as kk
-        from app.engine.kvcache_kernels import isoquant as iq
+        from app.engine.kvcache.isoquant import attention, cache
+        from app.engine.kvcache.isoquant import kernel_path as kk
+        from app.engine.kvcache.isoquant import kernels as iq
 
         class Stub:
             def __call__(self, inputs, output_shapes, output_dtypes, **kw):
                 return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
 
-        self.iq, self.kv = iq, kvcache
+        self.iq = iq
         self.saved = dict(iq._KERNELS), iq.BACKEND
         iq._KERNELS.update({(n, dt): Stub() for n in iq.SPECS for dt in iq.DTYPES})
         iq.BACKEND = "cuda"
-        kvcache.register_kernel(kk._cache_entry)
-        kvcache.register_encoder(kk.encode_pair)
+        attention.register_kernel(kk._cache_entry)
+        cache.register_encoder(kk.encode_pair)
         return self
 
     def __exit__(self, *exc):
         self.iq._KERNELS.clear()
         self.iq._KERNELS.update(self.saved[0])
         self.iq.BACKEND = self.saved[1]
-        from app.engine import kvcache_kernels as kk
+        from app.engine.kvcache.isoquant import kernel_path as kk
 
         kk.install()  # back to what this backend registers
 
@@ -261,7 +261,7 @@ def breakdown(r: Runner, steps: int = 16) -> dict:
     norms, the rest (embedding, residuals, head, sampler); IsoQuant's cache parts apart."""
     import sys as _sys
 
-    from app.engine.kvcache import IsoQuantKVCache, dispatch
+    from app.engine.kvcache.isoquant import IsoQuantKVCache, dispatch
 
     layer = r.model.model.layers[0]
     attn_mod = _sys.modules[type(layer.self_attn).__module__]
@@ -333,7 +333,7 @@ def main() -> None:
     if args.before:
         variants += ["fp16_uncompiled", "isoquant3_uncompiled"]
     host_variants = list(variants)
-    from app.engine.kvcache_kernels import kernels_available
+    from app.engine.kvcache.isoquant.kernels import kernels_available
 
     if not kernels_available():  # host time of the kernels' path, launches stubbed
         host_variants.append("isoquant3_stubbed")
@@ -394,11 +394,15 @@ def main() -> None:
             })
     parts = {}
     if args.breakdown:
-        for v in variants:
+        for v in host_variants:  # the stubbed variant last: its stubs leave zeros in the cache
             r = runners[v.split("_")[0]]
             if v.endswith("_uncompiled"):
                 compiled.uncompile(r.model)
-            parts[v] = breakdown(r)
+            if v.endswith("_stubbed"):
+                with StubKernels():
+                    parts[v] = breakdown(r)
+            else:
+                parts[v] = breakdown(r)
             compiled.compile_blocks(r.model)
         names = list(dict.fromkeys(k for p in parts.values() for k in p))
         print(f"\nhost ms per decode step by part (thread CPU time, mean of 16 steps)\n{'part':46s}"

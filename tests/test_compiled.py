@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from app.engine import compiled
 from app.engine.generate import Engine, GenerationSettings, TokenEvent, token_stream
 from app.engine.loader import load
-from app.engine.random_models import make_random_model
+from app.engine.testing.random_models import make_random_model
 
 PROMPT = np.random.default_rng(3).integers(3, 1000, 37).tolist()
 ARCHS = ["qwen3_moe", "qwen2_moe", "gpt_oss", "gemma4_text", "llama"]

@@ -249,7 +249,7 @@ def test_full_disk_during_download_keeps_the_partial(hub_env, tmp_path, monkeypa
         written["n"] += len(data)
 
     monkeypatch.setattr(transfer, "write_all", filling_write)
-    with pytest.raises(DiskFullError, match="disk filled up while writing model.safetensors"):
+    with pytest.raises(DiskFullError, match=r"^disk full: .* more needed .*\(model.safetensors: "):
         transfer.Downloader(listing, tmp_path / "dl", **fast()).run()
     part = tmp_path / "dl" / transfer.PARTIAL_DIR / "model.safetensors.part"
     kept = part.stat().st_size
@@ -271,7 +271,7 @@ def test_lost_connection_is_reported(hub_env, tmp_path, monkeypatch):
         transfer.Downloader(listing, tmp_path / "dl", **fast(retries=3)).run()
     assert len(hub_env.resolve_requests("config.json")) == 4  # 1 + 3 retries
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    with pytest.raises(ConnectionLostError, match="lost the connection"):
+    with pytest.raises(ConnectionLostError, match=r"the hub cannot be reached .*Check that this computer is online"):
         hub.repo_listing(REPO, retries=0)
 
 
@@ -399,3 +399,52 @@ def test_meter_is_monotonic_and_paces_events():
     rates = [e.rate for e in ev if e.rate]
     assert rates and all(r > 0 for r in rates)
     assert ev[-1].eta == 0.0
+
+
+def test_download_stops_while_the_library_can_still_write(hub_env, tmp_path, monkeypatch):
+    """Free space drops below what the library needs to record the failure: the download
+    stops there, before the disk is full, and says how much more it needs."""
+    hub_env.add_repo(REPO, make_files())
+    listing = hub.repo_listing(REPO)
+    free = {"n": 10 << 30}
+    monkeypatch.setattr(transfer, "free_bytes", lambda p: free["n"])
+    monkeypatch.setattr(transfer, "FREE_CHECK_EVERY", 64 << 10)
+    real_write = transfer.write_all
+
+    def write(fd, data):
+        real_write(fd, data)
+        free["n"] = 16 << 20  # someone else filled the disk meanwhile
+
+    monkeypatch.setattr(transfer, "write_all", write)
+    dl = transfer.Downloader(listing, tmp_path / "dl", **fast(reserve=1 << 30))
+    with pytest.raises(DiskFullError, match=r"^disk full: 0\.99 GiB more needed to finish org/tiny"):
+        dl.run()
+
+
+def test_a_500_on_every_get_is_said_and_stops_in_bounded_time(hub_env, tmp_path):
+    """Every GET answers 500: not worded as a lost connection, and retrying stops once the
+    configured time without progress is up (the number of tries alone would go on)."""
+    from app.downloads.errors import ServerError
+
+    hub_env.add_repo(REPO, make_files())
+    listing = hub.repo_listing(REPO)
+    hub_env.inject(REPO, "config.json", Fault("status", status=500, times=10_000))
+    with pytest.raises(ServerError, match=r"the hub answered 500 to every request for org/tiny/config.json .*hub's side") as e:
+        transfer.Downloader(listing, tmp_path / "dl", **fast(retries=10_000, give_up_after=0.3)).run()
+    assert "lost the connection" not in str(e.value)
+    assert 1 < len(hub_env.resolve_requests("config.json")) < 10_000
+
+
+def test_one_disk_reserve_configurable_in_the_check_and_the_plan(hub_env, tmp_path, monkeypatch):
+    from app.downloads import catalog
+
+    monkeypatch.setenv("ROTARYQUANT_DISK_RESERVE", "5GB")
+    assert transfer.disk_reserve() == 5 << 30
+    check = catalog.disk_check(tmp_path, {"download": 1 << 20})
+    assert check.keep_free == 5 << 30 and "keeping 5.00 GiB free" in check.message
+    hub_env.add_repo(REPO, make_files())
+    monkeypatch.setattr(transfer, "free_bytes", lambda p: 5 << 30)
+    with pytest.raises(DiskFullError, match=r"\(\+5\.00 GiB kept free\)"):
+        transfer.Downloader(hub.repo_listing(REPO), tmp_path / "dl", **fast(reserve=None)).run()
+    monkeypatch.delenv("ROTARYQUANT_DISK_RESERVE")
+    assert catalog.disk_check(tmp_path, {}).keep_free == transfer.disk_reserve() == 2 << 30

@@ -4,7 +4,7 @@ import pytest
 
 from app.engine.errors import EngineError
 from app.engine.generate import Engine, Finished, GenerationSettings, PromptProcessed, TokenEvent
-from app.engine.random_models import TINY_ARCHS
+from app.engine.testing.random_models import TINY_ARCHS
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,18 @@ def test_cpu_float_dense_weights_match_quantized(smollm2_path):
     assert info.extra["cpu_float_dense_bytes"] > 4 * quant.info.weight_bytes
     assert mx.argmax(a, -1).tolist() == mx.argmax(b, -1).tolist()
     assert (mx.linalg.norm(a - b) / mx.linalg.norm(a)).item() < 1e-2
+
+
+def test_a_plans_context_limits_prompt_and_answer(tiny_model_path):
+    """Loaded with a plan's context (the app's "Use this plan"), the engine never goes past it:
+    the answer stops where prompt + answer reach it, and a longer prompt is refused."""
+    eng = Engine()
+    eng.load(tiny_model_path("qwen3_moe"), {"context": 24, "kv_mode": "fp16"})
+    assert eng.context_limit == 24
+    ids = list(range(5, 15))  # 10 prompt tokens
+    fin = [e for e in eng.generate(ids, GenerationSettings(max_tokens=100)) if isinstance(e, Finished)][0]
+    assert fin.prompt_tokens == 10 and fin.generated_tokens <= 14
+    with pytest.raises(EngineError, match="the plan's context limit .* is 24 tokens"):
+        list(eng.generate(list(range(5, 30)), GenerationSettings(max_tokens=4)))
+    eng.load(tiny_model_path("qwen3_moe"))
+    assert eng.context_limit is None

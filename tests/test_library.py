@@ -3,9 +3,11 @@ against the local hub (tests/hubserver.py) serving a tiny random MoE model. No n
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from app.downloads import catalog, transfer
 from app.downloads.errors import (
     Cancelled,
     DiskFullError,
+    DownloadError,
     GatedRepoError,
     LibraryError,
     Paused,
@@ -38,7 +41,7 @@ FAST = {"backoff": 0.001, "max_backoff": 0.01, "progress_interval": 0.0, "reserv
 def tiny_hf(tmp_path_factory) -> Path:
     """A tiny qwen3_moe as the hub has it: Hugging Face names, two shards + index."""
     from app.engine.quant.hf_layout import to_hf_layout
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     tmp = tmp_path_factory.mktemp("tiny")
     mlx = make_random_model("qwen3_moe", tmp / "mlx", seed=3)
@@ -47,7 +50,7 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_mlx(tmp_path_factory) -> Path:
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     return make_random_model("qwen3_moe", tmp_path_factory.mktemp("tinymlx") / "m", seed=4)
 
@@ -88,9 +91,9 @@ def test_download_convert_and_chat(hub_env, tiny_hf):
     # chat with it
     from mlx_lm import generate
 
-    from app.engine.quant.converted import load_converted
+    from app.engine.loader import load
 
-    lm = load_converted(folder)
+    lm = load(folder)
     text = generate(lm.model, lm.tokenizer, "Hello", max_tokens=8)
     assert isinstance(text, str) and len(lm.tokenizer.encode(text)) > 0
 
@@ -145,6 +148,29 @@ def test_verify_notices_deleted_and_damaged_files(hub_env, tiny_mlx):
     assert b.state == "broken" and b.error == f"{e.folder}: the folder is missing"
 
 
+def test_verify_checks_expert_records_without_deep(hub_env, tiny_hf):
+    """A flipped byte in an expert record (same size) is found by a plain verify: the records'
+    CRCs are checked, as every load does, without deep's sha256 of every file."""
+    from app.engine.offload.records import ExpertStore
+
+    hub_env.add_folder(REPO, tiny_hf)
+    lib = Library()
+    e = lib.download(REPO, transfer_options=FAST)
+    r = lib.verify(e.name)
+    assert r.ok and r.records > 0 and not r.deep
+    with ExpertStore(e.folder) as st:
+        layer = st.layers[1]
+        path, off = Path(e.folder) / st.layout(layer).file, st.layout(layer).record_offset(2)
+    with open(path, "r+b") as f:
+        f.seek(off + 5)
+        b = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = lib.verify(e.name)
+    assert not r.ok and f"layer {layer}, expert 2: checksum mismatch" in r.problems[0]
+    assert lib.get(e.name).state == "broken"
+
+
 def test_missing_repo_leaves_no_entry(hub_env):
     lib = Library()
     with pytest.raises(RepoNotFoundError, match="org/nothing was not found"):
@@ -166,7 +192,6 @@ def test_conversion_that_will_not_fit_stops_early(hub_env, tiny_hf, monkeypatch)
     """The download alone fits, download + conversion does not: stop before the weights."""
     hub_env.add_folder(REPO, tiny_hf)
     size = sum(p.stat().st_size for p in tiny_hf.iterdir())
-    monkeypatch.setattr(catalog, "KEEP_FREE", 0)
     monkeypatch.setattr(transfer, "free_bytes", lambda p: size + 1000)
     lib = Library()
     with pytest.raises(DiskFullError, match="conversion.*does NOT fit"):
@@ -384,3 +409,138 @@ def test_command_line(hub_env, tiny_mlx, capsys):
     assert run("remove", "tiny-moe") == 0
     assert run("models", "--json") == 0
     assert json.loads(capsys.readouterr().out.split("removed tiny-moe\n")[-1]) == []
+
+
+def test_disk_full_mid_transfer_is_said_and_recorded(hub_env, tiny_mlx, monkeypatch):
+    """The disk fills up mid-transfer and SQLite cannot write either: the user reads "disk
+    full: N more needed", the entry is shown paused (not "downloading") at once, the library
+    can still be listed, and the state reaches the store once space is freed."""
+    import errno
+    import sqlite3
+
+    from app.downloads.store import Store
+
+    hub_env.add_folder(REPO, tiny_mlx)
+    lib = Library()
+    full = {"on": False}
+    real_write, real_connect = transfer.write_all, Store._connect
+
+    def filling_write(fd, data):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, data)
+        if os.fstat(fd).st_size > 100_000:  # the weights are well under way
+            full["on"] = True
+
+    def full_connect(self, write=True):
+        if write and full["on"]:
+            @contextlib.contextmanager
+            def failing():
+                with real_connect(self, write=False) as db:
+                    raise sqlite3.OperationalError("database or disk is full")
+                    yield db
+            return failing()
+        return real_connect(self, write)
+
+    monkeypatch.setattr(transfer, "write_all", filling_write)
+    monkeypatch.setattr(Store, "_connect", full_connect)
+    events = []
+    with pytest.raises(DiskFullError, match=r"^disk full: .* more needed to finish org/tiny-moe") as e:
+        lib.download(REPO, on_event=events.append, transfer_options=FAST)
+    assert "database" not in str(e.value)
+    assert states(events)[-1] == "paused"
+    listed = {x.name: x for x in lib.entries(check=False)}  # `models` works on the full disk
+    assert listed["tiny-moe"].state == "paused" and "disk full" in listed["tiny-moe"].error
+    assert lib.store.get("tiny-moe").state == "downloading"  # not written yet
+    full["on"] = False  # space freed
+    assert lib.entries(check=False)[0].state == "paused"
+    assert lib.store.get("tiny-moe").state == "paused" and "disk full" in lib.store.get("tiny-moe").error
+    monkeypatch.setattr(transfer, "write_all", real_write)
+    assert lib.download(REPO, transfer_options=FAST).state == "ready"
+
+
+def test_absurd_config_stops_the_download_before_the_weights(hub_env, tiny_hf, tmp_path):
+    cfg = json.loads((tiny_hf / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_hf, bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1e8}))
+    hub_env.add_folder(REPO, bad)
+    with pytest.raises(DownloadError, match="num_hidden_layers = 100000000.0 is not a dimension"):
+        Library().download(REPO, transfer_options=FAST)
+    assert not hub_env.resolve_requests("model.safetensors")  # the weights were never asked for
+
+
+def test_two_downloads_of_one_repo_started_together(hub_env, tiny_mlx):
+    """A lock per repo: the second finds the first's entry claimed; no "tiny-moe-2", every
+    file fetched once."""
+    import threading
+
+    hub_env.add_folder(REPO, tiny_mlx)
+    hub_env.delay = 0.002
+    lib, other = Library(), Library()  # two library objects, as two processes would have
+    results, go = {}, threading.Barrier(2)
+
+    def run(key, library):
+        go.wait()
+        try:
+            results[key] = library.download(REPO, convert=False, transfer_options=FAST).state
+        except LibraryError as e:
+            results[key] = str(e)
+
+    threads = [threading.Thread(target=run, args=(k, x)) for k, x in (("a", lib), ("b", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results.values(), key=len)[0] == "ready", results
+    assert any("is already being downloaded" in v for v in results.values()), results
+    assert [e.name for e in lib.entries(check=False)] == ["tiny-moe"]
+    assert len(hub_env.resolve_requests("model.safetensors")) == 1
+
+
+@pytest.mark.parametrize("bad", ["../evil.json", "/etc/evil.json", "nul\x00.json", "a" * 241 + ".json",
+                                 "new\nline.json", "ansi\x1b[31mred.json", "sub/../../up.json"])
+def test_hostile_file_names_are_refused_before_anything_is_written(hub_env, tiny_mlx, bad):
+    from app.downloads.errors import UnsafeFileNameError
+
+    files = {p.name: p.read_bytes() for p in tiny_mlx.iterdir() if p.is_file()}
+    hub_env.add_repo(REPO, {**files, bad: b"{}"})
+    lib = Library()
+    with pytest.raises(UnsafeFileNameError, match="lists a file this app will not write") as e:
+        lib.download(REPO, transfer_options=FAST)
+    msg = str(e.value)
+    assert "\n" not in msg and "\x1b" not in msg and "\x00" not in msg and len(msg) < 400
+    assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
+
+
+def test_custom_code_is_said_at_download_time(hub_env, tiny_mlx, tmp_path):
+    """A model type mlx-lm lacks, with auto_map and .py files: refused once config.json is in,
+    with no entry left; a known model type that also ships code downloads without the code."""
+    from app.downloads.errors import UnsupportedModelError
+
+    cfg = json.loads((tiny_mlx / "config.json").read_text())
+    files = {p.name: p.read_bytes() for p in tiny_mlx.iterdir() if p.is_file()}
+    custom = {**cfg, "model_type": "acme_moe", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}
+    hub_env.add_repo(REPO, {**files, "config.json": json.dumps(custom).encode(),
+                            "modeling_acme.py": b"raise SystemExit('never run')\n"})
+    lib = Library()
+    with pytest.raises(UnsupportedModelError, match="custom code is not supported: org/tiny-moe .*auto_map.*1 .py file"):
+        lib.download(REPO, transfer_options=FAST)
+    assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
+    assert not hub_env.resolve_requests("model.safetensors")
+    known = {**cfg, "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}
+    hub_env.add_repo("org/known", {**files, "config.json": json.dumps(known).encode(),
+                                   "modeling_acme.py": b"raise SystemExit('never run')\n"})
+    e = lib.download("org/known", convert=False, transfer_options=FAST)
+    assert e.state == "ready" and not (Path(e.folder) / "modeling_acme.py").exists()
+
+
+def test_a_wrong_token_leaves_no_entry_and_no_folder(hub_env, tiny_mlx):
+    from app.downloads.errors import GatedRepoError
+
+    hub_env.add_folder(REPO, tiny_mlx, gated=True, tokens=("hf_right",))
+    lib = Library()
+    with pytest.raises(GatedRepoError):
+        lib.download(REPO, tok="hf_wrong", transfer_options=FAST)
+    assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
+    assert lib.download(REPO, tok="hf_right", convert=False, transfer_options=FAST).state == "ready"

@@ -2,7 +2,7 @@
 
 Tiny models (random weights at scale 0.5, so greedy decoding wanders and routing keeps
 changing) are converted at the default role widths (2-bit experts); the reference is
-`load_converted` (every expert resident). Budgets of 100%, 50% and 25% of the experts, 200
+`loader.load` (every expert resident). Budgets of 100%, 50% and 25% of the experts, 200
 generated tokens after an 80-token prompt; every step's log-probabilities must be equal.
 """
 
@@ -16,13 +16,13 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from app.engine.errors import ModelLoadError
+from app.engine.loader import load
 from app.engine.offload import load_paged
 from app.engine.offload.layers import PagedSwitchGLU, PagedSwitchMLP
 from app.engine.offload.pager import BudgetError
 from app.engine.offload.records import ExpertRecordError, ExpertStore
 from app.engine.quant.convert import convert
-from app.engine.quant.converted import load_converted
-from app.engine.random_models import make_random_model
+from app.engine.testing.random_models import make_random_model
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "nemotron_h"]
 PROMPT = mx.array(np.random.default_rng(7).integers(3, 1000, 80).tolist())
@@ -53,7 +53,7 @@ def converted(tmp_path_factory):
             src = make_random_model(arch, root / f"{arch}-src", seed=11, scale=0.5)
             out = root / f"{arch}-rq"
             convert(src, out)
-            ref = load_converted(out)
+            ref = load(out)
             toks, lps = _generate(ref.model)
             mx.eval(lps)
             cache[arch] = (out, toks, lps)
@@ -168,6 +168,51 @@ def test_corrupt_record_names_layer_and_expert(converted, tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(ExpertRecordError, match=rf"layer {layer}, expert 5: checksum mismatch"):
         load_paged(bad, expert_bytes(bad))  # all resident: every record is read at load
+
+
+def _flip_byte(folder, layer, expert, at=10):
+    path, off = _record_pos(folder, layer, expert)
+    with open(path, "r+b") as f:
+        f.seek(off + at)
+        b = f.read(1)
+        f.seek(off + at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupt_record_refused_by_the_resident_load(converted, tmp_path):
+    """The default path (every expert resident, no pager) checks each record's CRC as it
+    reads it: a flipped byte is an error naming the record, never silent garbage."""
+    folder, _, _ = converted("qwen3_moe")
+    bad = _copy(folder, tmp_path / "bad")
+    with ExpertStore(bad) as st:
+        layer = st.layers[-1]
+    _flip_byte(bad, layer, 3)
+    with pytest.raises(ExpertRecordError, match=rf"layer {layer}, expert 3: checksum mismatch"):
+        load(bad)
+    with pytest.raises(ExpertRecordError, match=rf"layer {layer}, expert 3: checksum mismatch"):
+        load(bad, lazy=True)
+    load(bad, verify=False)  # only an explicit opt-out skips the check
+
+
+def test_failed_read_leaves_the_slot_free(converted, tmp_path):
+    """After a checksum error the expert is not resident: the next generation in the same
+    process (Regenerate) reads it again and fails the same way, instead of computing on the
+    corrupt slot."""
+    folder, _, _ = converted("qwen3_moe")
+    bad = _copy(folder, tmp_path / "bad")
+    with ExpertStore(bad) as st:
+        layer, lay = st.layers[0], st.layout(st.layers[0])
+    for e in range(lay.num_experts):
+        _flip_byte(bad, layer, e, at=0)
+    lm = load_paged(bad, expert_bytes(bad) // 2)
+    pager = lm.model.rq_pager
+    pool = pager.pool_of[layer]
+    for _ in range(2):
+        with pytest.raises(ExpertRecordError, match=rf"layer {layer}, expert \d+: checksum"):
+            _generate(lm.model, n=2)
+        assert not [k for k in pool.lru.slot_of if k[0] == layer]
+        pool.lru.check()
+        assert pager.layer_stats[layer].resident == 0
 
 
 def test_corrupt_record_found_while_paging(converted, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from app.engine import planner, profile, sizes
 from app.engine.planner import GiB, Machine, ModelTooLarge, PlanRefused, make_plan, plan_model
 from app.engine.profile import ShareSource
-from app.engine.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.json"))
@@ -144,7 +144,7 @@ def test_overrides_refused_with_numbers():
         plan_model(qwen, Machine.simulate("16GB", "cuda"), kv_mode="zipfusion").kv_mode
         == "zipfusion"
     )
-    with pytest.raises(PlanRefused, match=r"expert-budget: .*needs 40.0 GB, .* available") as e:
+    with pytest.raises(PlanRefused, match=r"expert-budget: .*needs 40.0 GiB, .* available") as e:
         plan_model(qwen, m16, expert_budget="40GB")
     assert e.value.needed == 40 * GiB and e.value.available < 40 * GiB
     with pytest.raises(PlanRefused, match="below the pager's minimum"):
@@ -265,9 +265,59 @@ def test_cli_plan(capsys):
     args = parser.parse_args(["plan", "gpt-oss-120b", "--ram", "4GB", "--backend", "metal"])
     with pytest.raises(ModelTooLarge, match="smallest machine"):
         args.func(args)
-    args = parser.parse_args(["sizes", "gpt-oss-20b"])
+    args = parser.parse_args(["sizes", "gpt-oss-20b", "--json"])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["architecture"] == "gpt_oss"
+    args = parser.parse_args(["sizes", "gpt-oss-20b"])  # a table by default
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpt-oss-20b (gpt_oss)") and "routed" in out and "GiB" in out
+    assert "{" not in out
+
+
+def test_reasons_name_only_the_roles_a_model_has_and_no_spec():
+    """Qwen3-30B-A3B has no shared experts; Llama-4-style shared experts are named; no reason
+    cites a document the user does not have."""
+    m = Machine.simulate("64GB", "metal")
+    qwen = make_plan(sizes.sizes_for(CONFIGS / "qwen3-30b-a3b.json"), m)
+    assert qwen.sizes.params["shared"] == 0
+    assert not any("shared" in r for r in qwen.reasons), qwen.reasons
+    assert "routed experts 2-bit" in qwen.reasons[0]
+    shared = next(
+        (s for f in sorted(CONFIGS.glob("*.json"))
+         if (s := _sizes_or_none(f)) is not None and s.params["shared"] > 0),
+        None,
+    )
+    assert shared is not None, "a config with shared experts"
+    assert "shared experts 8-bit" in make_plan(shared, Machine.simulate("512GB", "metal")).reasons[0]
+    for p in (qwen,):
+        assert not any("SPEC" in r or "§" in r for r in p.reasons), p.reasons
+
+
+def _sizes_or_none(f):
+    try:
+        return sizes.sizes_for(f)
+    except Exception:  # a config the sizer does not know
+        return None
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "0"], "at least 1 token, got 0"),
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "-5"], "at least 1 token, got -5"),
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "foo=4"], "unknown role 'foo'"),
+    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "routed=x"], "expected role=bits"),
+    (["sizes", "qwen3-30b-a3b", "--widths", "foo=4"], "unknown role 'foo'"),
+])
+def test_cli_refuses_bad_context_and_widths_with_a_message(argv, match):
+    from app.engine import planner_commands
+    from app.engine.errors import EngineError
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    planner_commands.add_commands(sub)
+    args = parser.parse_args(argv)
+    with pytest.raises(EngineError, match=match):
+        args.func(args)
 
 
 def test_prefill_chunk_grows_only_into_memory_the_plan_leaves():

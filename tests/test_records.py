@@ -127,3 +127,26 @@ def test_writer_checks_completeness_and_shapes(tmp_path):
     w.write(0, _expert(lay, 0))
     with pytest.raises(ValueError, match=r"experts \[1\] never written"):
         w.close()
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s.update(layers=[]), "must map layer indices"),
+    (lambda s: s.update(layers={}), "must map layer indices"),
+    (lambda s: s["layers"]["3"].update(stride="abc"), r"layers\.3` is malformed: ValueError"),
+    (lambda s: s["layers"]["3"].pop("tensors"), r"layers\.3` is malformed: KeyError"),
+    (lambda s: s["layers"]["3"].update(num_experts=-1), "num_experts must be >= 1"),
+    (lambda s: s["layers"]["3"].update(record_size=0), "empty record"),
+    (lambda s: s["layers"].update({"4": s["layers"]["3"]}), "key '4' holds layer 3"),
+    (lambda s: s["layers"]["3"].update(file="/etc/passwd"), "outside the model folder"),
+    (lambda s: s["layers"]["3"].update(file="../../etc/passwd"), "outside the model folder"),
+    (lambda s: s["layers"]["3"].update(file="experts/../../x.bin"), "outside the model folder"),
+])
+def test_malformed_manifest_section_is_refused(tmp_path, change, match):
+    import copy
+
+    lay, _ = _write(tmp_path, _layout(E=3))
+    section = copy.deepcopy(experts_section([lay]))
+    change(section)
+    with pytest.raises(ExpertRecordError, match=match):
+        ExpertStore(tmp_path, section)
+    ExpertStore(tmp_path, experts_section([lay])).verify(3, 0)  # the real one still reads

@@ -13,7 +13,7 @@ from mlx_lm.utils import _get_classes
 
 from app.engine import sizes
 from app.engine.quant.widths import ROLES, RoleWidths
-from app.engine.random_models import TINY_CONFIGS
+from app.engine.testing.random_models import TINY_CONFIGS
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -355,3 +355,46 @@ def test_quantized_folder_widths():
     cfg = {**TINY_CONFIGS["llama"], "quantization": {"bits": 4, "group_size": 32}}
     s = sizes.compute(cfg)
     assert s.widths.dense.bits == 4 and s.widths.dense.group_size == 32
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"num_hidden_layers": 1e9}, "num_hidden_layers must be a whole number, got 1000000000.0"),
+    ({"num_hidden_layers": 10**9}, r"num_hidden_layers = 1000000000 is out of range \(1\.\.4096\)"),
+    ({"hidden_size": 0}, "hidden_size = 0 is out of range"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers = 0 is out of range"),
+    ({"intermediate_size": -4}, "intermediate_size = -4 is out of range"),
+    ({"num_attention_heads": "32"}, "num_attention_heads must be a whole number"),
+    ({"head_dim": True}, "head_dim must be a whole number"),
+    ({"num_experts_per_tok": 200}, "num_experts_per_tok = 200 exceeds the 128 experts"),
+])
+def test_hostile_config_dimensions_are_refused_at_once(change, match):
+    """One check (sizes.check_dimensions) before anything is built from a config: sizes, the
+    planner and the download pre-check (sizes.compute) and the loader all go through it."""
+    from app.engine.errors import ModelLoadError
+    from app.engine.loader import read_config
+    from app.engine.planner import Machine, plan_model
+    from app.engine.sizes import SizeError, check_dimensions, compute, load_config
+
+    cfg, _, _ = load_config("qwen3-30b-a3b")
+    bad = {**cfg, **change}
+    for fn in (check_dimensions, compute):
+        with pytest.raises(SizeError, match=match):
+            fn(bad)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(SizeError, match=match):
+            plan_model(d, Machine.detect(ram="32GB"))
+        with pytest.raises(ModelLoadError, match=match):
+            read_config(d)
+    check_dimensions(cfg)
+
+
+def test_real_configs_pass_the_dimension_check():
+    from app.engine.sizes import check_dimensions, shared_configs_dir
+
+    files = sorted(shared_configs_dir().glob("*.json"))
+    assert len(files) >= 8
+    for f in files:
+        check_dimensions(json.loads(f.read_text()), str(f))

@@ -134,7 +134,8 @@ def test_tokens_are_painted_in_batches_while_generating(qtbot, window, monkeypat
     assert 1 <= counts["flush"] <= len(n)
     answer = chat.messages[-1]
     assert answer.state == "complete" and answer.content
-    assert view.transcript.toPlainText().rstrip().endswith(answer.content.rstrip()[-20:])
+    tail = answer.content.strip()[-20:]
+    assert tail and tail in view.transcript.toPlainText()  # the streamed text reached the view
 
 
 def test_worker_killed_shows_error_and_restart_keeps_conversation(qtbot, window):

@@ -82,3 +82,26 @@ def test_fake_bridge_overrides_every_request():
     """The fake must not fall through to the real client (which would need a process)."""
     for name in ("start", "restart", "shutdown", "is_alive", "load", "generate", "cancel", "request_stats"):
         assert getattr(FakeBridge, name) is not getattr(WorkerBridge, name), name
+
+
+def test_broken_pipe_restarts_the_engine_once(qtbot):
+    from app.ui.session import EngineSession
+
+    bridge = FakeBridge()
+    s = EngineSession("/fake/model", bridge=bridge)
+    crashed = []
+    s.crashed.connect(crashed.append)
+    s.start()
+    qtbot.waitUntil(lambda: s.state == "ready")
+    starts = sum(isinstance(m, M.Load) for m in bridge.sent)
+    bridge._dispatch(M.WorkerDied(M.PROTOCOL_EXIT, "the engine got a message it could not read",
+                                  broken_pipe=True))
+    qtbot.waitUntil(lambda: s.state == "ready")  # restarted and loaded again, unasked
+    assert sum(isinstance(m, M.Load) for m in bridge.sent) == starts + 1 and len(crashed) == 1
+    bridge._dispatch(M.WorkerDied(M.PROTOCOL_EXIT, "again", broken_pipe=True))
+    qtbot.waitUntil(lambda: s.state == "ready")  # a model loaded in between: restarts again
+    bridge._dispatch(M.WorkerDied(M.PROTOCOL_EXIT, "before the model loaded", broken_pipe=True))
+    bridge._dispatch(M.WorkerDied(M.PROTOCOL_EXIT, "and again", broken_pipe=True))
+    assert s.state == "crashed"  # twice before a load: the user decides
+    bridge._dispatch(M.WorkerDied(-11, "exit code -11"))
+    assert s.state == "crashed"

@@ -62,6 +62,61 @@ def test_newer_format_is_refused_with_the_file_name(tmp_path):
         ConversationStore(path)
 
 
+def _filled(path):
+    s = ConversationStore(path)
+    for i in range(40):
+        c = s.create(f"chat {i}")
+        s.add_message(c.id, "user", "x" * 2000)
+    s.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    s.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "bad header", "truncated", "directory"])
+def test_damaged_history_is_set_aside_and_the_app_starts_empty(tmp_path, damage):
+    path = tmp_path / "h.sqlite3"
+    data = _filled(path)
+    if damage == "garbage":
+        path.write_bytes(bytes(random.Random(1).randrange(256) for _ in range(50_000)))
+    elif damage == "bad header":
+        path.write_bytes(b"SQLite format 2\0" + data[16:])
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 3])
+    else:
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_text("kept")
+    kept = path.read_bytes() if path.is_file() else None
+    s = ConversationStore(path)
+    assert s.set_aside is not None and s.set_aside.name.startswith("h.sqlite3.damaged-")
+    if kept is not None:
+        assert s.set_aside.read_bytes() == kept  # nothing of the user's is deleted
+    else:
+        assert (s.set_aside / "inside").read_text() == "kept"
+    assert s.conversations() == []
+    c = s.create("new")
+    s.add_message(c.id, "user", "hello")
+    s.close()
+    again = ConversationStore(path)
+    assert again.set_aside is None and [x.title for x in again.conversations()] == ["new"]
+
+
+def test_history_files_are_private(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from app import paths
+
+    monkeypatch.setenv("ROTARYQUANT_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "data").mkdir(parents=True, mode=0o755)
+    s = ConversationStore()
+    s.create("x")
+    assert stat.S_IMODE(os.stat(paths.data_dir()).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(paths.log_dir()).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o600
+    s.close()
+
+
 def test_split_thinking_cases():
     assert render.split_thinking("<think>a b</think>answer") == ("a b", "answer", False)
     assert render.split_thinking("pre<think>still going") == ("still going", "pre", True)

@@ -4,6 +4,7 @@ remove. No network."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import hubserver
@@ -24,7 +25,7 @@ FAST = {"backoff": 0.001, "max_backoff": 0.01, "progress_interval": 0.0, "reserv
 def tiny_hf(tmp_path_factory) -> Path:
     """A tiny qwen3_moe as the hub has it (Hugging Face names), so the library converts it."""
     from app.engine.quant.hf_layout import to_hf_layout
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     tmp = tmp_path_factory.mktemp("ui-lib")
     return to_hf_layout(make_random_model("qwen3_moe", tmp / "mlx", seed=3), tmp / "hf")
@@ -131,3 +132,123 @@ def test_catalog_has_a_download_button_per_model_and_a_verdict(qtbot, view):
     for i, e in enumerate(ctl.catalog):
         verdict = view.cat.index(i, 4).data()
         assert verdict.startswith("fits: peak") or verdict.startswith("too large"), (e.name, verdict)
+
+
+def test_sizes_agree_between_the_app_and_the_cli(qtbot, tmp_path, capsys):
+    """One unit (GiB, labelled) in the catalog table and in `rotaryquant models --catalog`."""
+    from app.cli import main
+    from app.ui.library_model import CatalogModel
+
+    ctl = LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3"))
+    model = CatalogModel(ctl)
+    assert main(["models", "--catalog"]) == 0
+    out = capsys.readouterr().out
+    for row, e in enumerate(ctl.catalog):
+        shown = model.index(row, 3).data()
+        assert shown.endswith(" GiB"), shown
+        line = next(x for x in out.splitlines() if x.startswith(e.name + " "))
+        assert f"download ~{shown}" in line, (shown, line)
+
+
+def test_offline_download_says_the_hub_cannot_be_reached_and_offers_retry(qtbot, view, hub_env, tiny_hf, monkeypatch):
+    """No connection can be made: the message says so and what to check, the typed repo id
+    stays, Retry starts the download again (and works once the hub is back)."""
+    hub_env.add_folder(REPO, tiny_hf)
+    real = os.environ["HF_ENDPOINT"]
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    view.repo_edit.setText(REPO)
+    with qtbot.waitSignal(view.ctl.failed, timeout=60_000) as b:
+        qtbot.mouseClick(view.repo_btn, Qt.MouseButton.LeftButton)
+    msg = b.args[1]
+    assert "the hub cannot be reached" in msg and "lost the connection" not in msg
+    assert "online" in msg and "HF_ENDPOINT" in msg
+    assert view.repo_edit.text() == REPO
+    assert view.retry_btn.isVisibleTo(view) and "cannot be reached" in view.catalog_error.text()
+    monkeypatch.setenv("HF_ENDPOINT", real)
+    with qtbot.waitSignal(view.ctl.state_changed, timeout=120_000,
+                          check_params_cb=lambda e: e.state == "ready"):
+        qtbot.mouseClick(view.retry_btn, Qt.MouseButton.LeftButton)
+    assert not view.retry_btn.isVisibleTo(view)
+    qtbot.waitUntil(lambda: view.repo_edit.text() == "")  # cleared once its download is done
+
+
+def test_download_button_selects_its_own_catalog_row(qtbot, view, monkeypatch):
+    started = []
+    monkeypatch.setattr(view.ctl, "download", lambda repo, **kw: started.append(repo) or True)
+    view.catalog.selectRow(0)
+    last = len(view.ctl.catalog) - 1
+    qtbot.mouseClick(view.buttons[view.ctl.catalog[last].repo.lower()], Qt.MouseButton.LeftButton)
+    assert started == [view.ctl.catalog[last].repo]
+    assert [ix.row() for ix in view.catalog.selectionModel().selectedRows()] == [last]
+
+
+def test_open_folder_converts_a_moe_and_adds_it(qtbot, view, tiny_hf, tmp_path):
+    """"Open folder…": a Hugging Face MoE folder is checked and converted (in its own
+    process) into the library, the user's folder untouched; a folder that is not a model is
+    refused with the reason, and nothing is added."""
+    import hashlib
+
+    def digest(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+    before = digest(tiny_hf)
+    with qtbot.waitSignal(view.ctl.message, timeout=180_000,
+                          check_params_cb=lambda m: m.startswith("Added")):
+        view.open_folder(str(tiny_hf))
+    qtbot.waitUntil(lambda: row_of(view, "hf") is not None and row_of(view, "hf").state == "ready",
+                    timeout=10_000)
+    r = row_of(view, "hf")
+    assert r.architecture == "qwen3_moe" and Path(r.ref).parent == view.ctl.library.root
+    assert (Path(r.ref) / "rotaryquant.json").exists() and digest(tiny_hf) == before
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with qtbot.waitSignal(view.ctl.failed, timeout=60_000) as b:
+        view.open_folder(str(empty))
+    assert "no config.json" in b.args[1] and "no config.json" in view.catalog_error.text()
+    assert not view.retry_btn.isVisibleTo(view)
+    assert [x.name for x in view.ctl.library.entries(check=False)] == ["hf"]
+
+
+def test_plan_button_plans_a_selected_catalog_row(qtbot, view):
+    assert not view.plan_btn.isEnabled()
+    row = next(i for i, e in enumerate(view.ctl.catalog) if e.config)
+    view.catalog.selectRow(row)
+    assert view.plan_btn.isEnabled()
+    with qtbot.waitSignal(view.plan_requested) as b:
+        qtbot.mouseClick(view.plan_btn, Qt.MouseButton.LeftButton)
+    e = view.ctl.catalog[row]
+    assert b.args == [e.config, e.name]
+
+
+def test_a_conversion_killed_like_by_the_oom_killer_leaves_the_window_working(qtbot, view, hub_env, tiny_hf):
+    """The conversion runs in a process of its own: killed mid-way (SIGKILL, as the OOM killer
+    does), the window hears of it, the entry is back to "downloaded" with the reason, and
+    converting again works."""
+    import psutil
+
+    hub_env.add_folder(REPO, tiny_hf)
+    ctl = view.ctl
+    ctl.library.download(REPO, transfer_options=FAST, finish=False)
+    ctl.refresh()
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+
+    def conversion_child():
+        for p in me.children():
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if p.pid not in before and "spawn_main" in cmd and "resource_tracker" not in cmd:
+                return p
+        return None
+
+    with qtbot.waitSignal(ctl.failed, timeout=120_000) as b:
+        ctl.convert("tiny-moe")
+        qtbot.waitUntil(lambda: conversion_child() is not None, timeout=60_000)
+        conversion_child().kill()
+    assert b.args[0] == "tiny-moe" and "stopped unexpectedly (killed by signal 9)" in b.args[1]
+    e = ctl.library.store.get("tiny-moe")
+    assert e.state == "downloaded" and "conversion failed" in e.error and not e.busy
+    with qtbot.waitSignal(ctl.state_changed, timeout=120_000, check_params_cb=lambda ev: ev.state == "ready"):
+        ctl.convert("tiny-moe")

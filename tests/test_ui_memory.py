@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.engine import messages as M
-from app.ui.memory import GB, MB, MemoryHistory, MemoryPanel
+from app.ui.memory import GB, MemoryHistory, MemoryPanel
 
 MiB = 1 << 20
 
@@ -89,11 +89,11 @@ def test_panel_feeds_the_same_curves_only_when_data_changed(qtbot, monkeypatch):
     assert np.allclose(y, [0.25, 0.5, 0.75]) and x[-1] == pytest.approx(0.0)  # seconds ago
     _, hit = panel.curves["hit_rate"].getData()
     assert np.isnan(hit[0]) and hit[-1] == pytest.approx(100 * 10 / 11)
-    assert panel.metrics["rss"].text() == "0.75 GB" and panel.metrics["experts"].text() == "1.00 GB"
+    assert panel.metrics["rss"].text() == "0.75 GiB" and panel.metrics["experts"].text() == "1.00 GiB"
     assert not panel.no_pager[0].isVisible()
     panel.set_expected_peak(3 * GB)
     assert panel.peak_line.isVisible() and panel.peak_line.value() == pytest.approx(3.0)
-    assert panel.metrics["peak"].text() == "3.00 GB"
+    assert panel.metrics["peak"].text() == "3.00 GiB"
 
 
 def test_panel_says_when_there_is_no_pager(qtbot):
@@ -102,5 +102,5 @@ def test_panel_says_when_there_is_no_pager(qtbot):
     panel.add_stats(stats(generating=False, kv=3 * MiB))
     panel.redraw()
     assert panel.metrics["experts"].text() == "not paged" and panel.metrics["tps"].text() == "—"
-    assert panel.metrics["kv"].text() == f"{3 * MiB / MB:.0f} MB"
+    assert panel.metrics["kv"].text() == "3.0 MiB"
     assert all(t.isVisible() for t in panel.no_pager)

@@ -108,5 +108,48 @@ def test_use_this_plan_reloads_with_its_budget(qtbot, tmp_path, monkeypatch, tin
         qtbot.mouseClick(win.plan_view.apply_btn, Qt.MouseButton.LeftButton)
     loads = [m for m in win.bridge.sent if isinstance(m, M.Load)]
     assert len(loads) == 1 and loads[0].path == folder
-    assert loads[0].options == {"expert_budget": base.min_expert_budget}
+    assert loads[0].options["expert_budget"] == base.min_expert_budget
     assert win.chat.settings()["kv_mode"] == "fp16"
+
+
+def test_use_this_plan_applies_kv_mode_and_context(qtbot, tmp_path, monkeypatch, tiny_model_path):
+    """KV isoquant3 and context 4096 chosen, then "Use this plan": a fresh engine loads the
+    model with them, the chat uses isoquant3, the plan view keeps the overrides it shows and
+    the memory panel's expected peak is the applied plan's."""
+    monkeypatch.setenv("ROTARYQUANT_HOME", str(tmp_path))
+    folder = str(tiny_model_path("qwen3_moe"))
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    win = MainWindow(folder, bridge=FakeBridge(), settings=settings,
+                     library=LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3")), start=False)
+    qtbot.addWidget(win)
+    with qtbot.waitSignal(win.planner.plan_ready, timeout=60_000):
+        win.session.start()
+    view = win.plan_view
+    view.kv_combo.setCurrentIndex(view.kv_combo.findData("isoquant3"))
+    view.context_auto.setChecked(False)
+    view.context_spin.setValue(4096)
+    with qtbot.waitSignal(win.planner.plan_ready, timeout=60_000) as b:
+        qtbot.mouseClick(view.replan_btn, Qt.MouseButton.LeftButton)
+    chosen = b.args[0]
+    assert chosen.plan.kv_mode == "isoquant3" and chosen.plan.context_limit == 4096
+    win.bridge.sent.clear()
+    restarts = []
+    monkeypatch.setattr(win.bridge, "restart", lambda: (restarts.append(1), win.bridge.start()))
+    with qtbot.waitSignal(win.session.model_loaded, timeout=10_000):
+        qtbot.mouseClick(view.apply_btn, Qt.MouseButton.LeftButton)
+    assert restarts == [1]
+    loads = [m for m in win.bridge.sent if isinstance(m, M.Load)]
+    assert len(loads) == 1 and loads[0].path == folder
+    assert loads[0].options["kv_mode"] == "isoquant3" and loads[0].options["context"] == 4096
+    assert win.chat.settings()["kv_mode"] == "isoquant3"
+    assert win.chat_view.kv_combo.currentData() == "isoquant3"
+    qtbot.wait(50)  # no plan is recomputed behind the applied one
+    assert win.planner.last is chosen and win.planner.overrides.kv_mode == "isoquant3"
+    assert "overrides: KV isoquant3, context 4096" in view.result.toPlainText()
+    assert view.kv_combo.currentData() == "isoquant3" and view.context_spin.value() == 4096
+    assert win.memory.peak_line.value() == pytest.approx(chosen.plan.process_peak / 2**30)
+    # planning another model resets the boxes along with the overrides
+    with qtbot.waitSignal(win.planner.plan_ready, timeout=60_000) as b:
+        win.planner.set_target(str(tiny_model_path("qwen3_moe", seed=1)), "other")
+    assert b.args[0].overrides.describe() == "none"
+    assert view.kv_combo.currentData() is None and view.context_auto.isChecked()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QSettings, Qt, QUrl
-from PySide6.QtGui import QGuiApplication, QPalette
+from PySide6.QtGui import QGuiApplication, QPalette, QTextCursor
+from PySide6.QtWidgets import QLabel
 from test_ui_fakes import FakeBridge
 
 from app.downloads.library import Library
@@ -269,3 +270,117 @@ def test_default_model_reference_matches_the_engine():
     from app.ui.session import DEFAULT_MODEL_REF as UI_REF
 
     assert UI_REF == DEFAULT_MODEL_REF
+
+
+def test_after_a_crash_the_window_keeps_its_size_place_and_says_it_once(qtbot, win):
+    """An engine killed mid-answer: the window keeps its width, the crash is said once (the
+    banner), the transcript stays where the user was reading, the memory panel drops the dead
+    engine's figures."""
+    win.resize(1280, 800)
+    win.show()
+    qtbot.waitExposed(win)
+    for i in range(12):
+        assert win.chat.send(f"Question {i}")
+        win.bridge.play_done("A long answer. " * 40, n=40)
+    win.memory.add_stats(M.Stats(0, 0.0, 3 << 30, 0, 0, 0, 1 << 30, 0, 12.5, False))
+    win.memory.redraw()
+    assert win.memory.metrics["rss"].text() == "3.00 GiB"
+    assert win.chat.send("One more")
+    win.bridge.play_tokens(["Partial ", "answer"])
+    win.chat_view.flush_tokens()
+    sb = win.chat_view.transcript.verticalScrollBar()
+    qtbot.waitUntil(lambda: sb.maximum() > 1000)
+    sb.setValue(sb.maximum() // 2)
+    mid = sb.value()
+    statuses = []
+    win.statusBar().messageChanged.connect(statuses.append)
+    with qtbot.waitSignal(win.session.crashed):
+        win.bridge.play_death()
+    qtbot.wait(50)
+    assert win.width() == 1280
+    said = "stopped unexpectedly"
+    places = [win.banner_text.text(), win.engine_label.text(), *statuses,
+              win.chat_view.transcript.toPlainText()]
+    assert sum(said in p for p in places) == 1, places
+    assert win.banner.isVisibleTo(win) and said in win.banner_text.text()
+    assert abs(sb.value() - mid) <= 2
+    assert win.memory.metrics["rss"].text() == "—" and win.memory.metrics["tps"].text() == "—"
+
+
+def test_rename_and_delete_conversations(qtbot, win):
+    view, chat = win.chat_view, win.chat
+    chat.new_conversation()
+    assert chat.send("First question")
+    win.bridge.play_done("ok", n=1)
+    cid = chat.current.id
+    item = view.conv_list.currentItem()
+    item.setText("  Trip   to Paris ")  # what editing the item in place does
+    assert chat.current.title == "Trip to Paris"
+    assert ConversationStore().get(cid).title == "Trip to Paris"
+    assert view.conv_list.currentItem().text() == "Trip to Paris"
+    view.conv_list.currentItem().setText("   ")  # an empty name keeps the old one
+    assert ConversationStore().get(cid).title == "Trip to Paris"
+    assert view.conv_list.currentItem().text() == "Trip to Paris"
+    assert [a.text() for a in view.conv_list.actions()] == ["Rename", "Delete"]
+    n = len(chat.conversations())
+    chat.delete_conversation(cid)
+    assert len(chat.conversations()) == n - 1 and all(c.id != cid for c in chat.conversations())
+
+
+def test_enter_sends_when_chosen_shift_enter_is_a_new_line(qtbot, win):
+    view = win.chat_view
+    view.input.setFocus()
+    view.input.setPlainText("Hello")
+    view.input.moveCursor(QTextCursor.MoveOperation.End)
+    qtbot.keyClick(view.input, Qt.Key.Key_Return)  # the default: Enter is a new line
+    assert view.input.toPlainText() == "Hello\n" and not win.chat.busy
+    dlg = win.settings_dialog()
+    dlg.enter_check.setChecked(True)
+    dlg.accept()
+    assert view.enter_sends and win.settings.value("chat/enter_sends") in (True, "true")
+    view.input.setPlainText("Line one")
+    view.input.moveCursor(QTextCursor.MoveOperation.End)
+    qtbot.keyClick(view.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    assert view.input.toPlainText() == "Line one\n" and not win.chat.busy
+    view.input.insertPlainText("line two")
+    qtbot.keyClick(view.input, Qt.Key.Key_Return)
+    assert win.chat.busy and last_generate(win).prompt[-1]["content"] == "Line one\nline two"
+    assert view.input.toPlainText() == ""
+
+
+def test_copy_button_on_code_blocks(qtbot, win):
+    chat, view = win.chat, win.chat_view
+    assert chat.send("Code please")
+    answer = "<think>hmm</think>Two:\n```python\nprint(1)\n```\nand\n```\nls -l\n```\n"
+    win.bridge.play_done(answer, n=9)
+    mid = chat.messages[-1].id
+    html = view.transcript.toHtml()
+    assert f"copycode:{mid}:0" in html and f"copycode:{mid}:1" in html
+    view.transcript.anchorClicked.emit(QUrl(f"copycode:{mid}:1"))
+    assert QGuiApplication.clipboard().text() == "ls -l"
+    view.transcript.anchorClicked.emit(QUrl(f"copycode:{mid}:0"))
+    assert QGuiApplication.clipboard().text() == "print(1)"
+
+
+def test_settings_dialog_data_folder_default_model_and_sampling(qtbot, win, home, tmp_path):
+    from app import paths
+
+    dlg = win.settings_dialog()
+    assert dlg.data_edit.text() == str(paths.data_dir())
+    dlg.model_combo.setCurrentIndex(dlg.model_combo.findData("embedded:default"))
+    dlg.temp_spin.setValue(0.7)
+    dlg.max_spin.setValue(333)
+    new_home = tmp_path / "elsewhere"
+    dlg.data_edit.setText(str(new_home))
+    server = dlg.add_section("Local server", QLabel("the server's switch"))
+    assert server.title() == "Local server"
+    dlg.accept()
+    assert win.settings.value("default_model") == "embedded:default"
+    c = win.chat.new_conversation()
+    assert c is not None and win.chat.settings()["temperature"] == 0.7
+    assert win.chat.settings()["max_tokens"] == 333
+    try:
+        assert paths.data_dir() == new_home.resolve()  # from the next start
+    finally:
+        paths.set_data_dir(None)
+    assert paths.data_dir() == paths.default_data_dir()

@@ -13,7 +13,6 @@ from . import transfer
 
 CATALOG_PATH = Path(__file__).with_name("catalog.json")
 CATALOG_FORMAT = "rotaryquant-catalog"
-KEEP_FREE = 2 << 30  # never plan to fill a disk completely: the OS and swap need room
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class DiskCheck:
     folder: str
     free: int
     needed: int  # bytes the download and conversion will add at their peak
-    keep_free: int = KEEP_FREE
+    keep_free: int = transfer.DEFAULT_RESERVE
     parts: dict = field(default_factory=dict)  # what `needed` is made of, for the UI
 
     @property
@@ -87,9 +86,12 @@ class DiskCheck:
         )
 
 
-def disk_check(folder: str | Path, parts: dict[str, int]) -> DiskCheck:
+def disk_check(folder: str | Path, parts: dict[str, int], reserve: int | None = None) -> DiskCheck:
+    """Room for `parts` in `folder`, keeping the download's reserve free (the same figure the
+    download itself keeps: transfer.disk_reserve())."""
     free = transfer.free_bytes(folder)
-    return DiskCheck(str(folder), free, sum(parts.values()), KEEP_FREE, dict(parts))
+    keep = transfer.disk_reserve() if reserve is None else reserve
+    return DiskCheck(str(folder), free, sum(parts.values()), keep, dict(parts))
 
 
 def disk_total(folder: str | Path) -> int:

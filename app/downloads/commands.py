@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from ..units import size
 from .errors import Cancelled, Paused
 from .events import ConvertProgress, DownloadProgress, StateChanged
 from .transfer import gib
@@ -21,6 +22,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--keep-original", action="store_true", help="keep the downloaded original")
     p.add_argument("--name", help="name in the library (default: the repo's name)")
     p.add_argument("--token", help="hub token (default: HF_TOKEN or `hf auth login`)")
+    p.add_argument("--reserve", help="disk space to keep free, e.g. 5GB (default: "
+                   "$ROTARYQUANT_DISK_RESERVE, else 2GB)")
     p.set_defaults(func=cmd_download)
 
     p = subparsers.add_parser("models", help="list the models in the library")
@@ -81,10 +84,16 @@ class _Printer:
 
 
 def cmd_download(args) -> int:
+    from ..units import parse_size
     from .library import Library
 
     lib = Library()
-    plan = lib.plan(args.repo, args.revision, args.token, args.convert)
+    try:
+        reserve = parse_size(args.reserve) if args.reserve else None
+    except ValueError as e:
+        print(f"error: --reserve: {e}", file=sys.stderr)
+        return 2
+    plan = lib.plan(args.repo, args.revision, args.token, args.convert, reserve)
     print(f"{plan.listing.repo} @ {plan.listing.commit[:12]}: {len(plan.files)} files, "
           f"{gib(plan.download_bytes)}")
     for f in plan.files:
@@ -95,6 +104,7 @@ def cmd_download(args) -> int:
         e = lib.download(
             plan.listing.repo, args.revision, name=args.name, convert=args.convert,
             keep_original=args.keep_original, tok=args.token, on_event=printer,
+            transfer_options={"reserve": plan.disk.keep_free},
         )
     except KeyboardInterrupt:
         printer._end()
@@ -119,23 +129,26 @@ def cmd_models(args) -> int:
             print(json.dumps([{**r.__dict__, "plan": p} for r, p in rows], indent=2))
             return 0
         for r, p in rows:
-            conv = f", converted {p['converted_bytes'] / 1e9:.0f} GB" if p.get("converted_bytes") else ""
+            conv = f", converted {size(p['converted_bytes'])}" if p.get("converted_bytes") else ""
             print(f"{r.name:28s} {r.repo:46s} {r.architecture:10s} {r.params / 1e9:6.1f}B "
-                  f"({r.active_params / 1e9:.1f}B active)  download ~{r.approx_bytes / 1e9:.0f} GB{conv}")
+                  f"({r.active_params / 1e9:.1f}B active)  download ~{size(r.approx_bytes)}{conv}")
             print(f"    this machine: {_verdict(p)}")
         return 0
     from .library import Library
 
-    entries = Library().entries()
+    lib = Library()
+    builtin = lib.builtin()
+    entries = ([builtin] if builtin else []) + lib.entries()
     if args.json:
-        print(json.dumps([e.to_dict() for e in entries], indent=2))
+        print(json.dumps([{**e.to_dict(), "builtin": e is builtin} for e in entries], indent=2))
         return 0
-    if not entries:
-        print("the library is empty: `rotaryquant download REPO` (see `models --catalog`)")
     for e in entries:
         err = f"  ({e.error})" if e.error else ""
+        where = "built in" if e is builtin else e.repo or e.folder
         print(f"{e.name:28s} {e.state:11s} {e.architecture:11s} {gib(e.disk_bytes):>10s}  "
-              f"{e.repo or e.folder}{err}")
+              f"{where}{err}")
+    if len(entries) == (1 if builtin else 0):
+        print("no downloaded models yet: `rotaryquant download REPO` (see `models --catalog`)")
     return 0
 
 
@@ -166,7 +179,9 @@ def cmd_verify(args) -> int:
 
     r = Library().verify(args.name, deep=args.deep)
     if r.ok:
-        print(f"{r.name}: OK ({r.files} files, {gib(r.bytes)}{', hashes checked' if r.deep else ''})")
+        checked = (", hashes checked" if r.deep else "") + \
+            (f", {r.records} expert records checked" if r.records else "")
+        print(f"{r.name}: OK ({r.files} files, {gib(r.bytes)}{checked})")
         return 0
     print(f"{r.name}: BROKEN", file=sys.stderr)
     for p in r.problems:

@@ -31,6 +31,26 @@ class ConnectionLostError(DownloadError):
     pass
 
 
+class UnsafeFileNameError(DownloadError):
+    """The repo lists a file name that would escape or break the model folder."""
+
+    resumable = False
+
+
+class UnsupportedModelError(DownloadError):
+    """The model needs code the app never runs (custom code) and mlx-lm has no module for it."""
+
+    resumable = False
+
+
+class HubUnreachableError(ConnectionLostError):
+    """No connection to the hub could be made at all (offline, DNS, refused, proxy)."""
+
+
+class ServerError(DownloadError):
+    """The hub answered with an error (5xx, 429) to every try."""
+
+
 class IntegrityError(DownloadError):
     """A file's bytes do not match the hub's hash or size (it was deleted, not kept)."""
 
@@ -47,3 +67,7 @@ class Cancelled(DownloadError):
 
 class LibraryError(EngineError):
     """A library operation failed (unknown name, wrong state, damaged store)."""
+
+
+class LibraryDiskFull(LibraryError):
+    """The library's database could not be written: the disk is full."""

@@ -7,8 +7,10 @@ saved by `hf auth login`), read at call time so that a changed environment takes
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_url
@@ -19,9 +21,13 @@ from .errors import (
     ConnectionLostError,
     DownloadError,
     GatedRepoError,
+    HubUnreachableError,
     RepoNotFoundError,
     RevisionNotFoundError,
+    UnsafeFileNameError,
 )
+
+MAX_NAME_BYTES = 240  # the partial file adds ".part.json" within the file system's 255
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 LIBRARY_NAME = "rotaryquant"
@@ -49,8 +55,11 @@ class RemoteFile:
     blob_id: str | None = None  # git blob sha1; of the content itself for non-LFS files
 
     def __post_init__(self):
-        if not self.path or self.path.startswith("/") or ".." in self.path.split("/"):
-            raise ValueError(f"unsafe file path in repo listing: {self.path!r}")
+        why = unsafe_name(self.path)
+        if why:  # refused while listing: nothing is written, no library entry is made
+            raise UnsafeFileNameError(
+                f"the repo lists a file this app will not write: {printable(self.path)} ({why})"
+            )
         if not isinstance(self.size, int) or self.size < 0:
             raise ValueError(f"bad size {self.size!r} for {self.path}")
 
@@ -105,9 +114,21 @@ def translate(e: BaseException, repo: str, revision: str | None = None) -> Downl
     if isinstance(e, hf_errors.HfHubHTTPError):
         status = e.response.status_code if e.response is not None else "?"
         return ConnectionLostError(f"the hub answered {status} for {repo}: {str(e).strip()[:300]}")
+    if isinstance(e, httpx2.ConnectError | httpx2.ConnectTimeout | socket.gaierror):
+        return unreachable_error(e)
     if isinstance(e, httpx2.TransportError | OSError):
         return ConnectionLostError(f"lost the connection to {endpoint()} while asking about {repo}: {e}")
     return DownloadError(f"{repo}: {e}")
+
+
+def unreachable_error(e: BaseException) -> HubUnreachableError:
+    """No connection was ever made: say so, and what to check."""
+    host = urlsplit(endpoint()).hostname or endpoint()
+    return HubUnreachableError(
+        f"the hub cannot be reached ({endpoint()}: {e}). Check that this computer is online, "
+        f"that {host} resolves and is not blocked by a firewall or proxy (HTTPS_PROXY), or set "
+        "HF_ENDPOINT to a mirror; then retry."
+    )
 
 
 def gated_error(repo: str, has_token: bool = False) -> GatedRepoError:
@@ -136,9 +157,11 @@ def repo_listing(
             info = api.model_info(repo, revision=revision, files_metadata=True, token=tok or False)
             break
         except (hf_errors.HfHubHTTPError, httpx2.TransportError) as e:
-            transient = isinstance(e, httpx2.TransportError) or (
-                e.response is not None and e.response.status_code >= 500
-            )
+            # no connection at all (offline, DNS): said at once, with a Retry in the app
+            transient = isinstance(e, httpx2.TransportError) and not isinstance(
+                e, httpx2.ConnectError
+            ) or (not isinstance(e, httpx2.TransportError)
+                  and e.response is not None and e.response.status_code >= 500)
             if isinstance(e, hf_errors.RepositoryNotFoundError | hf_errors.RevisionNotFoundError):
                 transient = False
             if not transient or attempt == retries:
@@ -147,13 +170,39 @@ def repo_listing(
     files = []
     for s in info.siblings or []:
         if s.size is None:
-            raise DownloadError(f"the hub gave no size for {repo}/{s.rfilename}")
-        files.append(
-            RemoteFile(s.rfilename, int(s.size), s.lfs.sha256 if s.lfs else None, s.blob_id)
-        )
+            raise DownloadError(f"the hub gave no size for {repo}/{printable(s.rfilename)}")
+        try:
+            files.append(
+                RemoteFile(s.rfilename, int(s.size), s.lfs.sha256 if s.lfs else None, s.blob_id)
+            )
+        except UnsafeFileNameError as e:
+            raise UnsafeFileNameError(str(e).replace("the repo", repo, 1)) from None
     if not info.sha:
         raise DownloadError(f"the hub gave no commit for {repo}")
     return RepoListing(repo, revision or "main", info.sha, tuple(files), bool(info.gated))
+
+
+def printable(name: str, limit: int = 120) -> str:
+    """A hub-supplied name for a message: quoted, control characters (newlines, ANSI escapes)
+    escaped, long names cut."""
+    r = ascii(name) if any(ord(c) < 32 or ord(c) == 127 for c in name) else repr(name)
+    return r if len(r) <= limit else r[: limit - 5] + "…" + r[-4:]
+
+
+def unsafe_name(path: str) -> str | None:
+    """Why a listed path cannot be written safely inside a model folder, or None."""
+    if "\0" in path:
+        return "a NUL byte"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return "control characters"
+    if path.startswith(("/", "\\")) or (len(path) > 1 and path[1] == ":"):
+        return "an absolute path"
+    parts = path.replace("\\", "/").split("/")
+    if any(p in ("..", ".", "") for p in parts):
+        return "a '..', '.' or empty path component"
+    if any(len(p.encode()) > MAX_NAME_BYTES for p in parts):
+        return f"a name over {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def repo_files(repo: str, revision: str | None = None, tok: str | None = None):
@@ -169,8 +218,8 @@ def file_url(repo: str, commit: str, path: str) -> str:
 # What a model folder needs; the rest of a repo (original checkpoints, other formats, images)
 # is left on the hub. gpt-oss, for one, also ships `original/` and `metal/` copies of its weights.
 _WANTED_SUFFIXES = (
-    ".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja", ".py", ".md",
-)
+    ".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja", ".md",
+)  # never *.py: custom code is not run, so it is not fetched either
 _WEIGHT_FALLBACKS = (".bin", ".pt", ".pth", ".gguf")
 
 

@@ -12,6 +12,8 @@ that reads the store sees the owner is gone and puts the entry back to a state t
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -19,6 +21,7 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +35,10 @@ from .errors import (
     Cancelled,
     DiskFullError,
     DownloadError,
+    LibraryDiskFull,
     LibraryError,
     Paused,
+    UnsupportedModelError,
 )
 from .events import Callback, ConvertProgress, StateChanged
 from .store import LibraryEntry, Store
@@ -68,6 +73,17 @@ class VerifyReport:
     files: int = 0
     bytes: int = 0
     deep: bool = False
+    records: int = 0  # expert records whose CRC was checked (a converted model)
+
+
+def _verify_records(folder: Path, section: dict) -> int:
+    """CRC-check every expert record (what a load checks too): a corrupt record is found
+    without `deep`'s sha256 of every file. Returns the number of records."""
+    from app.engine.offload.records import ExpertStore
+
+    with ExpertStore(folder, section) as store:
+        store.verify_all()
+        return sum(store.layout(x).num_experts for x in store.layers)
 
 
 @dataclass
@@ -114,6 +130,14 @@ def is_moe(config: dict) -> bool:
     texts = [config, config.get("text_config") or {}]
     keys = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
     return any(isinstance(c, dict) and (c.get(k) or 0) > 1 for c in texts for k in keys)
+
+
+def custom_code(config: dict, listing: hub.RepoListing) -> str:
+    """What says a repo ships its own modelling code ('' if nothing)."""
+    py = [f.path for f in listing.files if f.path.endswith(".py")]
+    signs = (["auto_map in config.json"] if config.get("auto_map") else []) + (
+        [f"{len(py)} .py file(s)"] if py else [])
+    return ", ".join(signs)
 
 
 def is_prequantized(config: dict) -> bool:
@@ -195,6 +219,8 @@ class Library:
         self.root.mkdir(parents=True, exist_ok=True)
         self.db_path = Path(db) if db else paths.data_dir() / DB_NAME
         self.store = self._open_store()
+        # changes the store could not take (a full disk): shown meanwhile, written when it can
+        self._pending: dict[str, dict] = {}
 
     def _open_store(self) -> Store:
         try:
@@ -224,13 +250,35 @@ class Library:
         """All models. `check`: notice deleted folders and changed sizes (a stat per file, no
         reading); `verify(name, deep=True)` re-hashes on demand."""
         self.recover()
-        out = self.store.all()
+        out = [self._with_pending(e) for e in self.store.all()]
         if check:
             for i, e in enumerate(out):
                 if e.state in ("ready", "downloaded"):  # un-breaking takes an explicit verify
                     self.verify(e.name, structure=False)
                     out[i] = self.store.get(e.name)
         return out
+
+    def builtin(self) -> LibraryEntry | None:
+        """The model that ships with the app (listed first, never removed; None until it has
+        been prepared)."""
+        from app.engine.embedded import DEFAULT_MODEL_NAME, default_model_path
+
+        folder = default_model_path()
+        if not (folder / "config.json").is_file():
+            return None
+        files = [{"path": p.name, "size": p.stat().st_size} for p in sorted(folder.iterdir())
+                 if p.is_file()]
+        return LibraryEntry(
+            name=DEFAULT_MODEL_NAME, state="ready", folder=str(folder),
+            architecture=str(read_config(folder).get("model_type", "")), files=files,
+            disk_bytes=sum(f["size"] for f in files),
+        )
+
+    def is_builtin(self, name: str) -> bool:
+        from app.engine.embedded import DEFAULT_MODEL_NAME
+
+        return self.store.get(name) is None and name.lower().removesuffix(" (built in)") == (
+            DEFAULT_MODEL_NAME.lower())
 
     def get(self, name: str) -> LibraryEntry:
         self.recover(name)
@@ -246,8 +294,30 @@ class Library:
                 return e
         return None
 
+    def _with_pending(self, e: LibraryEntry) -> LibraryEntry:
+        ch = self._pending.get(e.name)
+        return LibraryEntry.from_dict({**e.to_dict(), **ch}) if ch else e
+
+    def _record_failure(self, name: str, on_event: Callback | None, **changes) -> None:
+        """Record how a download ended; on a full disk keep it to write later (the entry
+        must not stay "downloading"), and say it."""
+        try:
+            self._set(name, on_event, **changes)
+        except LibraryDiskFull:
+            self._pending.setdefault(name, {}).update(changes)
+            if on_event is not None and "state" in changes:
+                on_event(StateChanged(name, changes["state"], changes.get("error", "")))
+
     def recover(self, name: str | None = None) -> list[str]:
         """Put entries whose owning process died back into a true state; returns their names."""
+        for n, ch in list(self._pending.items()):  # what a full disk kept from the store
+            try:
+                self.store.update(n, **ch)
+            except LibraryDiskFull:
+                break
+            except LibraryError:  # removed meanwhile: nothing left to record
+                pass
+            del self._pending[n]
         fixed = []
         for e in [self.store.get(name)] if name else self.store.all():
             if e is None or not e.busy or _alive(e.owner_pid, e.owner_started):
@@ -270,7 +340,8 @@ class Library:
     # -- planning -----------------------------------------------------------------------------
 
     def plan(
-        self, repo: str, revision: str | None = None, tok: str | None = None, convert: bool = True
+        self, repo: str, revision: str | None = None, tok: str | None = None, convert: bool = True,
+        reserve: int | None = None,
     ) -> RepoPlan:
         """File list, sizes and disk check for `repo`, without downloading."""
         entry = catalog.find(repo)
@@ -282,7 +353,7 @@ class Library:
             est = converted_size(self._catalog_config(entry) or {})
             if est:
                 parts["conversion"] = est
-        return RepoPlan(listing, files, entry, catalog.disk_check(self.root, parts))
+        return RepoPlan(listing, files, entry, catalog.disk_check(self.root, parts, reserve))
 
     def catalog_plan(self, entry: catalog.CatalogEntry) -> dict:
         """Sizes at the role widths and, when the planner is built, its verdict for this
@@ -300,6 +371,18 @@ class Library:
             return None
 
     # -- the pipeline -------------------------------------------------------------------------
+
+    @contextmanager
+    def _repo_lock(self, repo: str):
+        locks = self.db_path.parent / "library-locks"  # beside the store, not among the models
+        locks.mkdir(parents=True, exist_ok=True)
+        key = hashlib.sha1(repo.lower().encode()).hexdigest()[:16]
+        with open(locks / f"{key}.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def _dl_dir(self, name: str) -> Path:
         return self.root / f".{name}.download"
@@ -352,38 +435,45 @@ class Library:
         entry = catalog.find(repo)
         repo = entry.repo if entry else repo
         tok = hub.token(tok)
-        existing = self.find_repo(repo)
-        if existing is not None:
-            self.recover(existing.name)
-            existing = self.store.get(existing.name)
-            if existing.busy:
-                raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed by another process (pid {existing.owner_pid})")
-            if existing.state in ("ready", "downloaded", "broken"):
-                if existing.state == "downloaded":
-                    return self._finish(existing.name, converter, on_event) if finish else existing
-                raise LibraryError(
-                    f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
-                    "remove it first to download it again"
-                )
-            # paused: continue the same commit so the partial files stay valid
-            listing = hub.repo_listing(repo, existing.commit, tok)
-            name = existing.name
-            opts = dict(existing.options)
-        else:
-            listing = hub.repo_listing(repo, revision, tok)
-            if listing.gated and not tok:
-                raise hub.gated_error(repo)  # before anything is written
-            name = self._unique_name(name or slug(repo))
-            opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
-            self.store.insert(LibraryEntry(
-                name=name, state="paused", repo=repo, revision=listing.revision,
-                commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
-            ))
-        files = hub.model_files(listing)
-        if not files:
-            self._set(name, on_event, state="broken", error=f"{repo} has no model files")
-            raise DownloadError(f"{repo} has no model files (config.json, *.safetensors)")
-        self._claim(name, "downloading", on_event)
+        # one download of a repo at a time, across threads and processes: the second one finds
+        # the first's entry claimed (no "model-2", nothing fetched twice)
+        created = False
+        with self._repo_lock(repo):
+            existing = self.find_repo(repo)
+            if existing is not None:
+                self.recover(existing.name)
+                existing = self.store.get(existing.name)
+                if existing.busy:
+                    who = ("" if existing.owner_pid == os.getpid()
+                           else f" by another process (pid {existing.owner_pid})")
+                    raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed{who}")
+                if existing.state in ("ready", "downloaded", "broken"):
+                    if existing.state == "downloaded":
+                        return self._finish(existing.name, converter, on_event) if finish else existing
+                    raise LibraryError(
+                        f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
+                        "remove it first to download it again"
+                    )
+                # paused: continue the same commit so the partial files stay valid
+                listing = hub.repo_listing(repo, existing.commit, tok)
+                name = existing.name
+                opts = dict(existing.options)
+            else:
+                listing = hub.repo_listing(repo, revision, tok)
+                if listing.gated and not tok:
+                    raise hub.gated_error(repo)  # before anything is written
+                name = self._unique_name(name or slug(repo))
+                opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
+                self.store.insert(LibraryEntry(
+                    name=name, state="paused", repo=repo, revision=listing.revision,
+                    commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
+                ))
+                created = True
+            files = hub.model_files(listing)
+            if not files:
+                self._set(name, on_event, state="broken", error=f"{repo} has no model files")
+                raise DownloadError(f"{repo} has no model files (config.json, *.safetensors)")
+            self._claim(name, "downloading", on_event)
         control = control or Control()
         dl = transfer.Downloader(
             listing, self._dl_dir(name), files=files, tok=tok, control=control,
@@ -399,15 +489,22 @@ class Library:
                 if on_event:
                     on_event(StateChanged(name, "removed", "cancelled"))
             else:
-                self._set(name, on_event, state="paused", owner_pid=0,
-                          error="cancelled; the partial download is kept")
+                self._record_failure(name, on_event, state="paused", owner_pid=0,
+                                     error="cancelled; the partial download is kept")
             raise
         except Paused:
-            self._set(name, on_event, state="paused", owner_pid=0, error="")
+            self._record_failure(name, on_event, state="paused", owner_pid=0, error="")
             raise
         except BaseException as e:
+            if created and isinstance(e, DownloadError) and not e.resumable:
+                # refused (a wrong token, custom code, a repo gone): no entry, no empty folder
+                shutil.rmtree(self._dl_dir(name), ignore_errors=True)
+                self.store.delete(name)
+                if on_event:
+                    on_event(StateChanged(name, "removed", str(e)))
+                raise
             msg = str(e) if isinstance(e, DownloadError) else f"interrupted: {type(e).__name__} {e}"
-            self._set(name, on_event, state="paused", owner_pid=0, error=msg)
+            self._record_failure(name, on_event, state="paused", owner_pid=0, error=msg)
             raise
         cfg = read_config(self._dl_dir(name))
         self._set(
@@ -422,17 +519,40 @@ class Library:
     def _preflight(self, name: str, dl: transfer.Downloader) -> None:
         """Called once the small files (config.json) are in: check room for the conversion too."""
         e = self.store.get(name)
+        cfg = read_config(dl.dest)
+        from app.engine.sizes import SizeError, check_dimensions
+
+        try:
+            check_dimensions(cfg)  # before anything is computed from it, or the weights fetched
+        except SizeError as err:
+            raise DownloadError(f"{e.repo}: {err}") from None
+        custom = custom_code(cfg, dl.listing)
+        if custom:
+            from app.engine.loader import mlx_lm_has_model
+
+            mt = str(cfg.get("model_type", "?"))
+            if not mlx_lm_has_model(mt):
+                raise UnsupportedModelError(
+                    f"custom code is not supported: {e.repo} needs its own Python code "
+                    f"({custom}) for model type {mt!r}, which mlx-lm does not have and "
+                    "RotaryQuant never runs"
+                )
         if not e.options.get("convert", True):
             return
-        cfg = read_config(dl.dest)
         if not is_moe(cfg) or is_prequantized(cfg):
             return
         est = converted_size(cfg, e.options.get("widths"))
         if not est:
             return
-        check = catalog.disk_check(self.root, {"rest of the download": dl.remaining_bytes(), "conversion": est})
+        check = catalog.disk_check(
+            self.root, {"rest of the download": dl.remaining_bytes(), "conversion": est}, dl.reserve
+        )
         if not check.fits:
             raise DiskFullError(f"{e.repo}: {check.message}")
+
+    def finish(self, name: str, on_event: Callback | None = None) -> LibraryEntry:
+        """A downloaded model to ready: converted (an MoE) or registered as it is."""
+        return self._finish(name, _DEFAULT, on_event)
 
     def _finish(
         self, name: str, converter, on_event: Callback | None, opts: dict | None = None
@@ -553,7 +673,58 @@ class Library:
             disk_bytes=sum(f["size"] for f in files), plan=plan_summary(config, folder=folder),
         ))
 
+    def open_folder(self, folder: Path, on_event: Callback | None = None,
+                    converter: Converter | None | object = _DEFAULT) -> LibraryEntry:
+        """A model folder the user already has: an MoE in Hugging Face form is converted into
+        the library (the folder itself is never changed); anything else loadable is added
+        where it is."""
+        from app.engine.manifest import Manifest
+
+        folder = Path(folder).expanduser().resolve()
+        if not folder.is_dir():
+            raise LibraryError(f"{folder} is not a folder")
+        if not (folder / "config.json").is_file():
+            raise LibraryError(f"{folder} has no config.json: not a model folder")
+        known = next((e for e in self.store.all() if e.folder and Path(e.folder) == folder), None)
+        if known is not None:
+            raise LibraryError(f"{folder} is already in the library as {known.name!r}")
+        cfg = read_config(folder)
+        try:
+            converted = bool((m := Manifest.load(folder)) and m.roles)
+        except Exception:  # an unreadable manifest: check_folder below says what is wrong
+            converted = False
+        conv = default_converter() if converter is _DEFAULT else converter
+        if converted or conv is None or not is_moe(cfg) or is_prequantized(cfg):
+            return self.add_folder(folder, self._unique_name(slug(folder.name)))
+        name = self._unique_name(slug(folder.name))
+        self.store.insert(LibraryEntry(
+            name=name, state="downloaded", original=str(folder),
+            architecture=str(cfg.get("model_type", "")),
+            options={"convert": True, "keep_original": True, "widths": None},
+        ))
+        try:
+            return self.convert(name, conv, on_event=on_event)
+        except BaseException:
+            self.store.delete(name)  # nothing of the user's was touched; no entry left behind
+            raise
+
+    def _verify_builtin(self) -> VerifyReport:
+        """The built-in model has no recorded hashes: its folder must load (structure)."""
+        from app.engine.errors import ModelLoadError
+        from app.engine.loader import check_folder
+
+        b = self.builtin()
+        if b is None:
+            return VerifyReport("built-in model", False, ("not prepared yet: run `rotaryquant prepare-default`",))
+        try:
+            check_folder(b.folder)
+        except ModelLoadError as err:
+            return VerifyReport(b.name, False, (f"{err}; run `rotaryquant prepare-default --force`",))
+        return VerifyReport(b.name, True, (), len(b.files), b.disk_bytes, False)
+
     def remove(self, name: str, delete_files: bool = True) -> None:
+        if self.is_builtin(name):
+            raise LibraryError(f"{name} is built into the app and cannot be removed")
         e = self.get(name)
         if e.busy:
             raise LibraryError(f"{name} is {e.state} in process {e.owner_pid}; stop it first")
@@ -568,6 +739,8 @@ class Library:
         """Check a model's files against the sizes (and with `deep`, the sha256) recorded when it
         was downloaded or converted, and (`structure`) that the folder loads: config, shard
         headers, tokenizer. Marks it broken, or ready again, accordingly."""
+        if self.is_builtin(name):
+            return self._verify_builtin()
         e = self.get(name)
         if e.busy or e.state == "paused":
             raise LibraryError(f"{name} is {e.state}; verify it when the download is done")
@@ -600,17 +773,23 @@ class Library:
                         continue
                 n += 1
                 nbytes += size
+        records = 0
         if structure and not problems and e.folder and e.state in ("ready", "broken"):
             from app.engine.errors import ModelLoadError
             from app.engine.loader import check_folder
+            from app.engine.offload.records import ExpertRecordError
 
             try:
-                check_folder(e.folder)
+                _, manifest = check_folder(e.folder)
+                if manifest is not None and manifest.experts:
+                    records = _verify_records(Path(e.folder), manifest.experts)
             except ModelLoadError as err:
+                problems.append(str(err))
+            except ExpertRecordError as err:
                 problems.append(str(err))
         if problems:
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             self._set(name, None, state="broken", error=problems[0] + more)
         elif e.state == "broken":
             self._set(name, None, state="ready" if e.folder else "downloaded", error="")
-        return VerifyReport(name, not problems, tuple(problems), n, nbytes, deep)
+        return VerifyReport(name, not problems, tuple(problems), n, nbytes, deep, records)

@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .errors import LibraryError
+from .errors import LibraryDiskFull, LibraryError
+
+SQLITE_FULL = 13  # sqlite3.SQLITE_FULL (the module has it from Python 3.11)
 
 FORMAT_VERSION = 1
 STATES = ("downloading", "paused", "downloaded", "converting", "ready", "broken")
@@ -81,6 +83,13 @@ class Store:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect(write=False) as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            has_table = db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'models'"
+            ).fetchone()
+        if version == FORMAT_VERSION and has_table:
+            return  # nothing to write: the library opens on a full disk too
         with self._connect() as db:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > FORMAT_VERSION:
@@ -93,17 +102,24 @@ class Store:
                 db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
 
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
+    def _connect(self, write: bool = True) -> Iterator[sqlite3.Connection]:
         try:
             db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         except sqlite3.Error as e:
             raise LibraryError(f"{self.path}: cannot open the library: {e}") from e
         try:
-            db.execute("BEGIN IMMEDIATE")  # one writer at a time, across processes
+            # one writer at a time, across processes; reads take no write lock (and need no
+            # journal, so they work on a full disk)
+            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             yield db
             db.execute("COMMIT")
         except sqlite3.DatabaseError as e:
             db.execute("ROLLBACK") if db.in_transaction else None
+            if getattr(e, "sqlite_errorcode", None) == SQLITE_FULL or "disk is full" in str(e):
+                raise LibraryDiskFull(
+                    f"disk full: the library ({self.path}) cannot record changes until some "
+                    "space is freed"
+                ) from e
             raise LibraryError(f"{self.path}: library database error: {e}") from e
         except BaseException:
             if db.in_transaction:
@@ -119,12 +135,12 @@ class Store:
             raise LibraryError(f"{self.path}: damaged library record: {e}") from e
 
     def get(self, name: str) -> LibraryEntry | None:
-        with self._connect() as db:
+        with self._connect(write=False) as db:
             row = db.execute("SELECT data FROM models WHERE name = ?", (name,)).fetchone()
         return self._decode(row) if row else None
 
     def all(self) -> list[LibraryEntry]:
-        with self._connect() as db:
+        with self._connect(write=False) as db:
             rows = db.execute("SELECT data FROM models ORDER BY name").fetchall()
         return [self._decode(r) for r in rows]
 

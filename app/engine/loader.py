@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import ModelLoadError, UnsupportedArchitectureError
 from .manifest import Manifest
+from .quant.converted import expert_weights
 
 # safetensors: 8-byte little-endian header length, a JSON header, then the tensor bytes.
 _ST_DTYPE_BYTES = {
@@ -103,6 +104,12 @@ def read_config(path: str | os.PathLike) -> dict:
         raise ModelLoadError(f"config.json is not valid JSON: {e}", str(cfg_path)) from e
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError("config.json has no model_type", str(cfg_path))
+    from .sizes import SizeError, check_dimensions
+
+    try:
+        check_dimensions(config)
+    except SizeError as e:
+        raise ModelLoadError(e.reason, str(cfg_path)) from None
     return config
 
 
@@ -144,6 +151,28 @@ def _architecture_supported(config: dict) -> bool:
     except (ValueError, ImportError):
         return False
     return True
+
+
+def mlx_lm_has_model(model_type: str) -> bool:
+    """Whether mlx-lm has a module for `model_type`, read from its files without importing it
+    (the window process never loads MLX)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = Path(next(iter(spec.submodule_search_locations)))
+    remap: dict = {}
+    try:
+        for node in ast.parse((root / "utils.py").read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets
+            ):
+                remap = ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError):
+        pass  # no remapping known: the module name is the model type
+    return (root / "models" / f"{remap.get(model_type, model_type)}.py").is_file()
 
 
 def architecture_module(model_type: str):
@@ -195,17 +224,25 @@ def folder_tokenizer(path: Path, config: dict):
         raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
 
 
-def load(path: str | os.PathLike, lazy: bool = False) -> LoadedModel:
-    """Load a model folder. Raises ModelLoadError naming the file and the reason."""
+def load(path: str | os.PathLike, lazy: bool = False, verify: bool = True) -> LoadedModel:
+    """Load a model folder, every weight resident. Raises ModelLoadError naming the file and the
+    reason. A converted folder keeps its routed experts in per-expert records: they are stacked
+    back into the model, each record's checksum checked as it is read (verify=False skips it)."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
 
     path = Path(path).resolve()
     config, manifest = check_folder(path)
-    if manifest is not None and manifest.experts:
-        # a converted folder keeps its routed experts in per-expert records
-        from .quant.converted import load_converted
-
-        return load_converted(path, lazy=lazy)
+    if manifest is None or not manifest.experts:
+        with weight_errors(path):
+            model, config = load_model(path, lazy=lazy)
+        return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)
+    # the strict load covers dense and experts together
     with weight_errors(path):
-        model, config = load_model(path, lazy=lazy)
+        model, config, weights = sanitized_weights(path)
+        weights.update(expert_weights(path, manifest.experts, verify=verify))
+        model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    if not lazy:
+        mx.eval(model.parameters())
     return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)

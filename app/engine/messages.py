@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 @dataclass
 class Load:
     path: str
-    kv_mode: str = "fp16"
     options: dict = field(default_factory=dict)  # plan/pager options, passed to the engine
     req_id: int = 0
 
@@ -116,3 +115,7 @@ class WorkerDied:
 
     exitcode: int | None
     message: str
+    broken_pipe: bool = False  # ended over a frame one side could not read: restart it
+
+
+PROTOCOL_EXIT = 70  # the worker's exit code after a frame it could not read (EX_SOFTWARE)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import kvcache
+
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
@@ -28,7 +30,7 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument(
         "--kv-mode",
-        choices=("fp16", "isoquant3", "zipfusion"),
+        choices=kvcache.names(offered=True),
         help="override the KV mode of full-attention layers",
     )
     p.add_argument("--expert-budget", help="override the resident expert budget (e.g. 12GB)")
@@ -36,6 +38,7 @@ def add_commands(subparsers) -> None:
         "--widths", help="override widths before conversion, e.g. dense=4,routed=3,shared=8"
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--hosts", help="plan for the machines of hosts.json (split, paging, tok/s)")
     p.set_defaults(func=cmd_plan)
 
     s = subparsers.add_parser(
@@ -43,6 +46,7 @@ def add_commands(subparsers) -> None:
     )
     s.add_argument("model")
     s.add_argument("--widths", help="e.g. dense=4,routed=2,shared=8")
+    s.add_argument("--json", action="store_true", help="print every figure as JSON")
     s.set_defaults(func=cmd_sizes)
 
 
@@ -64,6 +68,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .errors import EngineError
     from .planner import plan_model
 
+    if getattr(args, "hosts", None):
+        from .distributed.commands import cmd_plan_hosts
+
+        return cmd_plan_hosts(args)
     try:
         plan = plan_model(
             args.model,
@@ -82,9 +90,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_sizes(args: argparse.Namespace) -> int:
+    from .errors import EngineError
     from .quant.widths import RoleWidths
     from .sizes import sizes_for
 
-    s = sizes_for(args.model, RoleWidths.parse(args.widths) if args.widths else None)
-    print(json.dumps(s.to_dict(), indent=2))
+    try:
+        widths = RoleWidths.parse(args.widths) if args.widths else None
+    except ValueError as e:
+        raise EngineError(f"--widths: {e}") from e
+    s = sizes_for(args.model, widths)
+    print(json.dumps(s.to_dict(), indent=2) if args.json else format_sizes(s))
     return 0
+
+
+def format_sizes(s) -> str:
+    """The sizes as a table a person reads (every figure is in `--json`)."""
+    from ..units import size
+
+    def width(r) -> str:
+        w = s.widths[r]
+        return "float" if w.bits is None else f"{w.bits}-bit"
+
+    rows = [f"{s.name} ({s.architecture}): {s.total_params / 1e9:.2f}B parameters, "
+            f"{s.active_params / 1e9:.2f}B active a token",
+            f"{'role':12s} {'width':>6s} {'parameters':>16s} {'bytes':>11s}"]
+    for r in s.params:
+        if s.params[r]:
+            rows.append(f"{r:12s} {width(r):>6s} {s.params[r]:16,d} {size(s.bytes[r], 2):>11s}")
+    rows.append(f"{'total':12s} {'':6s} {s.total_params:16,d} {size(s.total_bytes, 2):>11s}")
+    if s.moe_layers:
+        rows.append(f"experts: {s.moe_layers} MoE layers x {s.experts_per_layer}, "
+                    f"{s.experts_per_token} a token, {size(s.bytes_per_expert)} each, "
+                    f"{size(s.expert_bytes, 2)} in all; always resident {size(s.resident_bytes, 2)}")
+    ctx = f", up to {s.max_context:,d} tokens" if s.max_context else ""
+    rows.append(f"KV cache (fp16): {size(s.kv_bytes_per_token)} a token{ctx}")
+    rows += [f"note: {n}" for n in s.notes]
+    return "\n".join(rows)

@@ -13,11 +13,12 @@ layers (mlx-lm drops `mtp.*` weights when loading) and vision towers (text-only 
 from __future__ import annotations
 
 import json
-import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import kvcache
 from .errors import EngineError
 from .quant.widths import ROLES, RoleWidth, RoleWidths
 
@@ -26,15 +27,6 @@ SHARED_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
 
 # Bytes per fp16 KV value; mlx-lm's caches hold K and V in the activation dtype.
 KV_VALUE_BYTES = 2
-# mlx-lm's KVCache grows in steps of 256 tokens, so a cache holds ceil(T / 256) * 256 slots.
-KV_STEP = 256
-# IsoQuant 3-bit: d*3/8 bytes of codes + an fp16 norm per vector; the most recent window stays fp16.
-ISOQUANT_WINDOW = 64
-# ZipFusion: 12 of 16 bits per value when a block compresses, + 8 bytes per page, head and K/V.
-ZIPFUSION_RATIO = 0.75
-ZIPFUSION_PAGE = 16
-
-KV_MODES = ("fp16", "isoquant3", "zipfusion")
 
 
 class SizeError(EngineError, ValueError):
@@ -82,34 +74,28 @@ class KVKind:
             return context
         return min(context, self.window + max(extra - 1, 0))
 
+    @property
+    def dims(self) -> kvcache.AttentionDims:
+        return kvcache.AttentionDims(
+            self.kv_heads, self.k_head_dim, self.v_head_dim, self.value_bytes
+        )
+
     def compressible(self, mode: str) -> bool:
         """Whether `mode` applies to this kind: sliding layers stay fp16 (their cache is bounded,
         SPEC §4), MLA latents are not per-head K/V."""
-        return mode == "fp16" or self.kind == "full"
+        return mode == kvcache.FLOAT or self.kind == "full"
 
-    def nbytes(self, context: int, mode: str = "fp16", extra: int = 0) -> int:
-        """Bytes of this kind's cache, all its layers, at `context` tokens (one sequence)."""
-        if mode not in KV_MODES:
-            raise ValueError(f"unknown KV mode {mode!r}; modes are {KV_MODES}")
+    def nbytes(self, context: int, mode: str = kvcache.FLOAT, extra: int = 0) -> int:
+        """Bytes of this kind's cache, all its layers, at `context` tokens (one sequence): the
+        mode's row in the KV modes table counts one layer."""
+        row = kvcache.mode(mode)
         if not self.compressible(mode):
             raise ValueError(f"KV mode {mode} does not apply to {self.kind} layers")
         t = self.tokens(context, extra)
-        if mode == "fp16":
-            slots = -(-t // KV_STEP) * KV_STEP
-            if self.window is not None:
-                slots = min(slots, self.window + max(extra - 1, 0))
-            return self.layers * slots * self.bytes_per_token
-        if mode == "isoquant3":
-            recent = min(t, ISOQUANT_WINDOW)
-            packed = t - recent
-            per_vec = lambda d: d * 3 // 8 + 2  # noqa: E731  (3-bit codes + fp16 norm)
-            per_tok = self.kv_heads * (per_vec(self.k_head_dim) + per_vec(self.v_head_dim))
-            return self.layers * (packed * per_tok + recent * self.bytes_per_token)
-        # zipfusion: full pages compressed, the page being written raw
-        full_pages, tail = divmod(t, ZIPFUSION_PAGE)
-        page_raw = ZIPFUSION_PAGE * self.bytes_per_token
-        page = math.ceil(page_raw * ZIPFUSION_RATIO) + 8 * 2 * self.kv_heads
-        return self.layers * (full_pages * page + tail * self.bytes_per_token)
+        if self.window is not None:  # float; mlx-lm's rotating cache stops at window + chunk - 1
+            cap = (self.window + max(extra - 1, 0)) * self.bytes_per_token
+            return self.layers * min(kvcache.mode(kvcache.FLOAT).nbytes(self.dims, t), cap)
+        return self.layers * row.nbytes(self.dims, t)
 
     def to_dict(self) -> dict:
         return {
@@ -254,14 +240,14 @@ class ModelSizes:
     def attention_layers(self) -> int:
         return sum(k.layers for k in self.kv)
 
-    def kv_bytes(self, context: int, modes: dict | str = "fp16", extra: int = 0) -> int:
+    def kv_bytes(self, context: int, modes: dict | str = kvcache.FLOAT, extra: int = 0) -> int:
         """KV bytes at `context` tokens; `modes` maps kind -> mode (or one mode for the kinds
         it applies to, fp16 for the rest)."""
         total = 0
         for k in self.kv:
-            m = modes if isinstance(modes, str) else modes.get(k.kind, "fp16")
+            m = modes if isinstance(modes, str) else modes.get(k.kind, kvcache.FLOAT)
             if not k.compressible(m):
-                m = "fp16"
+                m = kvcache.FLOAT
             total += k.nbytes(context, m, extra)
         return total
 
@@ -862,8 +848,44 @@ def widths_of(config: dict) -> RoleWidths | None:
     return RoleWidths(dense=w, routed=w, shared=w)
 
 
+# Config dimensions: every integer size, count or rank. Bounds far above any real model, so
+# that a hostile config (num_hidden_layers 1e9) is refused before anything is built from it.
+_DIM_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_heads|_layers|_experts|_rank|_per_tok)$")
+_NOT_DIMS = {"num_experts_per_tok_scale"}  # floats whose names look like counts
+MAX_DIM = 1 << 24  # vocabularies and context lengths reach millions, no dimension 16M
+MAX_LAYERS = 4096  # the deepest real models have a few hundred layers
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+             "intermediate_size", "max_position_embeddings")
+_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def check_dimensions(config: dict, where: str | None = None) -> None:
+    """Refuse a config whose dimensions are not whole numbers in range, with the key and its
+    value: the one check that sizes, the planner, the download pre-check and the loader share."""
+    if not isinstance(config, dict):
+        raise SizeError("config is not a JSON object", where)
+    parts = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for part in parts:
+        for key, v in part.items():
+            if v is None or isinstance(v, (list, dict)) or key in _NOT_DIMS or \
+                    not _DIM_KEY.search(key):
+                continue  # lists of layer indices and nested blocks are not dimensions
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SizeError(f"config {key} must be a whole number, got {v!r}", where)
+            top = MAX_LAYERS if key.endswith("_layers") else MAX_DIM
+            low = 1 if key in _POSITIVE else 0
+            if not low <= v <= top:
+                raise SizeError(f"config {key} = {v} is out of range ({low}..{top})", where)
+        k = part.get("num_experts_per_tok")
+        n = next((part[c] for c in _EXPERT_COUNTS if part.get(c)), None)
+        if k is not None and n is not None and k > n:
+            raise SizeError(f"config num_experts_per_tok = {k} exceeds the {n} experts per "
+                            "layer", where)
+
+
 def tensors(config: dict) -> tuple[list[Tensor], _Info, str]:
     """The tensor list of a config (for tests and the converter's cross-check)."""
+    check_dimensions(config)
     arch, text, excluded = _text_config(config)
     fn = _ARCHS.get(arch)
     if fn is None:

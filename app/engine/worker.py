@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import logging.handlers
 import multiprocessing as mp
 import os
 import queue
@@ -17,11 +18,39 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from pathlib import Path
 
 from . import messages as M
 
 STATS_INTERVAL = 0.5  # seconds between stats messages while generating (throttled at the source)
+LOG_BYTES = 1 << 20  # worker.log rotates at 1 MiB, three old files kept
+LOG_BACKUPS = 3
 log = logging.getLogger("rotaryquant.worker")
+
+
+class _PrivateLog(logging.handlers.RotatingFileHandler):
+    """worker.log and its rotations, readable by the user only (0600)."""
+
+    def _open(self):
+        from ..paths import private_file
+
+        private_file(Path(self.baseFilename))
+        return super()._open()
+
+
+def describe(msg) -> str:
+    """A request as the log may keep it: its type and sizes, never the prompt's text."""
+    if isinstance(msg, M.Generate):
+        p = msg.prompt
+        if isinstance(p, str):
+            what = f"{len(p)} chars of text"
+        elif isinstance(p, (list, tuple)):
+            what = f"{len(p)} messages" if p and isinstance(p[0], dict) else f"{len(p)} token ids"
+        else:
+            what = f"a {type(p).__name__}"
+        keys = sorted(map(str, msg.settings)) if isinstance(msg.settings, dict) else "?"
+        return f"Generate #{msg.req_id} ({what}, settings {keys})"
+    return f"{type(msg).__name__} #{getattr(msg, 'req_id', '-')}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,10 +60,9 @@ def _worker_main(conn, env: dict) -> None:
     os.environ.update(env)
     from ..paths import log_dir
 
-    logging.basicConfig(
-        filename=str(log_dir() / "worker.log"), level=logging.INFO,
-        format="%(asctime)s %(process)d %(levelname)s %(message)s",
-    )
+    handler = _PrivateLog(log_dir() / "worker.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         _Worker(conn).run()
     except (EOFError, OSError, BrokenPipeError):
@@ -64,6 +92,8 @@ class _Worker:
                 self.shutdown.set()
                 self.requests.put(M.Shutdown())
                 return
+            except Exception as e:  # not a message (garbage, a class we cannot import)
+                self._broken_frame(e)
             if isinstance(msg, M.Cancel):
                 self.cancelled.add(msg.req_id)
             elif isinstance(msg, M.Crash):
@@ -73,6 +103,20 @@ class _Worker:
                 self.requests.put(msg)
             else:
                 self.requests.put(msg)
+
+    def _broken_frame(self, e: Exception) -> None:
+        """The stream can no longer be trusted to be in step: say so and end the process;
+        the client sees the exit code and starts a new worker."""
+        log.error("broken frame on the pipe (%s): the worker ends", type(e).__name__)
+        try:
+            with self.send_lock:
+                self.conn.send(M.Error(None, "ProtocolError",
+                                       f"the engine got a message it could not read "
+                                       f"({type(e).__name__}); it restarts"))
+        except Exception:
+            pass
+        logging.shutdown()
+        os._exit(M.PROTOCOL_EXIT)
 
     def run(self) -> None:
         from .backend import detect
@@ -89,7 +133,7 @@ class _Worker:
             try:
                 self.handle(msg)
             except Exception as e:  # a bad request must not kill the worker
-                log.exception("request failed: %r", msg)
+                log.exception("request failed: %s", describe(msg))
                 self.send(M.Error(getattr(msg, "req_id", None), type(e).__name__, str(e)))
 
     def handle(self, msg) -> None:
@@ -239,17 +283,30 @@ class WorkerClient:
             self.replies.put(msg)
 
     def _reader(self, proc, conn) -> None:
+        broken = None
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
+                break
+            except Exception as e:  # a frame we cannot read: the stream is out of step
+                broken = e
+                log.error("broken frame from the worker (%s): it is stopped", type(e).__name__)
+                with self._reap_lock:
+                    proc.kill()
                 break
             self._deliver(msg)
         with self._reap_lock:
             proc.join(timeout=5)
             code = proc.exitcode
         if not self._stopping and proc is self.proc:
-            self._deliver(M.WorkerDied(code, f"the engine process stopped unexpectedly (exit code {code})"))
+            if broken is not None:
+                what = f"a message from the engine could not be read ({type(broken).__name__})"
+            elif code == M.PROTOCOL_EXIT:
+                what = "the engine got a message it could not read"
+            else:
+                what = f"the engine process stopped unexpectedly (exit code {code})"
+            self._deliver(M.WorkerDied(code, what, broken is not None or code == M.PROTOCOL_EXIT))
 
     def send(self, msg) -> None:
         if not self.is_alive() or self.conn is None:

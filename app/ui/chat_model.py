@@ -13,7 +13,7 @@ from PySide6.QtGui import QGuiApplication
 
 from ..engine import messages as M
 from .history import Conversation, ConversationStore, Message
-from .render import strip_thinking
+from .render import code_blocks, strip_thinking
 from .session import EngineSession
 
 PERSIST_INTERVAL_MS = 500  # the partial answer is at most this old on disk after a crash
@@ -95,6 +95,16 @@ class ChatModel(QObject):
         self.messages = self.store.messages(c.id) if c else []
         self.conversation_changed.emit(c.id if c else 0)
         self.settings_changed.emit()
+
+    def rename_conversation(self, cid: int, title: str) -> bool:
+        title = " ".join(title.split())[:200]
+        if not title:
+            return False  # an empty name keeps the old one
+        c = self.store.update(cid, title=title)
+        if self.current and self.current.id == cid:
+            self.current = c
+        self.conversations_changed.emit()
+        return True
 
     def delete_conversation(self, cid: int) -> None:
         if self.busy and self.current and self.current.id == cid:
@@ -225,6 +235,17 @@ class ChatModel(QObject):
                     text = strip_thinking("".join(self.partial))
                 QGuiApplication.clipboard().setText(text)
                 return text
+        return ""
+
+    def copy_code(self, mid: int, n: int) -> str:
+        """Put the n-th code block of a message's answer on the clipboard; returns it."""
+        for m in self.messages:
+            if m.id == mid:
+                text = "".join(self.partial) if m is self.streaming else m.content
+                blocks = code_blocks(strip_thinking(text) if m.role == "assistant" else text)
+                if 0 <= n < len(blocks):
+                    QGuiApplication.clipboard().setText(blocks[n])
+                    return blocks[n]
         return ""
 
     def partial_text(self) -> str:

@@ -7,8 +7,9 @@ cost per token stays constant however long the conversation grows.
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import (
+    QAction,
     QColor,
     QKeySequence,
     QShortcut,
@@ -29,6 +30,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPlainTextEdit,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QSplitter,
     QTextBrowser,
@@ -68,7 +70,7 @@ class ChatView(QWidget):
         m.token_received.connect(self._on_token)
         m.busy_changed.connect(lambda _b: self.update_actions())
         m.settings_changed.connect(self.load_settings)
-        m.stream_failed.connect(lambda why: self.status.emit(f"The answer stopped: {why}"))
+        m.stream_failed.connect(self._on_stream_failed)
         m.session.state_changed.connect(lambda *_: self.update_actions())
         m.session.model_loaded.connect(self._on_model_loaded)
         self.refresh_conversations()
@@ -83,6 +85,15 @@ class ChatView(QWidget):
         self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.conv_list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.conv_list.itemSelectionChanged.connect(self._on_conv_selected)
+        # F2 or a double click renames a conversation in place
+        self.conv_list.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
+                                       | QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.conv_list.itemChanged.connect(self._on_conv_renamed)
+        self.conv_list.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
+        for text, slot in (("Rename", self.rename_current), ("Delete", self.delete_current)):
+            a = QAction(text, self.conv_list)
+            a.triggered.connect(slot)
+            self.conv_list.addAction(a)
         self.new_btn = QPushButton("&New chat")
         self.new_btn.clicked.connect(self.new_chat)
         self.delete_btn = QPushButton("Delete")
@@ -114,6 +125,8 @@ class ChatView(QWidget):
         self.input.setPlaceholderText("Message — Ctrl+Enter to send, Esc to stop")
         self.input.setFixedHeight(84)
         self.input.setTabChangesFocus(True)
+        self.enter_sends = False  # the settings' option: Enter sends, Shift+Enter a new line
+        self.input.installEventFilter(self)
         self.regen_btn = QPushButton("&Regenerate")
         self.copy_btn = QPushButton("&Copy answer")
         self.stop_btn = QPushButton("Stop")
@@ -125,6 +138,8 @@ class ChatView(QWidget):
         self.send_btn.clicked.connect(self.send)
         self.hint = QLabel("")
         self.hint.setObjectName("muted")
+        # a long engine message must not widen the window (it is elided; the tooltip has it)
+        self.hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         buttons = QHBoxLayout()
         buttons.addWidget(self.hint, 1)
         for b in (self.regen_btn, self.copy_btn, self.stop_btn, self.send_btn):
@@ -260,6 +275,7 @@ class ChatView(QWidget):
         for c in self.model.conversations():
             item = QListWidgetItem(c.title)
             item.setData(Qt.ItemDataRole.UserRole, c.id)
+            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
             item.setToolTip(f"{c.title}\n{c.model}" if c.model else c.title)
             self.conv_list.addItem(item)
             if c.id == cur:
@@ -281,6 +297,30 @@ class ChatView(QWidget):
     def new_chat(self) -> None:
         if self.model.new_conversation() is not None:
             self.input.setFocus()
+
+    def set_enter_sends(self, on: bool) -> None:
+        self.enter_sends = bool(on)
+        keys = "Enter to send, Shift+Enter for a new line" if on else "Ctrl+Enter to send"
+        self.input.setPlaceholderText(f"Message — {keys}, Esc to stop")
+
+    def eventFilter(self, obj, event) -> bool:
+        if (obj is self.input and self.enter_sends and event.type() == QEvent.Type.KeyPress
+                and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+                and not event.modifiers() & (Qt.KeyboardModifier.ShiftModifier
+                                             | Qt.KeyboardModifier.ControlModifier)):
+            self.send()
+            return True
+        return super().eventFilter(obj, event)
+
+    def rename_current(self) -> None:
+        item = self.conv_list.currentItem()
+        if item is not None:
+            self.conv_list.editItem(item)
+
+    def _on_conv_renamed(self, item) -> None:
+        cid = item.data(Qt.ItemDataRole.UserRole)
+        if cid is not None and not self.model.rename_conversation(cid, item.text()):
+            self.refresh_conversations()  # an empty name: the old one comes back
 
     def delete_current(self) -> None:
         c = self.model.current
@@ -315,8 +355,11 @@ class ChatView(QWidget):
             self.hint.setText("Generating… Esc to stop")
         elif s.state == "ready":
             self.hint.setText("Ctrl+Enter to send")
+        elif s.state == "crashed":  # the banner above says why, once
+            self.hint.setText("The engine stopped: restart it above")
         else:
             self.hint.setText(s.message)
+        self.hint.setToolTip(s.message)
 
     def _on_model_loaded(self, info: dict) -> None:
         self.update_actions()
@@ -347,7 +390,7 @@ class ChatView(QWidget):
                 "Ctrl+Enter sends, Esc stops.</p>"
             )
         sb = self.transcript.verticalScrollBar()
-        at_end = sb.value() >= sb.maximum() - 4
+        pos, at_end = sb.value(), sb.value() >= sb.maximum() - 4
         self.transcript.setHtml("".join(parts))
         self.splitter_think = render.ThinkSplitter()
         if self.model.streaming is not None:
@@ -359,6 +402,12 @@ class ChatView(QWidget):
                 self._append(self.splitter_think.feed(text))
         if at_end or self.model.streaming is not None:
             sb.setValue(sb.maximum())
+        else:  # setHtml goes back to the top: keep the place the user was reading
+            sb.setValue(min(pos, sb.maximum()))
+
+    def _on_stream_failed(self, why: str) -> None:
+        if self.model.session.state != "crashed":  # a crash is said once, by the window's banner
+            self.status.emit(f"The answer stopped: {why}")
 
     def _on_message_added(self, m: Message) -> None:
         self.render_all()
@@ -397,6 +446,10 @@ class ChatView(QWidget):
         if kind == "think" and arg.isdigit():
             self.expanded ^= {int(arg)}
             self.render_all()
+        elif kind == "copycode":
+            mid, _, n = arg.partition(":")
+            if mid.isdigit() and n.isdigit() and self.model.copy_code(int(mid), int(n)):
+                self.status.emit("Code copied to the clipboard")
         elif kind == "copy" and arg.isdigit():
             self.model.copy_message(int(arg))
             self.status.emit("Copied to the clipboard")

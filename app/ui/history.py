@@ -51,6 +51,10 @@ class HistoryError(RuntimeError):
     pass
 
 
+class _Damaged(Exception):
+    """The file opened but SQLite's integrity check failed."""
+
+
 @dataclass
 class Message:
     id: int
@@ -83,21 +87,49 @@ class ConversationStore:
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path else paths.data_dir() / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.set_aside: Path | None = None  # a damaged history moved here; the user is told
         try:
-            self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+            self._open()
+        except (sqlite3.DatabaseError, _Damaged) as e:
+            # garbage, a bad header, a truncated file, a folder in its place: keep it for the
+            # user, start an empty history (as the library does with its database)
+            self.set_aside = self._move_aside(e)
+            self._open()
+
+    def _open(self) -> None:
+        paths.private_file(self.path)
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+        try:
             version = self.db.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as e:
-            raise HistoryError(f"{self.path}: cannot open the conversation history: {e}") from e
-        if version > FORMAT_VERSION:
-            raise HistoryError(
-                f"{self.path}: history format {version} is newer than this app reads "
-                f"({FORMAT_VERSION}); update RotaryQuant"
-            )
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(_SCHEMA)
-        self.db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+            if version > FORMAT_VERSION:
+                raise HistoryError(
+                    f"{self.path}: history format {version} is newer than this app reads "
+                    f"({FORMAT_VERSION}); update RotaryQuant"
+                )
+            check = self.db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise _Damaged(check)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.executescript(_SCHEMA)
+            self.db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _move_aside(self, why: Exception) -> Path:
+        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+        try:
+            os.replace(self.path, aside)
+            for ext in ("-wal", "-shm"):  # its journal belongs to it, not to the new file
+                side = self.path.with_name(self.path.name + ext)
+                if side.exists():
+                    os.replace(side, aside.with_name(aside.name + ext))
+        except OSError as e:
+            raise HistoryError(f"{self.path}: the conversation history is damaged ({why}) and "
+                               f"cannot be moved aside: {e}") from e
+        return aside
 
     def close(self) -> None:
         self.db.close()

@@ -16,10 +16,13 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, Signal
 from PySide6.QtGui import QColor
 
 from ..downloads import catalog as cat
+from ..downloads import jobs as lib_jobs
 from ..downloads.events import ConvertProgress, DownloadProgress, StateChanged
 from ..downloads.library import Library
 from ..downloads.manager import DownloadManager
 from ..downloads.store import LibraryEntry
+from ..engine import jobs
+from ..units import size
 from .session import DEFAULT_MODEL_REF
 from .tasks import TaskRunner
 from .theme import current_colors
@@ -30,9 +33,7 @@ RefRole = Qt.ItemDataRole.UserRole + 2  # what the worker loads for this row
 
 
 def gib(n: float | int | None) -> str:
-    if not n:
-        return "—"
-    return f"{n / 2**30:.1f} GB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MB"
+    return size(n) if n else "—"
 
 
 def duration(seconds: float | None) -> str:
@@ -116,6 +117,7 @@ class LibraryController(QObject):
     catalog_changed = Signal()
     failed = Signal(str, str)  # name or repo, message
     message = Signal(str)
+    job_finished = Signal(str, str)  # repo, outcome (done, paused, cancelled, failed)
     _event = Signal(object)  # from download threads
     _job_done = Signal(str, str, str)  # repo, outcome, error
 
@@ -126,6 +128,7 @@ class LibraryController(QObject):
         self.transfer_options = dict(transfer_options or {})
         self.manager = DownloadManager(self.library, on_event=self._emit_event)
         self.runner = TaskRunner(self, "library")
+        self.conversions = TaskRunner(self, "conversions")  # long: not in the way of refreshes
         self.entries: list[LibraryEntry] = []
         self.progress: dict[str, dict] = {}  # name or repo (lower) -> {"fraction", "text"}
         self.errors: dict[str, str] = {}  # repo (lower) -> error of a download that never began
@@ -149,11 +152,15 @@ class LibraryController(QObject):
         self.entries = entries
         self.entries_changed.emit()
 
+    def _lib_args(self) -> tuple[str, str]:
+        return str(self.library.root), str(self.library.db_path)
+
     def load_verdicts(self) -> None:
         def run() -> dict[str, str]:
+            plans = jobs.shared().call(lib_jobs.catalog_plans, *self._lib_args())
             out = {}
             for e in self.catalog:
-                d = self.library.catalog_plan(e)
+                d = plans.get(e.name, {})
                 if d.get("planner_refused"):
                     out[e.name] = "too large: " + d["planner_refused"].split(";")[0]
                 elif d.get("planner"):
@@ -190,7 +197,7 @@ class LibraryController(QObject):
             opts = {"transfer_options": self.transfer_options} if self.transfer_options else {}
             if widths:
                 opts["widths"] = widths
-            job = self.manager.start(repo, **opts)
+            job = self.manager.start(repo, finish=False, **opts)
         except Exception as e:  # already downloading, bad name: shown where the user clicked
             self.errors[key] = str(e)
             self.failed.emit(repo, str(e))
@@ -221,7 +228,7 @@ class LibraryController(QObject):
             return
         try:
             opts = {"transfer_options": self.transfer_options} if self.transfer_options else {}
-            job = self.manager.resume(name, **opts)
+            job = self.manager.resume(name, finish=False, **opts)
         except Exception as err:
             self.failed.emit(name, str(err))
             return
@@ -242,20 +249,59 @@ class LibraryController(QObject):
                            lambda _r: (self.message.emit(f"Removed {name}"), self.refresh()),
                            lambda err: self.failed.emit(name, str(err)), replace=False)
 
-    def convert(self, name: str) -> None:
+    def _in_process(self, what: str, name: str, fn, *args) -> None:
+        """Run a library job that imports MLX in a process of its own; a crash there is
+        reported on the entry and the window goes on."""
         def run():
-            return self.library.convert(name, on_event=self._emit_event)
+            try:
+                return jobs.run_once(fn, *self._lib_args(), *args, name=f"rotaryquant-{what}",
+                                     on_event=self._emit_event)
+            except jobs.JobCrashed as err:
+                # the dead process may have claimed the entry: put it back, then say why
+                self.library.recover(name)
+                e = self.library.store.get(name)
+                if e is not None and not e.busy:
+                    self.library.store.update(name, error=f"{what} failed: {err}")
+                raise
 
-        self.runner.submit(f"convert {name}", run, lambda _r: self.refresh(),
-                           lambda err: (self.failed.emit(name, str(err)), self.refresh()),
-                           replace=False)
+        def failed(err) -> None:
+            self.failed.emit(name, str(err))
+            self.refresh()
+
+        self.conversions.submit(f"{what} {name}", run, lambda _r: self.refresh(), failed,
+                                replace=False)
+
+    def convert(self, name: str) -> None:
+        self._in_process("conversion", name, lib_jobs.convert, name)
+
+    def finish(self, name: str) -> None:
+        """A finished download to ready (converted or registered), in its own process."""
+        self._in_process("conversion", name, lib_jobs.finish, name)
+
+    def open_folder(self, folder: str) -> None:
+        """Add a model folder the user has: checked, converted if it needs it, then listed."""
+        def done(e) -> None:
+            self.message.emit(f"Added {e.name} to the library")
+            self.refresh()
+
+        def run():
+            return jobs.run_once(lib_jobs.open_folder, *self._lib_args(), str(folder),
+                                 name="rotaryquant-conversion", on_event=self._emit_event)
+
+        self.conversions.submit(f"open {folder}", run, done,
+                                lambda err: (self.failed.emit(str(folder), str(err)), self.refresh()),
+                                replace=False)
 
     def verify(self, name: str) -> None:
         def done(report) -> None:
             self.message.emit(f"{name}: {'verified' if report.ok else report.problems[0]}")
             self.refresh()
 
-        self.runner.submit(f"verify {name}", lambda: self.library.verify(name, deep=True), done,
+        def run():
+            return jobs.run_once(lib_jobs.verify, *self._lib_args(), name, True,
+                                 name="rotaryquant-verify")
+
+        self.runner.submit(f"verify {name}", run, done,
                            lambda err: self.failed.emit(name, str(err)), replace=False)
 
     def shutdown(self) -> None:
@@ -284,8 +330,13 @@ class LibraryController(QObject):
         if outcome == "failed":
             self.errors[repo.lower()] = error
             self.failed.emit(repo, error)
+        elif outcome == "done":
+            e = self.library.find_repo(repo)
+            if e is not None and e.state == "downloaded":
+                self.finish(e.name)
         self.refresh()
         self.catalog_changed.emit()
+        self.job_finished.emit(repo, outcome)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..downloads.catalog import find as cat_find
 from .library_model import (
     CatalogModel,
     LibraryController,
@@ -84,6 +85,7 @@ class LibraryView(QWidget):
         self._build()
         ctl.catalog_changed.connect(self._update_download_buttons)
         ctl.failed.connect(self._on_failed)
+        ctl.job_finished.connect(self._on_job_finished)
         ctl.message.connect(self.status)
         self._keep: str | None = None
         self.local.modelAboutToBeReset.connect(self._remember_selection)
@@ -100,7 +102,7 @@ class LibraryView(QWidget):
         h.setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
         for col, w in enumerate((210, 90, 70, 200, 280)):
             self.table.setColumnWidth(col, w)
-        self.table.selectionModel().selectionChanged.connect(lambda *_: self._update_actions())
+        self.table.selectionModel().selectionChanged.connect(self._on_local_selected)
         self.table.doubleClicked.connect(lambda _ix: self.load_selected())
         self.load_btn = QPushButton("&Load")
         self.plan_btn = QPushButton("&Plan…")
@@ -110,6 +112,10 @@ class LibraryView(QWidget):
         self.convert_btn = QPushButton("Con&vert")
         self.verify_btn = QPushButton("&Verify")
         self.remove_btn = QPushButton("Remove")
+        self.open_btn = QPushButton("&Open folder…")
+        self.open_btn.setToolTip("Add a model folder you already have (MLX or Hugging Face "
+                                 "safetensors); a mixture-of-experts model is converted")
+        self.open_btn.clicked.connect(lambda: self.open_folder())
         actions = (
             (self.load_btn, self.load_selected), (self.plan_btn, self.plan_selected),
             (self.pause_btn, lambda: self._on_selected(self.ctl.pause)),
@@ -124,6 +130,7 @@ class LibraryView(QWidget):
             b.clicked.connect(fn)
             row.addWidget(b)
         row.addStretch(1)
+        row.addWidget(self.open_btn)
         self.detail = QLabel("")
         self.detail.setWordWrap(True)
         self.detail.setObjectName("error")
@@ -154,10 +161,12 @@ class LibraryView(QWidget):
         for i, e in enumerate(self.ctl.catalog):
             b = QPushButton("Download")
             b.setAccessibleName(f"Download {e.name}")
-            b.clicked.connect(lambda _c=False, repo=e.repo: self.ctl.download(repo))
+            b.clicked.connect(lambda _c=False, i=i: self.download_catalog_row(i))
             self.buttons[e.repo.lower()] = b
             self.catalog.setIndexWidget(self.cat.index(i, 5), b)
         self.catalog.doubleClicked.connect(self._plan_catalog)
+        # one selection across the two tables: "Plan…" plans the selected model, local or not
+        self.catalog.selectionModel().selectionChanged.connect(self._on_catalog_selected)
         self.repo_edit = QLineEdit()
         self.repo_edit.setPlaceholderText("Any Hugging Face repo id, e.g. mlx-community/Qwen3-30B-A3B-4bit")
         self.repo_btn = QPushButton("Download repo")
@@ -170,6 +179,13 @@ class LibraryView(QWidget):
         self.catalog_error.setObjectName("error")
         self.catalog_error.setWordWrap(True)
         self.catalog_error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.retry_btn = QPushButton("&Retry")
+        self.retry_btn.clicked.connect(self.retry)
+        self.retry_btn.hide()
+        self._retry_repo: str | None = None
+        errors = QHBoxLayout()
+        errors.addWidget(self.catalog_error, 1)
+        errors.addWidget(self.retry_btn, 0, Qt.AlignmentFlag.AlignTop)
         bottom = QWidget()
         bl = QVBoxLayout(bottom)
         bl.setContentsMargins(0, 0, 0, 0)
@@ -178,7 +194,7 @@ class LibraryView(QWidget):
         bl.addWidget(head2)
         bl.addWidget(self.catalog, 1)
         bl.addLayout(free)
-        bl.addWidget(self.catalog_error)
+        bl.addLayout(errors)
 
         self.splitter = QSplitter(Qt.Orientation.Vertical)
         self.splitter.setObjectName("librarySplitter")
@@ -212,14 +228,62 @@ class LibraryView(QWidget):
         r = self.selected_row()
         if r is not None and r.state == "ready":
             self.plan_requested.emit(r.ref, r.name)
+            return
+        e = self.selected_catalog()
+        if e is not None and e.config:
+            self.plan_requested.emit(e.config, e.name)
+
+    def selected_catalog(self):
+        ix = self.catalog.selectionModel().selectedRows()
+        return self.ctl.catalog[ix[0].row()] if ix else None
+
+    def _on_local_selected(self, *_):
+        if self.table.selectionModel().hasSelection():
+            self.catalog.clearSelection()
+        self._update_actions()
+
+    def _on_catalog_selected(self, *_):
+        if self.catalog.selectionModel().hasSelection():
+            self.table.clearSelection()
+        self._update_actions()
+
+    def open_folder(self, folder: str | None = None) -> None:
+        """Add a model folder the user has; asks for it when not given."""
+        if folder is None:
+            from PySide6.QtWidgets import QFileDialog
+
+            folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
+            if not folder:
+                return
+        self.catalog_error.clear()
+        self.status.emit(f"Checking {folder}…")
+        self.ctl.open_folder(folder)
 
     def _plan_catalog(self, ix: QModelIndex) -> None:
         e = self.ctl.catalog[ix.row()]
         if e.config:
             self.plan_requested.emit(e.config, e.name)
 
+    def download_catalog_row(self, i: int) -> None:
+        """The Download button of catalog row `i`: that row becomes the selected one."""
+        self.catalog.selectRow(i)
+        self._start(self.ctl.catalog[i].repo)
+
     def _download_repo(self) -> None:
-        if self.ctl.download(self.repo_edit.text()):
+        # the typed id stays until its download is done: a failure leaves it to retry or fix
+        self._start(self.repo_edit.text())
+
+    def _start(self, repo: str) -> None:
+        self.catalog_error.clear()
+        self.retry_btn.hide()
+        self.ctl.download(repo)
+
+    def retry(self) -> None:
+        if self._retry_repo:
+            self._start(self._retry_repo)
+
+    def _on_job_finished(self, repo: str, outcome: str) -> None:
+        if outcome == "done" and self.repo_edit.text().strip().lower() == repo.lower():
             self.repo_edit.clear()
 
     def _remember_selection(self) -> None:
@@ -237,7 +301,8 @@ class LibraryView(QWidget):
         st = r.state if r else ""
         builtin = bool(r and r.builtin)
         self.load_btn.setEnabled(st == "ready")
-        self.plan_btn.setEnabled(st == "ready")
+        cat_entry = self.selected_catalog() if r is None else None
+        self.plan_btn.setEnabled(st == "ready" or bool(cat_entry and cat_entry.config))
         self.pause_btn.setEnabled(st == "downloading")
         self.resume_btn.setEnabled(st == "paused")
         self.cancel_btn.setEnabled(st in ("downloading", "paused"))
@@ -270,5 +335,9 @@ class LibraryView(QWidget):
 
     def _on_failed(self, who: str, message: str) -> None:
         self.catalog_error.setText(f"{who}: {message}")
+        # a download that failed before it began (not a local model's conversion or verify)
+        e = cat_find(who)
+        self._retry_repo = who if (e.repo if e else who).strip().lower() in self.ctl.errors else None
+        self.retry_btn.setVisible(self._retry_repo is not None)
         self._update_actions()
         self._update_download_buttons()

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QTabWidget,
     QVBoxLayout,
@@ -41,7 +42,7 @@ SETTINGS_FILE = "settings.ini"
 SHORTCUTS = (
     ("Ctrl+Enter", "send the message"), ("Esc", "stop the answer"),
     ("Ctrl+R", "regenerate the last answer"), ("Ctrl+Shift+C", "copy the last answer"),
-    ("Ctrl+N", "new chat"), ("Delete", "delete the selected chat or model"),
+    ("Ctrl+N", "new chat"), ("Ctrl+O", "open a model folder"), ("Delete", "delete the selected chat or model"),
     ("Ctrl+1 / 2 / 3", "chat, library, plan"), ("Ctrl+L", "focus the message box"),
     ("Ctrl+M", "show or hide the memory panel"), ("Enter", "load the selected model (library)"),
     ("F5", "re-check the library"), ("Ctrl+Shift+R", "restart the engine"),
@@ -76,12 +77,15 @@ class MainWindow(QMainWindow):
         self.settings = settings or app_settings()
         self.theme = theme
         last = str(self.settings.value("last_model", "") or "")
+        default = str(self.settings.value("default_model", "") or "")  # set in Settings
+        last = default if default and _ref_exists(default) else last
         model = model or (last if last and _ref_exists(last) else DEFAULT_MODEL_REF)
         self.session = EngineSession(model, bridge, parent=self)
         self.bridge = self.session.bridge
         self.chat = ChatModel(self.session, parent=self)
         self.library = library or LibraryController(parent=self)
         self.planner = PlanController(self)
+        self.applied: PlanResult | None = None  # the plan the engine runs, once applied
         self._restore_chat_defaults()
 
         self.chat_view = ChatView(self.chat)
@@ -122,6 +126,11 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(
                 f"Recovered {self.chat.recovered} answer(s) interrupted when the app last closed", 8000
             )
+        if self.chat.store.set_aside is not None:
+            self.statusBar().showMessage(
+                f"The conversation history was damaged and is kept as {self.chat.store.set_aside}; "
+                "starting with an empty history", 30000
+            )
         if theme is not None:
             theme.changed.connect(self._on_theme)
             self._on_theme(theme.dark)
@@ -143,6 +152,8 @@ class MainWindow(QMainWindow):
         label.setBuddy(self.model_combo)
         self.engine_label = QLabel("")
         self.engine_label.setObjectName("muted")
+        # a long message must not widen the window past the screen
+        self.engine_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.top = QHBoxLayout()
         self.top.addWidget(label)
         self.top.addWidget(self.model_combo)
@@ -168,6 +179,10 @@ class MainWindow(QMainWindow):
         mb = self.menuBar()
         file = mb.addMenu("&File")
         self._action(file, "&New chat", "Ctrl+N", self._new_chat)
+        self._action(file, "&Open model folder…", "Ctrl+O",
+                     lambda: (self.show_tab(1), self.library_view.open_folder()))
+        file.addSeparator()
+        self._action(file, "&Settings…", QKeySequence.StandardKey.Preferences, self.show_settings)
         file.addSeparator()
         self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         view = mb.addMenu("&View")
@@ -217,12 +232,21 @@ class MainWindow(QMainWindow):
         self.planner.plan_ready.connect(self._on_plan)
         self.plan_view.apply_requested.connect(self.apply_plan)
 
+    def settings_dialog(self):
+        from .settings_dialog import SettingsDialog
+
+        return SettingsDialog(self)
+
+    def show_settings(self) -> None:
+        self.settings_dialog().exec()
+
     def show_shortcuts(self) -> None:
         rows = "".join(f"<tr><td><b>{k}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>" for k, what in SHORTCUTS)
         QMessageBox.information(self, "Keyboard shortcuts", f"<table>{rows}</table>")
 
     # -- engine ------------------------------------------------------------------------------
     def load_model(self, ref: str, options: dict | None = None) -> None:
+        self.applied = None
         self.session.load(ref, options)
         self._select_model(ref)
 
@@ -231,12 +255,15 @@ class MainWindow(QMainWindow):
         self.session.restart()
 
     def _on_state(self, state: str, message: str) -> None:
-        self.engine_label.setText(message)
+        # the crash's sentence is in the banner; the top line only says the engine stopped
+        self.engine_label.setText("" if state == "crashed" else message)
+        self.engine_label.setToolTip(message)
         self.status_label.setText(
             {"ready": "●  engine ready", "loading": "◌  loading", "starting": "◌  starting",
              "crashed": "✕  engine stopped", "idle": "●  no model"}.get(state, state)
         )
         if state == "crashed":
+            self.memory.engine_stopped()
             self.banner_text.setText(message)
             self.restart_btn.show()
             self.fallback_btn.hide()
@@ -252,8 +279,14 @@ class MainWindow(QMainWindow):
 
     def _on_loaded(self, info: dict) -> None:
         self.settings.setValue("last_model", self.session.model_ref)
+        a = self.applied if self.applied and self.applied.target == self.session.model_ref else None
+        if a is not None and a.plan.kv_mode in info.get("kv_modes", ["fp16"]):
+            self.chat.set_settings({"kv_mode": a.plan.kv_mode})
         self.chat_view.set_kv_modes(list(info.get("kv_modes", ["fp16"])), self.plan_view.unavailable)
-        self.planner.set_target(self.session.model_ref, info["name"])
+        if a is None:
+            self.planner.set_target(self.session.model_ref, info["name"])
+        else:  # the plan view keeps the applied plan and its overrides
+            self._show_expected(a)
         self.memory.set_note(
             f"{info['name']}: {info['num_layers']} layers, {info['architecture']}, on {info['backend']}."
         )
@@ -270,15 +303,21 @@ class MainWindow(QMainWindow):
     def _on_plan(self, r: PlanResult) -> None:
         if r.target != self.session.model_ref:
             return
+        if self.applied is None:  # once a plan is applied, the panel shows that one
+            self._show_expected(r)
+        if self.session.info:
+            self.chat_view.set_kv_modes(list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable)
+
+    def _show_expected(self, r: PlanResult) -> None:
         self.memory.set_expected_peak(r.plan.process_peak)
         sizes = r.plan.sizes
         if sizes is not None:
             self.memory.history.kv_fp16 = lambda tokens: sizes.kv_bytes(tokens, "fp16")
-        if self.session.info:
-            self.chat_view.set_kv_modes(list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable)
 
     def apply_plan(self, r: PlanResult) -> None:
-        """Load the planned model with the plan's expert budget, and use its KV mode in chat."""
+        """Run the planned model as planned: a fresh engine (the memory of the model it
+        replaces goes back to the system) loads it with the plan's expert budget, KV mode and
+        context, and the chat uses the plan's KV mode."""
         plan = r.plan
         if not _ref_exists(r.target):
             entry = next((e for e in self.library.catalog if e.config == r.target), None)
@@ -286,13 +325,20 @@ class MainWindow(QMainWindow):
                 self.library.download(entry.repo, widths=plan.widths.to_dict())
                 self.show_tab(1)
             return
-        options = {"expert_budget": plan.expert_budget} if plan.paging else {}
-        self.load_model(r.target, options)
-        kv = plan.kv_mode
-        modes = (self.session.info or {}).get("kv_modes", ["fp16"])
-        if kv in modes or kv == "fp16":
-            self.chat.set_settings({"kv_mode": kv})
-        self.statusBar().showMessage(f"Loading {r.label} with its plan (KV {kv})", 5000)
+        if self.session.generating:
+            self.statusBar().showMessage("Stop the answer (Esc) before applying a plan", 5000)
+            return
+        options = {"kv_mode": plan.kv_mode, "context": plan.context_limit}
+        if plan.paging:
+            options["expert_budget"] = plan.expert_budget
+        self.applied = r
+        self.chat.set_settings({"kv_mode": plan.kv_mode})
+        self._select_model(r.target)
+        self._show_expected(r)
+        self.session.restart(r.target, options)
+        self.statusBar().showMessage(
+            f"Restarting the engine with the plan for {r.label}: KV {plan.kv_mode}, "
+            f"context {plan.context_limit}", 5000)
 
     # -- models ------------------------------------------------------------------------------
     def refresh_models(self) -> None:
@@ -382,6 +428,7 @@ class MainWindow(QMainWindow):
 
     def _restore_state(self) -> None:
         s = self.settings
+        self.chat_view.set_enter_sends(str(s.value("chat/enter_sends", "false")).lower() == "true")
         if int(s.value("version", 0) or 0) != SETTINGS_VERSION:
             return
         geo = s.value("window/geometry")
@@ -417,9 +464,6 @@ class MainWindow(QMainWindow):
         self.session.shutdown()
         self.library.shutdown()
         super().closeEvent(event)
-
-
-ChatWindow = MainWindow  # the first window's name, kept for scripts written against it
 
 
 def app_icon() -> QIcon:

@@ -19,6 +19,7 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
 from ..engine import messages as M
+from ..units import size
 
 WINDOW_S = 120  # the plots show the last two minutes
 REDRAW_MS = 250  # plots redraw at most 4 times a second; stats arrive at ~2 Hz
@@ -31,9 +32,7 @@ NAN = float("nan")
 def fmt_bytes(n: float | None) -> str:
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "—"
-    if abs(n) >= GB / 10:
-        return f"{n / GB:.2f} GB"
-    return f"{n / MB:.0f} MB"
+    return size(n, 2)
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ class MemoryPanel(QWidget):
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setMinimumHeight(300)
         g = self.graphics
-        self.mem_plot = g.addPlot(row=0, col=0, colspan=2, title="Memory (GB)")
+        self.mem_plot = g.addPlot(row=0, col=0, colspan=2, title="Memory (GiB)")
         self.curves: dict[str, pg.PlotDataItem] = {}
         for key, _label, color, _scale in MEMORY_CURVES:
             self.curves[key] = self.mem_plot.plot([], [], pen=pg.mkPen(color, width=2), connect="finite")
@@ -203,7 +202,7 @@ class MemoryPanel(QWidget):
                          for _ in range(2)]
         self.ssd_plot = g.addPlot(row=2, col=1, title="SSD MB/s")
         self.curves["ssd_mbs"] = self.ssd_plot.plot([], [], pen=pg.mkPen("#ff9f0a", width=2), connect="finite")
-        self.kv_plot = g.addPlot(row=3, col=0, colspan=2, title="KV saved vs fp16 (MB)")
+        self.kv_plot = g.addPlot(row=3, col=0, colspan=2, title="KV saved vs fp16 (MiB)")
         self.curves["kv_saved"] = self.kv_plot.plot([], [], pen=pg.mkPen("#ff375f", width=2), connect="finite")
         self.plots = (self.mem_plot, self.tps_plot, self.hit_plot, self.ssd_plot, self.kv_plot)
         for p in self.plots:
@@ -246,6 +245,13 @@ class MemoryPanel(QWidget):
         else:
             self.peak_line.hide()
             self.metrics["peak"].setText("—")
+
+    def engine_stopped(self) -> None:
+        """The engine's figures are gone with it: blank until a new engine reports."""
+        for key, label in self.metrics.items():
+            if key != "peak":
+                label.setText("—")
+        self.drawn = self.history.version  # the next report redraws, the last one does not
 
     def set_note(self, text: str) -> None:
         self.note.setText(text)

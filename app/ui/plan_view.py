@@ -27,11 +27,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..engine import kvcache
+from ..units import size
 from .plan_model import GiB, Overrides, PlanController, PlanResult, Refusal
 from .session import DEFAULT_MODEL_REF
 from .theme import current_colors
 
-KV_CHOICES = ("fp16", "isoquant3", "zipfusion")  # the planner's modes
 WIDTH_CHOICES = (
     ("As converted / planner default", None),
     ("Routed experts 3-bit", "routed=3"),
@@ -50,9 +51,7 @@ PART_LABELS = {
 
 
 def gb(n: int | float | None) -> str:
-    if n is None:
-        return "—"
-    return f"{n / GiB:.2f} GB" if n >= GiB / 10 else f"{n / 2**20:.0f} MB"
+    return size(n, 2)
 
 
 def _bits(w: dict) -> str:
@@ -118,6 +117,7 @@ class PlanView(QWidget):
         self.unavailable: dict[str, str] = {}
         self._build()
         ctl.computing.connect(lambda label: self.state.setText(f"Planning {label}…"))
+        ctl.target_changed.connect(lambda _t: self.reset_boxes())
         ctl.plan_ready.connect(self.show_plan)
         ctl.refused.connect(self.show_refusal)
         ctl.failed.connect(self.show_failure)
@@ -126,14 +126,14 @@ class PlanView(QWidget):
         box = QGroupBox("Overrides")
         self.kv_combo = QComboBox()
         self.kv_combo.addItem("Planner's choice", None)
-        for mode in KV_CHOICES:
+        for mode in kvcache.names(offered=True):  # the planner's modes
             self.kv_combo.addItem(mode, mode)
         self.kv_note = QLabel("")
         self.kv_note.setObjectName("muted")
         self.kv_note.setWordWrap(True)
         self.budget_auto = QCheckBox("Planner's choice")
         self.budget_auto.setChecked(True)
-        self.budget_spin = QDoubleSpinBox(minimum=0.0, maximum=4096.0, decimals=2, singleStep=0.5, suffix=" GB")
+        self.budget_spin = QDoubleSpinBox(minimum=0.0, maximum=4096.0, decimals=2, singleStep=0.5, suffix=" GiB")
         self.budget_spin.setEnabled(False)
         self.budget_auto.toggled.connect(lambda on: self.budget_spin.setEnabled(not on))
         self.context_auto = QCheckBox("Planner's choice")
@@ -258,11 +258,15 @@ class PlanView(QWidget):
             return
         self.ctl.compute(o)
 
-    def reset(self) -> None:
+    def reset_boxes(self) -> None:
+        """The boxes show the planner's own choices (as the plan's "overrides: none" says)."""
         self.kv_combo.setCurrentIndex(0)
         self.budget_auto.setChecked(True)
         self.context_auto.setChecked(True)
         self.widths_combo.setCurrentIndex(0)
+
+    def reset(self) -> None:
+        self.reset_boxes()
         self.ctl.compute(Overrides())
 
     def _apply(self) -> None:

@@ -127,9 +127,12 @@ def _inline_plain(text: str, c: Colors) -> str:
     return _ITALIC.sub(lambda m: f"<i>{m.group(1) or m.group(2)}</i>", seg)
 
 
-def code_block(code: str, lang: str, c: Colors) -> str:
+def code_block(code: str, lang: str, c: Colors, copy_href: str = "") -> str:
+    copy = (f'&nbsp;&nbsp;<a href="{copy_href}" style="color:{c.muted}; text-decoration:none;">'
+            "copy code</a>") if copy_href else ""
     label = (
-        f'<tr><td style="color:{c.muted}; font-size:small;">{html.escape(lang)}</td></tr>' if lang else ""
+        f'<tr><td style="color:{c.muted}; font-size:small;">{html.escape(lang)}{copy}</td></tr>'
+        if lang or copy else ""
     )
     return (
         f'<table width="100%" cellspacing="0" cellpadding="8" style="background-color:{c.code_bg}; '
@@ -140,8 +143,28 @@ def code_block(code: str, lang: str, c: Colors) -> str:
     )
 
 
-def markdown_to_html(text: str, c: Colors = LIGHT) -> str:
+def code_blocks(text: str) -> list[str]:
+    """The fenced code blocks of `text`, in order, as markdown_to_html finds them (what the
+    "copy code" links copy)."""
     lines = text.replace("\r\n", "\n").split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        i += 1
+        if fence:
+            body = []
+            while i < len(lines) and not lines[i].strip().startswith(fence.group(1)):
+                body.append(lines[i])
+                i += 1
+            out.append("\n".join(body))
+            i += 1
+    return out
+
+
+def markdown_to_html(text: str, c: Colors = LIGHT, code_href=None) -> str:
+    """`code_href(n)`: the link of the n-th code block's copy button (None: no button)."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    n_code = 0
     out: list[str] = []
     para: list[str] = []
     items: list[str] = []
@@ -172,7 +195,8 @@ def markdown_to_html(text: str, c: Colors = LIGHT) -> str:
             while i < len(lines) and not lines[i].strip().startswith(marker):
                 body.append(lines[i])
                 i += 1
-            out.append(code_block("\n".join(body), lang, c))
+            out.append(code_block("\n".join(body), lang, c, code_href(n_code) if code_href else ""))
+            n_code += 1
             i += 1  # the closing fence (or past the end: an unterminated block while streaming)
             continue
         if not line.strip():
@@ -235,7 +259,10 @@ def message_html(
         )
         if expanded:
             body += f'<div style="color:{c.muted}; margin-left:14px;"><i>{markdown_to_html(thinking.strip(), c)}</i></div>'
-    body += markdown_to_html(answer.strip(), c) if role == "assistant" else markdown_to_html(content, c)
+    if role == "assistant":
+        body += markdown_to_html(answer.strip(), c, lambda n: f"copycode:{mid}:{n}")
+    else:
+        body += markdown_to_html(content, c)
     notes = {
         "stopped": ("stopped", c.muted),
         "interrupted": ("interrupted: the engine stopped while answering", c.error),

@@ -2,7 +2,8 @@
 
 States: starting → loading → ready; a model that fails to load leaves the engine "idle" with
 the error; a worker that dies makes it "crashed" until `restart()`, which starts a new worker
-and loads the same model again.
+and loads the same model again. A pipe broken by an unreadable frame restarts it at once (once
+until a model loads again).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class EngineSession(QObject):
         self.device = ""
         self.backend = ""
         self.load_req: int | None = None
+        self._auto_restarted = False
         b = self.bridge
         b.ready.connect(self._on_ready)
         b.loaded.connect(self._on_loaded)
@@ -79,7 +81,10 @@ class EngineSession(QObject):
         self._set("loading", f"Loading {_short(self.model_ref)}…")
         self.load_req = self.bridge.load(self.model_ref, self.options)
 
-    def restart(self) -> None:
+    def restart(self, model: str | None = None, options: dict | None = None) -> None:
+        """A fresh worker, loading the same model (or `model` with `options`)."""
+        if model is not None:
+            self.model_ref, self.options = model, dict(options or {})
         self.poll.stop()
         self._set("starting", "Restarting the engine…")
         self.bridge.restart()
@@ -105,6 +110,7 @@ class EngineSession(QObject):
         self.info = dict(msg.info)
         i = self.info
         self._set("ready", f"{i['name']} · {i['architecture']} · {i['backend']}")
+        self._auto_restarted = False
         self.model_loaded.emit(self.info)
         self.bridge.request_stats()
 
@@ -116,6 +122,12 @@ class EngineSession(QObject):
     def _on_died(self, msg: M.WorkerDied) -> None:
         self.poll.stop()
         self.info = None
+        if msg.broken_pipe and not self._auto_restarted:
+            self._auto_restarted = True  # once: a worker that keeps breaking waits for the user
+            self.crashed.emit(msg.message)  # the answer in flight ends as interrupted
+            self._set("starting", f"Restarting the engine: {msg.message}…")
+            self.bridge.restart()
+            return
         self._set("crashed", f"The engine stopped: {msg.message}. Your conversation is kept.")
         self.crashed.emit(msg.message)
 

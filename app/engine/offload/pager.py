@@ -340,7 +340,11 @@ class ExpertPager:
                 old.resident -= 1
             st.resident += 1
         if allocs:
-            self._read_into(pool, layer, [(a.key[1], a.slot) for a in allocs])
+            try:
+                self._read_into(pool, layer, [(a.key[1], a.slot) for a in allocs])
+            except BaseException:
+                self._free_failed(pool, allocs)
+                raise
         n_miss = int(np.isin(flat, list(missing)).sum()) if missing else 0
         pairs = int(np.isin(flat, experts).sum())
         st.misses += n_miss
@@ -349,6 +353,14 @@ class ExpertPager:
         for (_, e), s in slots.items():
             table[e] = s
         return table
+
+    def _free_failed(self, pool: SlotPool, allocs: list) -> None:
+        """A read of this call failed (corrupt or short record): free every slot it was
+        filling, so no later call hits a slot holding partial or corrupt bytes."""
+        for a in allocs:
+            pool.lru.unpin(a.slot)
+            pool.lru.deallocate(a.key)
+            self.layer_stats[a.key[0]].resident -= 1
 
     def _layer_fd(self, layer: int) -> int:
         fd = self._fds.get(layer)

@@ -133,6 +133,10 @@ class LayerLayout:
     checksums: list[int] = field(default_factory=list)
 
     def __post_init__(self):
+        if not isinstance(self.file, str) or not isinstance(self.module, str):
+            raise ValueError(f"layer {self.layer}: file and module must be text")
+        if self.layer < 0 or self.record_size < 1 or self.data_offset < 0:
+            raise ValueError(f"layer {self.layer}: negative index, offset or empty record")
         if self.num_experts < 1:
             raise ValueError(f"layer {self.layer}: num_experts must be >= 1")
         if self.stride % ALIGNMENT or self.stride < self.record_size:
@@ -303,14 +307,41 @@ class ExpertStore:
             if not section:
                 raise ExpertRecordError("no expert records: manifest has no `experts` section",
                                         str(self.folder / "rotaryquant.json"))
+        if not isinstance(section, dict):
+            raise ExpertRecordError("manifest `experts` must be an object",
+                                    str(self.folder / "rotaryquant.json"))
         if section.get("format") != FORMAT:
             raise ExpertRecordError(f"unknown experts format {section.get('format')!r}",
                                     str(self.folder))
         if int(section.get("version", 0)) > VERSION:
             raise ExpertRecordError(f"experts format version {section.get('version')} is newer "
                                     f"than this app reads ({VERSION})", str(self.folder))
-        self.layouts = {int(k): LayerLayout.from_dict(v) for k, v in section["layers"].items()}
+        self.layouts = self._parse_layers(section.get("layers"))
         self._fds: dict[int, int] = {}
+
+    def _parse_layers(self, layers) -> dict[int, LayerLayout]:
+        """The manifest's layer layouts, checked: each a complete layout whose file lies inside
+        the model folder (a manifest never makes the app open another file)."""
+        where = str(self.folder / "rotaryquant.json")
+        if not isinstance(layers, dict) or not layers:
+            raise ExpertRecordError("manifest `experts.layers` must map layer indices to "
+                                    f"layouts, got {layers!r:.60}", where)
+        root = self.folder.resolve()
+        out = {}
+        for k, v in layers.items():
+            try:
+                lay = LayerLayout.from_dict(v)
+                if str(lay.layer) != str(k):
+                    raise ValueError(f"key {k!r} holds layer {lay.layer}")
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise ExpertRecordError(f"manifest `experts.layers.{k}` is malformed: "
+                                        f"{type(e).__name__}: {e}", where) from None
+            path = (root / lay.file).resolve()
+            if Path(lay.file).is_absolute() or not path.is_relative_to(root):
+                raise ExpertRecordError(f"expert file {lay.file!r} is outside the model folder",
+                                        where, lay.layer)
+            out[lay.layer] = lay
+        return out
 
     @property
     def layers(self) -> list[int]:
@@ -401,8 +432,9 @@ class ExpertStore:
             out[name] = arr.view(mx.bfloat16) if t.dtype == "bfloat16" else arr
         return out
 
-    def read_layer(self, layer: int) -> dict:
-        """All experts of `layer` stacked along axis 0: the mlx-lm parameters of the module."""
+    def read_layer(self, layer: int, verify: bool = True) -> dict:
+        """All experts of `layer` stacked along axis 0: the mlx-lm parameters of the module.
+        `verify`: each record's CRC is checked while its bytes are in hand (one pass)."""
         import mlx.core as mx
 
         lay = self.layout(layer)
@@ -411,6 +443,8 @@ class ExpertStore:
         buf = np.empty(lay.record_size, dtype=np.uint8)
         for e in range(lay.num_experts):
             self.read_raw(layer, e, out=buf)
+            if verify:
+                self._verify_bytes(layer, e, buf)
             for name, a in self.arrays(layer, buf).items():
                 stacked[name][e] = a
         out = {}

@@ -13,12 +13,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("dst", help="output folder (written atomically)")
     p.add_argument("--bits", default="",
                    help="widths per role, e.g. dense=4,routed=2,shared=8 (role=bits[/group]; "
-                        "'float' keeps a role unquantized). Default: SPEC §2")
+                        "'float' keeps a role unquantized). Default: dense=4,routed=2,shared=8")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     p.set_defaults(func=cmd_convert)
     p = subparsers.add_parser("inspect", help="roles, widths, bytes and kurtosis of a model")
-    p.add_argument("dst", help="converted model folder")
+    p.add_argument("dst", help="model folder, or a name from `rotaryquant models`")
     p.add_argument("--verify", action="store_true", help="check every expert record's CRC")
     p.add_argument("--json", action="store_true", help="print the manifest's roles as JSON")
     p.set_defaults(func=cmd_inspect)
@@ -85,12 +85,26 @@ def format_manifest(man) -> str:
     return "\n".join(lines)
 
 
+def _model_folder(arg: str) -> str:
+    """A folder as given, else the folder of the library model of that name."""
+    from pathlib import Path
+
+    if Path(arg).is_dir():
+        return arg
+    from ...downloads.library import Library
+
+    lib = Library()
+    e = lib.builtin() if lib.is_builtin(arg) else lib.store.get(arg)
+    return e.folder if e is not None and e.folder else arg
+
+
 def cmd_inspect(args) -> int:
     from ..errors import EngineError
     from ..manifest import Manifest
     from ..offload.records import ExpertStore
 
     try:
+        args.dst = _model_folder(args.dst)
         man = Manifest.load(args.dst)
         if man is None:
             print(f"error: {args.dst}: no rotaryquant.json (not a converted model)",

@@ -8,7 +8,7 @@ Output folder:
   dict, which mlx-lm's loader reads).
 - `experts/layer_LLLL.bin`: every routed expert of every layer as one record
   (`app.engine.offload.records`); routed experts are NOT in the safetensors, so the folder
-  loads through `load_converted` (fully resident) or the pager.
+  loads through `loader.load` (fully resident) or the pager.
 - `rotaryquant.json`: widths, parameter counts, bytes and excess kurtosis per role, and the
   records' layout and checksums.
 
@@ -24,7 +24,9 @@ temporaries) of the largest of: one row block (`chunk_bytes`, 64 MiB), one exper
 one tensor that `sanitize` transforms (conv weights, norms, fp8 blocks, kv_b_proj).
 The output is written to a hidden sibling folder and renamed when complete: an interrupted
 conversion leaves no output folder (a killed one leaves a `.NAME.rq-partial-PID` folder that
-the next run removes).
+the next run removes). `overwrite` moves the old model to `.NAME.rq-old-PID` for the moment of
+the swap; a kill there is mended by the next run (the old model restored). `.NAME.rq-lock`
+keeps a second conversion to the same destination out.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import EngineError, ModelLoadError
+from ..fsutil import Busy, exclusive
 from ..loader import read_config
 from ..manifest import MANIFEST_NAME, Manifest
 from ..offload.records import LayerLayout, LayerWriter, experts_section
@@ -118,16 +121,33 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _clean_stale_partials(dst: Path) -> None:
-    import psutil
-
+def _recover_interrupted(dst: Path) -> None:
+    """Leftovers of killed conversions to `dst` (called holding its lock, so none is live):
+    partial outputs are removed; a previous model moved aside by `overwrite` comes back when
+    the kill left no model in its place, else it is removed."""
     for p in dst.parent.glob(f".{dst.name}.rq-partial-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid == os.getpid() or not psutil.pid_exists(pid):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in sorted(dst.parent.glob(f".{dst.name}.rq-old-*")):
+        if not dst.exists():
+            os.replace(p, dst)
+        else:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, dst: Path) -> None:
+    """Replace `dst` by the finished `tmp`; the old copy is restored if the second rename
+    fails, and by the next conversion if the process is killed between the two."""
+    if not dst.exists():
+        os.replace(tmp, dst)
+        return
+    old = dst.parent / f".{dst.name}.rq-old-{os.getpid()}"
+    os.replace(dst, old)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _build_model(config: dict, src: Path):
@@ -158,12 +178,27 @@ def convert(
     """Convert the checkpoint at `src` into the app's folder `dst`; returns its manifest.
 
     Raises ModelLoadError for bad input (naming the file and the reason), ConvertError when
-    the destination exists or the disk is too small."""
+    the destination exists, holds the source, is being written by another conversion, or the
+    disk is too small."""
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ConvertError(f"{dst}: the destination and the source folder {src} must not "
+                           "contain one another")
+    try:
+        with exclusive(dst):
+            _recover_interrupted(dst)
+            return _convert(src, dst, widths, progress, overwrite, chunk_bytes,
+                            max_shard_bytes, check_disk)
+    except Busy as e:
+        raise ConvertError(f"{e}: another conversion to it is running") from None
+
+
+def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_bytes: int,
+             max_shard_bytes: int, check_disk: bool) -> Manifest:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     t0 = time.perf_counter()
-    src, dst = Path(src).resolve(), Path(dst).resolve()
     if isinstance(widths, str):
         widths = RoleWidths.parse(widths)
     widths = widths or RoleWidths()
@@ -177,8 +212,6 @@ def convert(
         raise ModelLoadError("no tokenizer (tokenizer.json or tokenizer.model)", str(src))
     if dst.exists() and not overwrite:
         raise ConvertError(f"{dst}: destination exists (pass overwrite to replace it)")
-    if dst == src or src in dst.parents:
-        raise ConvertError(f"{dst}: destination must be outside the source folder")
 
     reader = SafetensorsReader(src)
     float_cfg = _strip_quant(config)
@@ -227,7 +260,6 @@ def convert(
             raise ConvertError(f"{dst.parent}: not enough free disk: the converted model needs "
                                f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
 
-    _clean_stale_partials(dst)
     tmp = dst.parent / f".{dst.name}.rq-partial-{os.getpid()}"
     tmp.mkdir()
     stats = {r: _RoleStats() for r in ROLES}
@@ -268,13 +300,7 @@ def convert(
                              time.perf_counter() - t0, peak[0])
         manifest.save(tmp)
         report("finish", str(dst), 0)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.rq-old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        _swap_in(tmp, dst)
     except BaseException:
         if writer is not None:
             writer.abort()

@@ -59,11 +59,18 @@ class RoleWidths:
             if "=" not in part:
                 raise ValueError(f"bad width {part!r}: expected role=bits, e.g. routed=2")
             role, val = (s.strip() for s in part.split("=", 1))
+            if role not in ROLES:
+                raise ValueError(f"bad width {part!r}: unknown role {role!r}; roles are "
+                                 f"{', '.join(ROLES)}")
             group = w[role].group_size
-            if "/" in val:
-                val, g = val.split("/", 1)
-                group = int(g)
-            bits = None if val in ("16", "float", "fp16", "bf16") else int(val)
+            try:
+                if "/" in val:
+                    val, g = val.split("/", 1)
+                    group = int(g)
+                bits = None if val in ("16", "float", "fp16", "bf16") else int(val)
+            except ValueError:
+                raise ValueError(f"bad width {part!r}: expected role=bits[/group], e.g. "
+                                 "routed=2 or routed=3/32") from None
             w = replace(w, **{role: RoleWidth(bits, group)})
         return w
 

@@ -1,0 +1,115 @@
+"""The switch between IsoQuant's fused kernels (kernels.py, Metal and CUDA) and the MLX-ops
+reference (attention.py).
+
+The cache's attention calls the kernels whenever the backend has them, the reference otherwise;
+the setting ROTARYQUANT_ISOQUANT_ATTENTION = auto | kernel | reference (or `use_kernel=`)
+forces either. `install()` registers the kernel path with the cache; the modes table's factory
+(factory.make_cache) calls it when it builds caches, nothing is registered at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .attention import register_kernel
+from .cache import register_encoder, register_tc16_packer
+from .kernels import (
+    BACKEND,
+    Problem,
+    Unsupported,
+    attention,
+    attention_reference,
+    encode_pair,
+    fused_attention,
+    kernels_available,
+    pack_tc16,
+    unfused_attention,
+    v_layout,
+)
+from .packing import register_v_layout
+
+SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
+SETTINGS = ("auto", "kernel", "reference")
+
+
+_parsed: dict = {}  # raw value of the setting -> parsed (read on every attention call)
+
+
+def setting() -> str:
+    raw = os.environ.get(SETTING_ENV, "auto")
+    value = _parsed.get(raw)
+    if value is None:
+        value = raw.strip().lower() or "auto"
+        if value not in SETTINGS:
+            raise ValueError(f"{SETTING_ENV}={value!r}: expected one of {SETTINGS}")
+        _parsed[raw] = value
+    return value
+
+
+def _resolve(use_kernel: bool | None) -> bool | None:
+    """None = kernel where possible; True = kernel or raise; False = reference."""
+    if use_kernel is not None:
+        return use_kernel
+    s = setting()
+    return {"auto": None, "kernel": True, "reference": False}[s]
+
+
+def isoquant_attention(
+    queries, keys, values, scale, mask=None, sinks=None, use_kernel=None, lens=None, path=None
+):
+    """queries [B, Hq, L, D] over an IsoQuant K/V pair -> [B, Hq, L, D] (queries' dtype).
+    mask as mlx-lm passes it; sinks [Hq] (gpt-oss); lens [B] valid compressed tokens per
+    sequence (ragged batches). Inputs the kernels don't take (array masks, other head dims)
+    go to the reference unless use_kernel=True, which raises instead."""
+    want = _resolve(use_kernel)
+    if want is False:
+        return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+    if want and not kernels_available():
+        raise RuntimeError("IsoQuant kernels need MLX's Metal or CUDA backend")
+    if not kernels_available():
+        return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+    try:
+        return attention(
+            queries, keys, values, scale, mask, sinks, lens, use_kernel=True, path=path
+        )
+    except Unsupported:
+        if want:
+            raise
+        return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+
+
+def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
+    # The signature attention.isoquant_attention calls a registered kernel with.
+    return isoquant_attention(queries, keys, values, scale, mask, sinks, use_kernel=None)
+
+
+def install() -> bool:
+    """Register the kernel paths with the cache (attention, the fused K/V encoder of its
+    decode-time compression and its tc16 write, and the V layout the kernels read fastest) when the backend has
+    kernels and the setting is not "reference"; otherwise make sure none is registered.
+    Returns whether they are."""
+    on = kernels_available() and setting() != "reference"
+    register_kernel(_cache_entry if on else None)
+    register_encoder(encode_pair if on else None)
+    register_v_layout(v_layout if on else None)
+    register_tc16_packer(pack_tc16 if on else None)
+    return on
+
+
+__all__ = [
+    "BACKEND",
+    "SETTINGS",
+    "SETTING_ENV",
+    "Problem",
+    "Unsupported",
+    "attention_reference",
+    "encode_pair",
+    "fused_attention",
+    "install",
+    "isoquant_attention",
+    "kernels_available",
+    "pack_tc16",
+    "setting",
+    "unfused_attention",
+    "v_layout",
+]
