@@ -44,9 +44,9 @@ def test_plans_fit_and_more_ram_is_never_worse(path, backend):
         m = p.machine
         assert p.process_peak <= m.usable <= m.ram - m.reserve
         assert p.total_peak <= m.ram
-        assert p.peak["kv_cache"] == p.sizes.kv_bytes(
-            p.context_limit, p.kv_modes, planner.PREFILL_CHUNK
-        )
+        assert p.peak["kv_cache"] == p.sizes.kv_bytes(p.context_limit, p.kv_modes, p.prefill_chunk)
+        assert p.peak["activations"] == planner.activation_bytes(
+            p.sizes, p.context_limit, m, p.prefill_chunk)
         assert p.expert_budget <= p.expert_bytes
         assert ("zipfusion" in p.kv_modes.values()) <= (backend == "cuda")
         assert p.reasons and all(isinstance(r, str) and r for r in p.reasons)
@@ -318,3 +318,44 @@ def test_cli_refuses_bad_context_and_widths_with_a_message(argv, match):
     args = parser.parse_args(argv)
     with pytest.raises(EngineError, match=match):
         args.func(args)
+
+
+def test_prefill_chunk_grows_only_into_memory_the_plan_leaves():
+    s = sizes.compute(json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()), name="qwen3")
+    m = Machine.simulate(32 * GiB, "metal")
+    ctx = 8192
+
+    def extra(chunk):
+        return (planner.activation_bytes(s, ctx, m, chunk) + s.kv_bytes(ctx, "fp16", chunk)
+                - planner.activation_bytes(s, ctx, m, 512) - s.kv_bytes(ctx, "fp16", 512))
+
+    assert 0 < extra(1024) < extra(2048)
+    assert planner.prefill_chunk(s, m, ctx, 0)[0] == 512
+    assert planner.prefill_chunk(s, m, ctx, extra(1024))[0] == 1024
+    assert planner.prefill_chunk(s, m, ctx, extra(2048) - 1)[0] == 1024
+    chunk, why = planner.prefill_chunk(s, m, ctx, extra(2048))
+    assert chunk == 2048 and "2048-token steps" in why
+
+
+def test_plan_sizes_prefill_chunk_and_counts_it():
+    roomy = plan_model(CONFIGS / "qwen3-30b-a3b.json", Machine.simulate(32 * GiB, "metal"))
+    assert roomy.prefill_chunk == 2048 and not roomy.paging
+    assert roomy.peak["activations"] == planner.activation_bytes(
+        roomy.sizes, roomy.context_limit, roomy.machine, 2048)
+    assert roomy.process_peak <= roomy.machine.usable
+    assert roomy.prefill_reason in roomy.reasons and roomy.to_dict()["prefill_chunk"] == 2048
+    # paged: the expert budget takes what is left, so the step stays at its smallest
+    paged = plan_model(CONFIGS / "nemotron-3-super-120b-a12b.json",
+                       Machine.simulate(32 * GiB, "metal"))
+    assert paged.paging and paged.prefill_chunk == 512
+    assert "512-token steps" in paged.prefill_reason
+    with pytest.raises(ValueError, match="prefill chunk"):
+        dataclasses.replace(roomy, prefill_chunk=777)
+
+
+def test_prefill_chunk_for_a_config_and_where_nothing_fits():
+    cfg = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
+    chunk, why = planner.prefill_chunk_for(cfg, Machine.simulate(32 * GiB, "metal"))
+    assert chunk == 2048 and why
+    chunk, why = planner.prefill_chunk_for(cfg, Machine.simulate(4 * GiB, "metal"))
+    assert chunk == 512 and "no plan fits" in why

@@ -1,7 +1,9 @@
 """The engine's generation API: a generator of small dataclass events.
 
-Built on mlx-lm's `generate_step` (prefill, sampling, the decode loop) and its streaming
-detokenizer; the app adds chat templates, cancellation, KV modes and honest statistics.
+The loop (`token_stream`) is mlx-lm's `generate_step` — chunked prefill, then each step's graph
+built while the device runs the previous one — with the prefill chunk sized by the planner and
+the sampling ops compiled; it uses mlx-lm's streaming detokenizer. The app adds chat templates,
+cancellation, KV modes and honest statistics.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class GenerationSettings:
     seed: int | None = None
     kv_mode: str = "auto"  # auto (the plan's) | a row of the KV modes table (kvcache/modes.py)
     kv_window: int | None = None  # IsoQuant's recent FP16 window (None = the cache's default)
-    prefill_step_size: int = 512
+    prefill_step_size: int | None = None  # tokens per prefill step (None = the plan's chunk)
 
     def __post_init__(self):
         for name, f in self.__dataclass_fields__.items():
@@ -45,7 +47,7 @@ class GenerationSettings:
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError("seed must be in 0..2**64-1")
-        if self.prefill_step_size < 1:
+        if self.prefill_step_size is not None and self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
         if self.max_tokens == 0 or self.max_tokens < -1:
             raise ValueError("max_tokens must be positive (or -1 for no limit)")
@@ -124,6 +126,87 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
     return load_paged(path, int(expert_budget))
 
 
+def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = True) -> dict:
+    """What the engine does to a loaded model before generating: float32 dense weights on the
+    CPU backend, compiled feed-forward blocks. Returns facts for ModelInfo.extra."""
+    from .backend import detect
+
+    float_bytes = 0
+    if detect().name == "cpu" and float_dense:
+        from .cpu_weights import dequantize_dense
+
+        float_bytes = dequantize_dense(model)
+    blocks = []
+    if compile_blocks:
+        from .compiled import compile_blocks as compile_all
+
+        blocks = compile_all(model)
+    return {"cpu_float_dense_bytes": float_bytes, "compiled_blocks": len(blocks)}
+
+
+# Sampling after the model: log-probabilities as mlx-lm's loop takes them (the same ops, so
+# the same tokens), compiled into one graph node per step.
+_logprobs = mx.compile(lambda logits: logits - mx.logsumexp(logits, keepdims=True))
+_greedy = mx.compile(lambda logits: mx.argmax(_logprobs(logits), axis=-1))
+
+
+def sample(logits: mx.array, sampler: Callable | None = None) -> mx.array:
+    """logits: [B, V] -> tokens [B]; sampler: mlx-lm's (takes log-probabilities), None: greedy."""
+    return _greedy(logits) if sampler is None else sampler(_logprobs(logits))
+
+
+def decode_step(model, tokens: mx.array, cache: list, sampler: Callable | None = None,
+                processors: list | None = None, history: mx.array | None = None) -> mx.array:
+    """One step's graph (lazy): tokens [L] -> the next token [1]."""
+    logits = model(tokens[None], cache=cache)[:, -1, :]
+    for proc in processors or ():
+        logits = proc(history, logits)
+    return sample(logits, sampler)
+
+
+def token_stream(model, ids: list[int] | mx.array, cache: list, *, max_tokens: int = 256,
+                 sampler: Callable | None = None, processors: list | None = None,
+                 prefill_chunk: int = 512,
+                 between_chunks: Callable[[int, int], None] | None = None) -> Iterator[int]:
+    """Token ids from `ids` on: the prompt but its last token in chunks of `prefill_chunk`
+    (`between_chunks(done, total)` after each), then one step a token, step n+1's graph built
+    while the device runs step n (as mlx-lm's generate_step, whose tokens these are).
+    max_tokens -1: no limit."""
+    from mlx_lm.generate import generation_stream
+
+    prompt = ids if isinstance(ids, mx.array) else mx.array(ids)
+    if prompt.size == 0:
+        raise EngineError("empty prompt")
+    history = prompt if processors else None
+    total, done = prompt.size, 0
+    with mx.stream(generation_stream):
+        while prompt.size > 1:
+            n = min(prefill_chunk, prompt.size - 1)
+            model(prompt[:n][None], cache=cache)
+            mx.eval([c.state for c in cache])
+            prompt = prompt[n:]
+            done += n
+            if between_chunks is not None:
+                between_chunks(done, total)
+            mx.clear_cache()
+        y = decode_step(model, prompt, cache, sampler, processors, history)
+        mx.async_eval(y)
+        n = 0
+        while True:
+            if n != max_tokens:
+                if processors:
+                    history = mx.concatenate([history, y])
+                nxt = decode_step(model, y, cache, sampler, processors, history)
+                mx.async_eval(nxt)
+            if n == max_tokens:
+                break
+            yield y.item()
+            if n % 256 == 0:
+                mx.clear_cache()
+            y = nxt
+            n += 1
+
+
 class Engine:
     """Owns one loaded model. Not thread-safe: one generation at a time (MLX arrays never
     cross threads)."""
@@ -135,6 +218,7 @@ class Engine:
         self.default_kv_mode = "fp16"
         self.last_kv_mode = "fp16"
         self.context_limit: int | None = None  # tokens (an applied plan's); None: no limit
+        self.prefill_chunk = 512
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, options: dict | None = None) -> ModelInfo:
@@ -155,11 +239,8 @@ class Engine:
             if plan.paging and options.get("expert_budget") is None:
                 options["expert_budget"] = plan.expert_budget
         lm = _load_any(path, options.get("expert_budget"))
-        float_dense = 0
-        if detect().name == "cpu" and options.get("cpu_float_weights", True):
-            from .cpu_weights import dequantize_dense
-
-            float_dense = dequantize_dense(lm.model)
+        facts = prepare_model(lm.model, float_dense=options.get("cpu_float_weights", True),
+                              compile_blocks=options.get("compile", True))
         self.unload()
         self.loaded = lm
         if plan is not None and not plan.attention_share.measured and options.get("profile", True):
@@ -168,6 +249,7 @@ class Engine:
             plan = self._profile_and_replan(lm, path, options, plan)
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
         self.context_limit = int(options["context"]) if options.get("context") else None
+        self.prefill_chunk, chunk_reason = self._prefill_chunk(lm.path, plan, options)
         backend = detect()
         self.info = ModelInfo(
             path=str(lm.path),
@@ -179,7 +261,9 @@ class Engine:
             backend=backend.name,
             load_seconds=time.perf_counter() - t0,
             extra={"plan": plan.to_dict() if plan else None,
-                   "cpu_float_dense_bytes": float_dense,
+                   **facts,
+                   "prefill_chunk": self.prefill_chunk,
+                   "prefill_chunk_reason": chunk_reason,
                    "expert_budget": options.get("expert_budget"),
                    "default_kv_mode": self.default_kv_mode},
         )
@@ -199,6 +283,16 @@ class Engine:
         opts = dict(options)
         opts.setdefault("expert_budget", plan.expert_budget if plan.paging else None)
         return self._plan(path, opts)
+
+    @staticmethod
+    def _prefill_chunk(path, plan, options: dict) -> tuple[int, str]:
+        """Tokens per prefill step: the plan's, else the planner's for this machine now."""
+        from .planner import prefill_chunk_for
+
+        if plan is not None:
+            return plan.prefill_chunk, plan.prefill_reason
+        return prefill_chunk_for(path, context=options.get("context"),
+                                 expert_budget=options.get("expert_budget"))
 
     @staticmethod
     def _plan(path, options: dict):
@@ -283,7 +377,6 @@ class Engine:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Iterator[PromptProcessed | TokenEvent | Finished]:
         """Stream events for one request. `prompt` is token ids, raw text, or chat messages."""
-        from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         lm = self._require()
@@ -309,7 +402,7 @@ class Engine:
         max_tokens = prompts.fit_context(len(ids), settings.max_tokens, ctx, why)
         if settings.seed is not None:
             mx.random.seed(settings.seed)
-        sampler = make_sampler(
+        sampler = None if settings.temperature == 0 else make_sampler(
             temp=settings.temperature, top_p=settings.top_p if settings.top_p < 1 else 0.0,
             min_p=settings.min_p, top_k=settings.top_k,
         )
@@ -325,16 +418,14 @@ class Engine:
         detok.reset()
         eos = set(tokenizer.eos_token_ids)
         mx.reset_peak_memory()
-        prompt_arr = mx.array(ids)
-        def between_chunks(done: int, total: int) -> None:  # mlx-lm calls it after each chunk
+        def between_chunks(done: int, total: int) -> None:  # after each prefill chunk
             if should_stop():
                 raise prompts.Cancelled("cancelled during prefill")
 
-        steps = generate_step(
-            prompt_arr, lm.model, max_tokens=max_tokens, sampler=sampler,
-            logits_processors=procs, prompt_cache=cache,
-            prefill_step_size=settings.prefill_step_size,
-            prompt_progress_callback=between_chunks,
+        steps = token_stream(
+            lm.model, ids, cache, max_tokens=max_tokens, sampler=sampler, processors=procs,
+            prefill_chunk=settings.prefill_step_size or self.prefill_chunk,
+            between_chunks=between_chunks,
         )
         t0 = time.perf_counter()
         prompt_tps = decode_tps = 0.0
@@ -343,8 +434,7 @@ class Engine:
         t_decode = t0
         text = []
         try:
-            for token, _logprobs in steps:
-                token = int(token)
+            for token in steps:
                 if n == 0:
                     t_decode = time.perf_counter()
                     prompt_tps = len(ids) / max(t_decode - t0, 1e-9)
