@@ -11,7 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..generate import Engine, GenerationSettings, ModelInfo, _kvcache_module, _weight_bytes
+from .. import kvcache
+from ..generate import Engine, GenerationSettings, ModelInfo, _weight_bytes, prepare_model
 from .stage import load_stage, local_caches, localize_cache
 
 
@@ -24,21 +25,15 @@ class StageEngine(Engine):
         """`options`: split (layers per rank, rank 0 first), expert_budget (this rank's bytes),
         kv_mode, cpu_float_weights (default True, as Engine.load)."""
         from ..backend import detect
-        from ..generate import _register_isoquant_kernels
 
         options = dict(options or {})
         t0 = time.perf_counter()
         lm = load_stage(
             path, self.group, split=options.get("split"), expert_budget=options.get("expert_budget")
         )
-        kv = _kvcache_module()
-        if kv is not None and hasattr(kv, "install"):
-            kv.install(lm.model)
-            _register_isoquant_kernels()
-        if detect().name == "cpu" and options.get("cpu_float_weights", True):
-            from ..cpu_weights import dequantize_dense
-
-            dequantize_dense(lm.model)
+        # blocks stay uncompiled: a stage's layers are swapped for stand-ins and transfers
+        prepare_model(lm.model, float_dense=options.get("cpu_float_weights", True),
+                      compile_blocks=False)
         self.unload()
         self.loaded = lm
         self.default_kv_mode = options.get("kv_mode") or "fp16"
@@ -49,7 +44,7 @@ class StageEngine(Engine):
             architecture=lm.architecture,
             num_layers=stage.num_layers,
             weight_bytes=_weight_bytes(lm.model),
-            kv_modes=self._kv_modes(kv),
+            kv_modes=kvcache.names(detect().name, offered=True),
             backend=detect().name,
             load_seconds=time.perf_counter() - t0,
             extra={
