@@ -27,10 +27,7 @@ def expert_weights(folder: str | os.PathLike, section: dict | None = None,
     out = {}
     with ExpertStore(folder, section) as store:
         for layer in store.layers:
-            if verify:
-                for e in range(store.layout(layer).num_experts):
-                    store.verify(layer, e)
             module = store.layout(layer).module
-            for name, arr in store.read_layer(layer).items():
+            for name, arr in store.read_layer(layer, verify=verify).items():
                 out[f"{module}.{name}"] = arr
     return out
