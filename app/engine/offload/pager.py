@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import EngineError
 from .lru import ExpertLRU, NoFreeSlot
 from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
-from .stats import LayerStats, total
+from .stats import LayerStats, per_token, total
 
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
 
@@ -64,7 +64,9 @@ class BudgetError(EngineError, ValueError):
 
 @dataclass(frozen=True)
 class PagerOptions:
-    verify: bool = True  # CRC-check every record read (size is always checked)
+    verify: bool = True  # CRC-check records (size is always checked)
+    verify_every_read: bool = False  # CRC on every read; else on a record's first read in
+    # the process (the CRC costs ~4x the copy out of the page cache; the file is read-only)
     read_threads: int = 4  # concurrent positioned reads of one call's misses (SSD queue depth)
     always_resolve: bool = False  # read indices back even when all experts are resident
     zero_copy: bool | None = None  # preadv into slot memory; None: on unless CUDA
@@ -207,6 +209,11 @@ class ExpertPager:
         self._stage: np.ndarray | None = None
         self._pending: list = []  # outputs since the last sync: evaluated before slots move
         self.load_bytes_read = 0
+        self._verified = {layer: np.zeros(store.layout(layer).num_experts, dtype=bool)
+                          for layer in layers}
+        self._first_layer = layers[0]  # its calls mark forward passes (token clock)
+        self._tick: float | None = None
+        self.tokens, self.token_s = 0, 0.0
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
                 pool.slot_views(0)
@@ -240,18 +247,26 @@ class ExpertPager:
                    slots=sum(p.num_slots for p in self.pools),
                    experts=sum(sum(p.num_experts.values()) for p in self.pools),
                    layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()})
+        out.update(per_token(out, self.tokens, self.token_s))
         return out
 
     def reset_stats(self) -> None:
         for layer, st in self.layer_stats.items():
             resident = st.resident
             self.layer_stats[layer] = LayerStats(resident=resident)
+        self._tick, self.tokens, self.token_s = None, 0, 0.0
 
     def route(self, layer: int, indices) -> Route:
         """Slots for one call of `layer`'s experts with router `indices` [..., k]."""
         import mlx.core as mx
 
         st = self.layer_stats[layer]
+        if layer == self._first_layer:  # a forward pass starts: the last one took now - tick
+            now = time.perf_counter()
+            if self._tick is not None:
+                self.tokens += 1
+                self.token_s += now - self._tick
+            self._tick = now
         if self.no_readback:
             st.hits += indices.size  # every pair hits; counted without reading indices back
             base = self.base[layer]
@@ -260,8 +275,18 @@ class ExpertPager:
         # the last call's output must be computed before any of its slots is overwritten
         mx.eval(indices, *self._pending)
         flat = np.array(indices, copy=True).reshape(-1).astype(np.int64)
-        st.readback_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        st.readback_s += t1 - t0
         st.readbacks += 1
+        read_before = st.read_s
+        try:
+            return self._route_host(layer, indices, flat, st)
+        finally:
+            st.host_s += time.perf_counter() - t1 - (st.read_s - read_before)
+
+    def _route_host(self, layer: int, indices, flat: np.ndarray, st: LayerStats) -> Route:
+        import mlx.core as mx
+
         self.release()
         pool = self.pool_of[layer]
         ne = pool.num_experts[layer]
@@ -415,7 +440,8 @@ class ExpertPager:
                                     str(self.store.folder / lay.file), layer, expert)
         if self.options.drop_page_cache:
             os.posix_fadvise(fd, off, lay.stride, os.POSIX_FADV_DONTNEED)
-        if self.options.verify:
+        if self.options.verify and (self.options.verify_every_read
+                                    or not self._verified[layer][expert]):
             crc = 0
             for b in bufs:
                 crc = zlib.crc32(b, crc)
@@ -428,6 +454,7 @@ class ExpertPager:
                     f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): the "
                     "record is corrupt; convert the model again",
                     str(self.store.folder / lay.file), layer, expert)
+            self._verified[layer][expert] = True
 
     def _load_all(self) -> None:
         """All-resident start: every expert into slot base+e, layer after layer."""
