@@ -106,6 +106,7 @@ class SlotPool:
             mx.eval(a)
             self.storage[t.name] = a
         self._views: dict[str, memoryview] | None = None
+        self._stage: dict[str, np.ndarray] | None = None  # scatter path's host staging
 
     @property
     def nbytes(self) -> int:
@@ -132,16 +133,26 @@ class SlotPool:
                 self._views[t.name] = mv.cast("B")
         return [self._views[t.name][slot * t.nbytes:(slot + 1) * t.nbytes] for t in self.tensors]
 
-    def scatter(self, slots: list[int], stage: np.ndarray) -> None:
-        """Write records `stage` [n, record_size] into `slots` (functional update)."""
+    def staging(self, rows: int) -> dict[str, np.ndarray]:
+        """Host staging (scatter path): per tensor [rows, *shape], so a record is read with
+        one preadv straight into its tensors' rows and each tensor goes to MLX in one copy."""
+        st = self._stage
+        if st is None or len(next(iter(st.values()))) < rows:
+            st = self._stage = {t.name: np.empty((rows, *t.shape), _NP_STORAGE[t.dtype])
+                                for t in self.tensors}
+        return st
+
+    def stage_views(self, row: int) -> list[memoryview]:
+        return [memoryview(self._stage[t.name][row]).cast("B") for t in self.tensors]
+
+    def scatter(self, slots: list[int]) -> None:
+        """Write staged rows 0 .. len(slots) - 1 into `slots` (functional update)."""
         import mlx.core as mx
 
         idx = mx.array(np.asarray(slots, dtype=np.uint32))
         n = len(slots)
         for t in self.tensors:
-            part = stage[:n, t.offset:t.offset + t.nbytes].view(_NP_STORAGE[t.dtype])
-            data = mx.array(np.ascontiguousarray(part).reshape(n, *t.shape))
-            self.storage[t.name][idx] = data
+            self.storage[t.name][idx] = mx.array(self._stage[t.name][:n])
 
 
 @dataclass
@@ -158,6 +169,17 @@ class Route:
     slots: np.ndarray | None = None  # the same slots on the host (None: never read back)
     groups: list | None = None  # else: groups of experts, run one after another
     flat: np.ndarray | None = None  # the call's expert index per pair (host), with groups
+
+
+def _iovecs(lay: LayerLayout, views: list[memoryview]) -> list[memoryview]:
+    """One record's preadv buffers: each tensor straight into its view, gaps into scratch."""
+    bufs, pos = [], 0
+    for t, view in zip(lay.tensors, views, strict=True):
+        if t.offset > pos:
+            bufs.append(memoryview(bytearray(t.offset - pos)))
+        bufs.append(view)
+        pos = t.offset + t.nbytes
+    return bufs
 
 
 class ExpertPager:
@@ -206,7 +228,6 @@ class ExpertPager:
         self._fds: dict[int, int] = {}
         self._pool_exec = ThreadPoolExecutor(options.read_threads) \
             if options.read_threads > 1 else None
-        self._stage: np.ndarray | None = None
         self._pending: list = []  # outputs since the last sync: evaluated before slots move
         self.load_bytes_read = 0
         self._verified = {layer: np.zeros(store.layout(layer).num_experts, dtype=bool)
@@ -392,16 +413,13 @@ class ExpertPager:
             self._map(lambda es: self._read_direct(pool, layer, lay, fd, *es), todo)
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
-            if self._stage is None or self._stage.shape[1] < lay.record_size or \
-                    self._stage.shape[0] < min(per, len(todo)):
-                rows = min(per, max(len(todo), 8))
-                self._stage = np.empty((rows, lay.record_size), dtype=np.uint8)
-            per = min(per, self._stage.shape[0])
+            rows = min(per, max(len(todo), 8))
+            per = min(per, len(next(iter(pool.staging(rows).values()))))
             for b in range(0, len(todo), per):
                 batch = todo[b:b + per]
-                self._map(lambda ie: self._read_stage(layer, lay, fd, *ie),
+                self._map(lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
                           list(enumerate(e for e, _ in batch)))
-                pool.scatter([s for _, s in batch], self._stage)
+                pool.scatter([s for _, s in batch])
                 if b + per < len(todo):  # bound the staged copies held by the lazy scatter
                     import mlx.core as mx
 
@@ -420,17 +438,11 @@ class ExpertPager:
 
     def _read_direct(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int,
                      expert: int, slot: int) -> None:
-        # one preadv of the record: tensors straight into the slot, gaps into scratch
-        bufs, pos = [], 0
-        for t, view in zip(lay.tensors, pool.slot_views(slot), strict=True):
-            if t.offset > pos:
-                bufs.append(memoryview(bytearray(t.offset - pos)))
-            bufs.append(view)
-            pos = t.offset + t.nbytes
-        self._preadv(layer, lay, fd, expert, bufs)
+        self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.slot_views(slot)))
 
-    def _read_stage(self, layer: int, lay: LayerLayout, fd: int, row: int, expert: int) -> None:
-        self._preadv(layer, lay, fd, expert, [memoryview(self._stage[row, :lay.record_size])])
+    def _read_stage(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, row: int,
+                    expert: int) -> None:
+        self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.stage_views(row)))
 
     def _preadv(self, layer: int, lay: LayerLayout, fd: int, expert: int, bufs: list) -> None:
         off = lay.record_offset(expert)
