@@ -168,7 +168,7 @@ def records_decode(pager, streams: dict, n: int, warmup: int) -> dict:
         mx.eval(h)
         wait += time.perf_counter() - tw
     return {"seconds": time.perf_counter() - t0, "wait_s": wait, "n": n,
-            "stats": pager.stats(), "out": h.item()}
+            "stats": pager.stats(), "out": h.item(), "threads": pager.options.read_threads}
 
 
 def streams_for(store, mode: str, steps: int, seed: int = 0) -> dict:
@@ -197,6 +197,7 @@ def row(machine: str, model: str, routing: str, frac: float, cache: str, paged: 
         "ms_per_token": breakdown(n, paged["seconds"], s, paged["wait_s"], compute_s),
         "read_GBps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
         "pread_bound_GBps": bound["GBps"], "pread_bound_threads": bound["threads"],
+        "read_threads": paged["threads"],
         "misses_per_token": s["misses"] / n, "MB_read_per_token": s["bytes_read"] / n / 1e6,
         **extra,
     }
@@ -213,7 +214,8 @@ def cpu_mode(a, emit) -> None:
               "cold": pread_bound(store, True, a.bound_records)}
     print("pread bound: " + ", ".join(
         f"{k} {v['GBps']:.2f} GB/s ({v['threads']} threads)" for k, v in bounds.items()))
-    current = PagerOptions(read_threads=a.threads)
+    # the reader count that reads fastest here (0: the warm bound's best)
+    current = PagerOptions(read_threads=a.threads or bounds["warm"]["threads"])
     landed = PagerOptions(read_threads=4, verify_every_read=True)
     model = f"{SUPER}-records"
     for routing in ("trace", "random"):
@@ -332,7 +334,8 @@ def model_decode(model, n: int, warmup: int, pipelined: bool, logits: bool = Fal
     secs = time.perf_counter() - t0
     return {"seconds": secs, "wait_s": wait, "n": n, "tokens": out,
             "logits": np.concatenate(lg) if logits else None,
-            "stats": pager.stats() if pager is not None else None}
+            "stats": pager.stats() if pager is not None else None,
+            "threads": pager.options.read_threads if pager is not None else None}
 
 
 def spread(a: dict, b: dict) -> dict:
@@ -389,7 +392,7 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
             print(f"  skipped {name} {frac:.0%}: past the deadline", flush=True)
             continue
         budget = eb if frac >= 1 else int(eb * frac)
-        lm = load_paged(folder, budget, read_threads=a.threads)
+        lm = load_paged(folder, budget, read_threads=a.threads or 8)
         pager = lm.model.rq_pager
         opts = pager.options
         for routing in a.routings:
@@ -446,7 +449,8 @@ def main():
     ap.add_argument("--routings", nargs="+", default=["trace", "random"])
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=8, help="the pager's read threads")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="the pager's read threads (0: the pread bound's best; gpu mode: 8)")
     ap.add_argument("--bound-records", type=int, default=256)
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds: later rows skipped")
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-speed"))
@@ -474,7 +478,7 @@ def main():
         mine = {key(x) for x in runs}
         write_result("pager_speed", {"runs": [x for x in old if key(x) not in mine] + runs,
                                      "settings": {"tokens": a.tokens, "warmup": a.warmup,
-                                                  "read_threads": a.threads, "batch": 1}},
+                                                  "batch": 1}},
                      path=out)
 
     (cpu_mode if a.mode == "cpu" else gpu_mode)(a, emit)
