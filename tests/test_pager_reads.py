@@ -112,3 +112,19 @@ def test_per_token_breakdown_adds_up(records):
     assert ms["reads"] > 0 and ms["pager_host"] > 0 and s["read_MBps"] > 0
     pager.reset_stats()
     assert pager.stats()["tokens"] == 0 and pager.stats()["ms_per_token"] is None
+
+
+def test_bench_reports_paging_figures(tmp_path):
+    from app.engine.bench import bench_generate
+    from app.engine.generate import Engine
+    from app.engine.offload.synth import write_random_converted
+    from app.engine.random_models import TINY_CONFIGS
+
+    man = write_random_converted(TINY_CONFIGS["qwen3_moe"], tmp_path / "m", seed=1,
+                                 dtype="float32")
+    eng = Engine()
+    eng.load(tmp_path / "m", {"expert_budget": man.roles["routed"]["bytes"] // 3})
+    res = bench_generate(eng, prompt_tokens=8, gen_tokens=6, trials=1)
+    p = res["pager"]
+    assert 0 <= p["hit_rate"] < 1 and p["MB_read_per_token"] > 0
+    assert set(p["ms_per_token"]) == {"reads", "readbacks", "pager_host", "rest", "total"}
