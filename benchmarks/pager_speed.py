@@ -59,6 +59,7 @@ QWEN3 = {
 }
 PROMPT = 4
 T0 = time.perf_counter()
+READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
 
 
 def machine_name() -> str:
@@ -203,6 +204,43 @@ def row(machine: str, model: str, routing: str, frac: float, cache: str, paged: 
     }
 
 
+def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8) -> dict:
+    """GB/s of the pager's own read path (preadv into slots, CRC, bookkeeping of a call's
+    misses: 22 records at a time), warm page cache, interleaved: the landed path (CRC on every
+    read) vs the current one once records were checked (CRC only on a first read) vs no CRC."""
+    import numpy as np
+
+    from app.engine.offload.pager import ExpertPager, PagerOptions
+
+    variants = {"crc_every_read": PagerOptions(read_threads=threads, verify_every_read=True),
+                "crc_first_read_only": PagerOptions(read_threads=threads),
+                "no_crc": PagerOptions(read_threads=threads, verify=False)}
+    pagers = {k: ExpertPager(store, store.expert_bytes() // 4, o) for k, o in variants.items()}
+    rng = np.random.default_rng(3)
+    layer = store.layers[0]
+    lay = store.layout(layer)
+    todo = [[(int(e), s) for s, e in enumerate(rng.choice(lay.num_experts, SUPER_K,
+                                                            replace=False))]
+            for _ in range(calls)]
+    for batch in todo:  # every record read (and checked) once: page cache warm, CRCs known
+        for p in pagers.values():
+            p._read_into(p.pools[0], layer, batch)
+    secs = {k: [] for k in variants}
+    for _ in range(reps):
+        for k, p in pagers.items():
+            t = time.perf_counter()
+            for batch in todo:
+                p._read_into(p.pools[0], layer, batch)
+            secs[k].append(time.perf_counter() - t)
+    for p in pagers.values():
+        p.close()
+    nbytes = calls * SUPER_K * lay.record_size
+    out = {k: nbytes / min(v) / 1e9 for k, v in secs.items()}
+    out["bound_GBps"] = bound["GBps"]
+    out["read_threads"] = threads
+    return out
+
+
 def cpu_mode(a, emit) -> None:
     from app.engine.offload.pager import ExpertPager, PagerOptions
 
@@ -217,6 +255,11 @@ def cpu_mode(a, emit) -> None:
     # the reader count that reads fastest here (0: the warm bound's best)
     current = PagerOptions(read_threads=a.threads or bounds["warm"]["threads"])
     landed = PagerOptions(read_threads=4, verify_every_read=True)
+    rp = read_path(store, bounds["warm"], current.read_threads)
+    print("read path GB/s (warm): " + ", ".join(f"{k} {v:.2f}" for k, v in rp.items()
+                                                if k.endswith(("read", "only", "crc"))),
+          flush=True)
+    READ_PATH.update(rp)
     model = f"{SUPER}-records"
     for routing in ("trace", "random"):
         streams = streams_for(store, routing, steps)
@@ -435,6 +478,9 @@ def gpu_mode(a, emit) -> None:
         if not a.small else 0.48
     print(f"super: {moe} MoE layers, {eb / 1e9:.1f} GB of experts, budget {frac:.1%}",
           flush=True)
+    store = ExpertStore(work / f"super-22L-{tag}")
+    READ_PATH.update(read_path(store, pread_bound(store, False, a.bound_records), a.threads or 8))
+    print(f"read path GB/s (warm): {READ_PATH}", flush=True)
     model_rows(a, emit, SUPER, work / f"super-22L-{tag}", [frac], {frac: ["warm", "cold"]},
                None if a.small else 22 / SUPER_LAYERS)
 
@@ -478,7 +524,8 @@ def main():
         mine = {key(x) for x in runs}
         write_result("pager_speed", {"runs": [x for x in old if key(x) not in mine] + runs,
                                      "settings": {"tokens": a.tokens, "warmup": a.warmup,
-                                                  "batch": 1}},
+                                                  "batch": 1},
+                                     **({"read_path": READ_PATH} if READ_PATH else {})},
                      path=out)
 
     (cpu_mode if a.mode == "cpu" else gpu_mode)(a, emit)
