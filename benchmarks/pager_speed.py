@@ -254,7 +254,7 @@ def cpu_mode(a, emit) -> None:
         f"{k} {v['GBps']:.2f} GB/s ({v['threads']} threads)" for k, v in bounds.items()))
     # the reader count that reads fastest here (0: the warm bound's best)
     current = PagerOptions(read_threads=a.threads or bounds["warm"]["threads"])
-    landed = PagerOptions(read_threads=4, verify_every_read=True)
+    landed = PagerOptions(read_threads=4, verify_every_read=True, policy="lru")
     rp = read_path(store, bounds["warm"], current.read_threads)
     print("read path GB/s (warm): " + ", ".join(f"{k} {v:.2f}" for k, v in rp.items()
                                                 if k.endswith(("read", "only", "crc"))),

@@ -14,7 +14,7 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 def test_trace_hit_rate_interpolates_the_table():
     for f, h in TRACE_HITS:
         assert trace_hit_rate(f) == pytest.approx(h)
-    assert trace_hit_rate(0.075) == pytest.approx((0.562 + 0.64) / 2)
+    assert trace_hit_rate(0.075) == pytest.approx((0.561 + 0.658) / 2)
     assert trace_hit_rate(-1) == 0.0 and trace_hit_rate(2) == 1.0
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import EngineError
-from .lru import ExpertLRU, NoFreeSlot
+from .lru import POLICIES, NoFreeSlot
 from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
 from .stats import LayerStats, per_token, total
 
@@ -73,10 +73,14 @@ class PagerOptions:
     drop_page_cache: bool = False  # posix_fadvise DONTNEED after each read (cold-disk runs)
     async_eval: bool = False  # start each paged call's experts at once (device busy while
     # Python builds the graph to the next sync); measured in benchmarks, off until it pays
+    policy: str = "slru"  # eviction: segmented LRU beat LRU on trace routing and tied on
+    # random (benchmarks/pager_policy.py); "lru" is plain LRU
 
     def __post_init__(self):
         if self.read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
 
 
 def _signature(lay: LayerLayout) -> str:
@@ -87,7 +91,8 @@ def _signature(lay: LayerLayout) -> str:
 class SlotPool:
     """Slot tensors for every layer whose records share one layout, and their LRU."""
 
-    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int):
+    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int,
+                 policy: str = "lru"):
         import mlx.core as mx
 
         self.tensors: tuple[TensorSpec, ...] = layout.tensors
@@ -97,7 +102,8 @@ class SlotPool:
         self.num_experts = {lay: 0 for lay in layers}  # filled by the pager
         self.slot_bytes = layout.expert_bytes
         self.num_slots = num_slots
-        self.lru = ExpertLRU(num_slots)
+        self.lru = POLICIES[policy](num_slots)
+        self.pass_keys = 0  # keys resolved in the current forward pass (SLRU's probation)
         # storage dtype: bfloat16 kept as uint16 so numpy can address it; viewed at use
         self.storage = {}
         for t in self.tensors:
@@ -215,7 +221,7 @@ class ExpertPager:
                 raise BudgetError(
                     f"expert budget of {self.budget_bytes} bytes holds no expert of layer "
                     f"{g[0]} ({b} bytes each; all experts: {self.expert_bytes} bytes)")
-            pool = SlotPool(store.layout(g[0]), g, slots)
+            pool = SlotPool(store.layout(g[0]), g, slots, options.policy)
             for layer in g:
                 pool.num_experts[layer] = store.layout(layer).num_experts
                 self.pool_of[layer] = pool
@@ -288,6 +294,10 @@ class ExpertPager:
                 self.tokens += 1
                 self.token_s += now - self._tick
             self._tick = now
+            for pool in self.pools:  # probation outlives two passes' keys
+                if pool.pass_keys:
+                    pool.lru.probation_min = min(pool.num_slots, 2 * pool.pass_keys)
+                    pool.pass_keys = 0
         if self.no_readback:
             st.hits += indices.size  # every pair hits; counted without reading indices back
             base = self.base[layer]
@@ -374,6 +384,7 @@ class ExpertPager:
         pool = self.pool_of[layer]
         st = self.layer_stats[layer]
         keys = [(layer, e) for e in experts]
+        pool.pass_keys += len(keys)
         missing = {e for e in experts if (layer, e) not in pool.lru}
         try:
             slots, allocs = pool.lru.resolve(keys)

@@ -5,7 +5,8 @@ order: for each token, layer after layer, that layer's k experts (all of one lay
 are pinned together, so a layer's own keys are never evicted by each other).
 - lru: least recently used (what `ExpertLRU` does),
 - slru: segmented LRU, frequency-aware: a key used again while resident moves to a protected
-  segment (80% of the slots); new keys enter probation and are evicted first,
+  segment (80% of the slots, less if probation would hold under two tokens' keys); new keys
+  enter probation and are evicted first,
 - os: no slot pool beyond the step: the OS page cache holds the same bytes (Linux and macOS
   keep active / inactive lists, an SLRU of about half and half), and every use, hit or not,
   is a copy out of it (`copy_s` per record in `token_seconds`).
@@ -36,9 +37,12 @@ class _LRU:
 
 
 class _SLRU:
-    def __init__(self, slots: int, protected: float):
-        self.cap_p = max(0, min(slots - 1, int(slots * protected)))
-        self.cap_t = slots - self.cap_p
+    """What `lru.ExpertSLRU` does (without pins): all slots shared, probation evicted first."""
+
+    def __init__(self, slots: int, protected: float, probation_min: int = 1):
+        # probation must outlive a token's keys, or nothing is ever used twice in it
+        self.slots = slots
+        self.cap_p = max(0, min(slots - probation_min, int(slots * protected)))
         self.prob, self.prot = OrderedDict(), OrderedDict()
 
     def access(self, key) -> bool:
@@ -48,25 +52,26 @@ class _SLRU:
         if key in self.prob:
             del self.prob[key]
             self.prot[key] = None
-            if len(self.prot) > self.cap_p:  # demoted: back to probation's newest end
+            while len(self.prot) > self.cap_p:  # demoted: probation's newest
                 old, _ = self.prot.popitem(last=False)
                 self.prob[old] = None
             return True
+        if len(self.prob) + len(self.prot) >= self.slots:
+            (self.prob if self.prob else self.prot).popitem(last=False)
         self.prob[key] = None
-        if len(self.prob) > self.cap_t:
-            self.prob.popitem(last=False)
         return False
 
 
-def make_cache(policy: str, slots: int):
+def make_cache(policy: str, slots: int, per_token: int = 1):
+    """`per_token`: keys one token uses (all layers): probation holds at least two tokens'."""
     if slots < 1:
         raise ValueError(f"a cache needs at least one slot, got {slots}")
     if policy == "lru":
         return _LRU(slots)
     if policy == "slru":
-        return _SLRU(slots, 0.8)
+        return _SLRU(slots, 0.8, 2 * per_token)
     if policy == "os":
-        return _SLRU(slots, 0.5)
+        return _SLRU(slots, 0.5, 2 * per_token)
     raise ValueError(f"unknown policy {policy!r} (have {POLICIES})")
 
 
@@ -83,8 +88,8 @@ def simulate(policy: str, traces: dict[int, np.ndarray], slots: int,
              warmup: int = 0) -> SimResult:
     """Run `traces` (layer -> [steps, k]) through one pool of `slots` experts; hit rate over
     the steps after `warmup`."""
-    cache = make_cache(policy, slots)
     layers = sorted(traces)
+    cache = make_cache(policy, slots, sum(traces[x].shape[1] for x in layers))
     steps = min(len(t) for t in traces.values())
     hits = total = 0
     for t in range(steps):

@@ -14,10 +14,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-# LRU hit rate of the shared pool at a fraction of all experts, on trace routing (8 layers of
-# 512 experts, 10 a token; app.engine.offload.policy.simulate after 150 warm-up tokens)
-TRACE_HITS = ((0.0, 0.0), (0.02, 0.371), (0.05, 0.562), (0.1, 0.64), (0.25, 0.72),
-              (0.5, 0.794), (0.75, 0.898), (0.9, 0.941), (1.0, 1.0))
+# hit rate of the shared pool (segmented LRU, the pager's policy) at a fraction of all experts
+# on trace routing (8 layers of 512 experts, 10 a token; policy.simulate("slru", ...) after
+# 150 warm-up tokens)
+TRACE_HITS = ((0.0, 0.0), (0.02, 0.371), (0.05, 0.561), (0.1, 0.658), (0.25, 0.744),
+              (0.5, 0.823), (0.75, 0.897), (0.9, 0.941), (1.0, 1.0))
 
 
 @dataclass(frozen=True)
