@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import platform
 import statistics
@@ -31,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_clock  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from record import write_result  # noqa: E402
 
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 WINDOW = 64  # float tokens of the cache's recent window (kvcache default W)
@@ -87,7 +88,7 @@ def isoquant_sets(b: int, t: int, dtype=mx.bfloat16, tf: int = 0, v_layout: str 
     layout = v_layout or V_LAYOUT
     sets = []
     for s in range(_sets(per)):
-        q, k, v = iq.random_problem(
+        q, k, v = random_problem(
             b, HKV, HQ // HKV, 1, D, t, tf, dtype=dtype, seed=s, encoded=False, v_layout=layout
         )
         mx.eval(q, k.codes, k.norms, v.codes, v.norms)
@@ -212,7 +213,7 @@ def settings(**changed):
 
 def check_accuracy() -> dict:
     """Fused output vs the MLX-ops reference on the same codes (bench-like shape)."""
-    q, k, v = iq.random_problem(
+    q, k, v = random_problem(
         2, HKV, HQ // HKV, 1, D, 4097, 64, dtype=mx.float32, seed=9, v_layout=V_LAYOUT
     )
     with mx.stream(mx.cpu):  # float32 reference: MLX's CUDA float32 matmuls are TF32
@@ -259,7 +260,7 @@ def main() -> None:
         "--defaults-only",
         action="store_true",
         help="the table's default call (and its float window), mx.fast and torch only: no "
-        "variant columns (all twelve shapes took 84 s on the H200 in session 23)",
+        "variant columns (all twelve shapes take ~84 s on an H200)",
     )
     ap.add_argument(
         "--shapes", nargs="*", metavar="BxT", help="table shapes (default: every B x T)"
@@ -332,12 +333,10 @@ def main() -> None:
             info = {k: str(v) for k, v in mx.device_info().items()}
         except Exception:  # older MLX: the device name is optional
             pass
+        machine = dict(
+            platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__
+        )
         out = dict(
-            machine=dict(
-                platform=platform.platform(),
-                device=info.get("device_name", "?"),
-                mlx=mx.__version__,
-            ),
             shape=dict(hq=HQ, hkv=HKV, d=D, query_tokens=1, isoquant_bits=3, dtype="bfloat16"),
             method="time_us: median of 7 trials; each trial queues >= 20 calls over rotating "
             "input sets (KV >= 4x the 60 MB L2 where memory allows) and evaluates them at once "
@@ -359,8 +358,7 @@ def main() -> None:
             accuracy_rel_error=acc,
             records=rows,
         )
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_result("attention_decode", out, machine, Path(args.out))
 
     for b, t in shapes:
         print(f"B={b} T={t}", flush=True)

@@ -56,7 +56,7 @@ def make_synthetic_checkpoint(folder: Path, config: dict, shard_bytes: int = 1 <
     from mlx_lm.utils import _get_classes
 
     from app.engine.quant.safetensors_io import OutTensor, ShardedWriter
-    from app.engine.random_models import write_tiny_tokenizer
+    from app.engine.testing.random_models import write_tiny_tokenizer
 
     cls, args = _get_classes(config)
     model = cls(args.from_dict(config))  # lazy: shapes only
@@ -198,8 +198,9 @@ def main(argv=None) -> int:
         print(f"{i:5d} {t['baseline_rss'] / mib:12.0f} {t['peak_rss'] / mib:9.0f} "
               f"{t['above_baseline'] / mib:9.0f} {t['seconds']:8.1f} "
               f"{'yes' if t['within_bound'] else 'NO':>3s}")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(r, indent=2))
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("convert_memory", r, r.pop("machine"), Path(a.json))
     return 0 if r["within_bound"] else 1
 
 

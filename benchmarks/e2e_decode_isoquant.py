@@ -14,7 +14,6 @@ Results: benchmarks/results/e2e_decode_isoquant.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,9 +27,10 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import kvcache  # noqa: E402
-from app.engine import kvcache_kernels as kk  # noqa: E402  (registers the kernels)
-from app.engine.kvcache.packing import V_LAYOUT_ENV  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import isoquant  # noqa: E402
+from app.engine.kvcache.isoquant import kernel_path as kk  # noqa: E402  (registers the kernels)
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.kvcache.isoquant.packing import V_LAYOUT_ENV  # noqa: E402
 
 CFG = {
     "model_type": "llama",
@@ -57,7 +57,7 @@ WINDOW = 64
 # Warm-up steps: past five decode compression batches (16 tokens each) and the first growth of
 # the code buffers (the pre-filled caches hold exactly their tokens), so neither first-use kernel
 # compilation nor MLX's first instantiation of each CUDA-graph topology a step can have is timed.
-# H200 (.device/s10/steps.py, e2e json "compression_steps"): the first compression steps and the
+# Measured one step at a time on an H200: the first compression steps and the
 # first growth each took 10-17 ms more to evaluate; from the fifth compression on, a compression
 # step evaluates within ~0.3 ms of a plain one. The timed steps are then the steady state of a
 # long decode; the spikes are a one-time cost per process and topology.
@@ -72,7 +72,7 @@ def build_model():
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
-    kvcache.install(model)
+    isoquant.install(model)
     return model
 
 
@@ -97,7 +97,7 @@ def make_caches(mode: str, ctx: int):
 def random_isoquant_cache(ctx: int, hkv: int = 8, d: int = 128, layer: int = 0):
     """A 3-bit IsoQuant cache holding ctx tokens: random code bytes and norms for all but the
     WINDOW newest, which are random bf16 (not evaluated)."""
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=layer)
+    c = isoquant.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=layer)
     c._setup(hkv, d, d)
     tc, row = ctx - WINDOW, 3 * d // 8
     c.state = (
@@ -149,14 +149,14 @@ def decode_tok_s(model, caches, steps: int, warmup: int = WARMUP):
 def _set_mode(mode: str, fold_default: bool) -> None:
     kk.install()  # registered: the kernels run whenever the backend has them
     if mode == "isoquant_reference":  # MLX ops throughout: attention and encoder
-        kvcache.register_kernel(None)
-        kvcache.register_encoder(None)
+        isoquant.attention.register_kernel(None)
+        isoquant.cache.register_encoder(None)
     if mode == "isoquant_fused_mlx_encoder":  # fused attention, MLX-ops compression
-        kvcache.register_encoder(None)
+        isoquant.cache.register_encoder(None)
     iq.TC_FOLD = fold_default if mode != "isoquant_fused_fold" else True
-    os.environ.pop(kvcache.cache.COMPILE_ENV, None)
+    os.environ.pop(isoquant.cache.COMPILE_ENV, None)
     if mode == "isoquant_fused_compiled_encoder":
-        os.environ[kvcache.cache.COMPILE_ENV] = "1"
+        os.environ[isoquant.cache.COMPILE_ENV] = "1"
     os.environ.pop(V_LAYOUT_ENV, None)  # the caches' V layout: the backend's (packing.py)
     if mode == "isoquant_fused_rows":
         os.environ[V_LAYOUT_ENV] = "rows"
@@ -166,7 +166,7 @@ def _record(mode: str, ctx: int, tps_rounds: list, unpiped: tuple, caches) -> di
     tps = statistics.median(tps_rounds)
     sync, build_ms, eval_ms, max_ms = unpiped
     kv = sum(kvcache.cache_nbytes([c]) for c in caches)
-    layout = next((c.v_layout for c in caches if isinstance(c, kvcache.IsoQuantKVCache)), None)
+    layout = next((c.v_layout for c in caches if isinstance(c, isoquant.IsoQuantKVCache)), None)
     print(
         f"ctx {ctx:6d} {mode:20s} {tps:7.1f} tok/s (median of {len(tps_rounds)})  "
         f"{1e3 / tps:7.2f} ms/token  (one step at a time: {sync:7.1f} tok/s; build "
@@ -221,7 +221,7 @@ def main() -> None:
     for ctx in args.contexts:
         rounds = {m: [] for m in modes}
         for rnd in range(args.rounds):
-            # the modes alternate in order round by round (the lent host's speed drifts)
+            # the modes alternate in order round by round (the host's speed drifts)
             for mode in modes if rnd % 2 == 0 else modes[::-1]:
                 _set_mode(mode, fold_default)
                 caches = make_caches("fp16" if mode == "fp16" else "isoquant", ctx)
@@ -241,10 +241,8 @@ def main() -> None:
         info = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:  # older MLX: the device name is optional
         pass
+    machine = dict(platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__)
     out = dict(
-        machine=dict(
-            platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__
-        ),
         model="Llama-3.1-8B shapes, random weights, 4-bit g64; batch 1; greedy decode",
         method=f"{args.steps} timed steps after {args.warmup} warm-up steps; caches pre-filled with random KV; "
         "tok_s: mlx-lm generate_step (next step built while the GPU runs this one, as the app "
@@ -255,11 +253,12 @@ def main() -> None:
         "isoquant_fused_fold: the tensor-core kernel with its combine folded in (one launch); "
         "isoquant_fused_rows: V codes stored as rows where the backend's caches store tc16 "
         "(v_layout: the caches' V layout, packing.py)",
-        kv_compile=kvcache.cache.compile_encoders(),
+        kv_compile=isoquant.cache.compile_encoders(),
         records=rows,
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("e2e_decode_isoquant", out, machine, Path(args.out))
     by = {(r["mode"], r["context"]): r for r in rows}
     for ctx in args.contexts:
         f, i = by.get(("fp16", ctx)), by.get(("isoquant_fused", ctx))

@@ -8,7 +8,6 @@ Writes benchmarks/results/generate.json. Absolute figures are for this machine o
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from app.engine.bench import bench_generate, machine
@@ -42,9 +41,9 @@ def main() -> None:
     for r in records:
         print(f"{r['weights']:>28} {r['prompt_tokens']:>7} {r['generated_tokens']:>5} {r['prompt_tps']:>13.1f} "
               f"{r['decode_tps']:>13.1f} {r['peak_memory_bytes'] / 2**20:>9.0f}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"model": info.name, "machine": machine(), "records": records}, indent=2))
-    print(f"wrote {OUT}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("generate", {"model": info.name, "records": records}, machine(), OUT)
 
 
 if __name__ == "__main__":

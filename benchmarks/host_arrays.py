@@ -17,7 +17,6 @@ count, a scale) waits for that read before anything else. This times one small k
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from pathlib import Path
@@ -81,8 +80,9 @@ def main() -> None:
         "command": "python benchmarks/host_arrays.py",
         "records": rows,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("host_arrays", out, out.pop("machine"), Path(args.out))
 
 
 if __name__ == "__main__":

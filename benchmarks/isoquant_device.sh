@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# IsoQuant kernels on the lent H200 in one call (after MLX-CUDA is installed: see
-# /work/shared/device/README.md): attention benchmark, GPU tests, end-to-end decode.
+# IsoQuant kernels on an NVIDIA GPU in one command (MLX's CUDA backend installed:
+# `pip install -e '.[cuda]'`): attention benchmark, GPU tests, end-to-end decode.
 # Each stage has its own time limit and writes into $OUT, so a stage that fails or runs out
 # still leaves the others' results.
 set -o pipefail

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine import kvcache  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import isoquant  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 
 def per_call_us(fn, n=2000) -> float:
@@ -56,11 +57,11 @@ def build_and_encode_us(fn, calls=32, reps=60) -> tuple[float, float]:
 def _layer_us(q, scale) -> float:
     """One layer's attention step as a model runs it, kernels stubbed (host Python only): the
     cache's update_and_fetch, then the model module's attention (the installed dispatch)."""
-    from app.engine import kvcache_kernels as kk
-    from app.engine.kvcache.dispatch import make_dispatch
+    from app.engine.kvcache.isoquant import kernel_path as kk
+    from app.engine.kvcache.isoquant.dispatch import make_dispatch
 
     kk.install()
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
+    c = isoquant.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
     c.update_and_fetch(*(mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16) for _ in "kv"))
     c.finish_prefill()
     tok = [mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16) for _ in "kv"]
@@ -82,7 +83,7 @@ def main() -> None:
     a = ap.parse_args()
     res = {"python_loop_us": timeit.timeit("sum(range(1000))", number=2000) / 2000 * 1e6}
     scale = 1 / math.sqrt(128)
-    q, k, v = iq.random_problem(1, 8, 4, 1, 128, 2048, 64, encoded=False)
+    q, k, v = random_problem(1, 8, 4, 1, 128, 2048, 64, encoded=False)
     mx.eval(q, k.codes, k.norms, k.fp, v.codes, v.norms, v.fp)
     if iq.kernels_available():
         res["fused_attention_us"] = per_call_us(lambda: iq.fused_attention(q, k, v, scale))
@@ -109,7 +110,7 @@ def main() -> None:
     iq._KERNELS.clear()
     iq._KERNELS.update(real)
     iq.BACKEND = backend
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
+    c = isoquant.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
     c.update_and_fetch(*(mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16) for _ in "kv"))
     c.finish_prefill()
     tok = [mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16) for _ in "kv"]
@@ -134,7 +135,9 @@ def main() -> None:
 
     res["fp16_update_plus_sdpa_us"] = per_call_us(fp16, 500)
     print(json.dumps(res, indent=1))
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("isoquant_host", res, path=Path(a.out))  # machine: app.engine.bench's description
 
 
 if __name__ == "__main__":

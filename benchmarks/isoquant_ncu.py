@@ -18,12 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 for arg in sys.argv[1:] or ["8x2048"]:
     empty = arg.endswith("e")
     b, t = (int(x) for x in arg.rstrip("e").split("x"))
-    q, k, v = iq.random_problem(b, 8, 4, 1, 128, t, 0, seed=1, encoded=False)
+    q, k, v = random_problem(b, 8, 4, 1, 128, t, 0, seed=1, encoded=False)
     mx.eval(q, k.codes, k.norms, v.codes, v.norms)
     lens = [0] * b if empty else None
     for _ in range(4):

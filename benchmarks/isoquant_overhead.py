@@ -19,7 +19,6 @@ as in attention_decode.py. Needs MLX's CUDA (or Metal) backend.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -30,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine.cuda_kernels import jit  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import jit  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.testing.isoquant_problems import random_problem  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -58,7 +58,7 @@ def time_host(fn, n=200) -> float:
 
 def shape(b: int, t: int, warps: list[int]) -> list[dict]:
     scale = 1 / math.sqrt(D)
-    q, k, v = iq.random_problem(b, HKV, HQ // HKV, 1, D, t, 0, seed=1, encoded=False)
+    q, k, v = random_problem(b, HKV, HQ // HKV, 1, D, t, 0, seed=1, encoded=False)
     mx.eval(q, k.codes, k.norms, v.codes, v.norms)
     p = iq.Problem.of(q, k, v, None)
     rows = []
@@ -120,7 +120,7 @@ def main() -> None:
     if not iq.kernels_available():
         sys.exit("needs MLX's CUDA or Metal backend")
     warps = [int(w) for w in args.warps.split(",")]
-    q, k, v = iq.random_problem(2, HKV, HQ // HKV, 1, D, 2049, 0, dtype=mx.float32, seed=3)
+    q, k, v = random_problem(2, HKV, HQ // HKV, 1, D, 2049, 0, dtype=mx.float32, seed=3)
     with mx.stream(mx.cpu):  # float32 reference (MLX's CUDA float32 matmuls are TF32)
         ref = iq.attention_reference(q, k, v, 1 / math.sqrt(D))
     err = iq.rel_error(iq.fused_attention(q, k, v, 1 / math.sqrt(D)), ref)
@@ -136,11 +136,11 @@ def main() -> None:
         info = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:
         pass
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     mode = "inline header" if jit.inline() else "header included from a file"
     out = dict(device=info, header=mode, rel_error=err, records=rows)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print("wrote", args.out)
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("isoquant_overhead", out, {"device": info.get("device_name", "?")}, Path(args.out))
 
 
 if __name__ == "__main__":

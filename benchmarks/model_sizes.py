@@ -7,7 +7,6 @@ paged (the planner on a simulated Apple-silicon Mac, 8K context).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -68,9 +67,9 @@ def main() -> None:
         "configs_folder": str(folder),
         "models": rows,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
-    print(f"wrote {OUT}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("model_sizes", result, "any: computed from config.json alone", OUT)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ The target: IsoQuant retrieves exactly where the float cache does.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -139,7 +138,9 @@ def main() -> None:
         "summary": summary,
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    from record import write_result
+
+    write_result("needle", doc, doc.pop("machine"), Path(args.out))
     for n, s in summary.items():
         print(
             f"{n:18s} {s['retrieved']}/{s['of']}  same as fp16: {s['same_as_fp16_at_every_position']}"

@@ -2,13 +2,13 @@
 
 Model: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of width 768, top-8; attention
 32 q / 4 kv heads of 128) with 4 layers and a 32K vocabulary (the lm_head is not what is
-measured), random weights written directly in the converted format (`offload.synth`) at the
+measured), random weights written directly in the converted format (`testing.synth`) at the
 default role widths (dense 4-bit, routed 2-bit: 1.47 MB per expert record). The decode feeds
 a random token stream (teacher forcing, pipelined like mlx-lm's generate_step), so routing is
 random: the pager's hard case.
 
 1. Side by side in one process, interleaved trials: the plain resident model
-   (`load_converted`), the pager with every expert resident (no index read-back), and the same
+   (`loader.load`), the pager with every expert resident (no index read-back), and the same
    pager with the read-back forced on every MoE layer (`always_resolve`): the overhead at 100%
    residency and the cost of reading indices back to the host.
 2. One fresh subprocess per resident fraction (100% ... 10%): decode tok/s, hit rate, bytes
@@ -76,8 +76,8 @@ def config(layers: int, vocab: int) -> dict:
 
 def build(folder: Path, cfg: dict, widths: str, dtype: str):
     from app.engine.manifest import Manifest
-    from app.engine.offload.synth import write_random_converted
     from app.engine.quant.widths import RoleWidths
+    from app.engine.testing.synth import write_random_converted
 
     man = Manifest.load(folder) if folder.exists() else None
     want = {"config": cfg, "widths": widths, "dtype": dtype}
@@ -197,11 +197,11 @@ def child(folder: Path, frac: float, n: int, cold: bool) -> dict:
 
 def side_by_side(folder: Path, n: int, trials: int) -> dict:
     """Plain vs all-resident pager vs all-resident with read-back, interleaved."""
+    from app.engine.loader import load
     from app.engine.offload import load_paged
-    from app.engine.quant.converted import load_converted
 
     eb = expert_bytes(folder)
-    plain, paged = load_converted(folder).model, load_paged(folder, eb).model
+    plain, paged = load(folder).model, load_paged(folder, eb).model
     opts = paged.rq_pager.options
     # one paged model, its read-back switched per run (the pool is full either way)
     models = {"plain": (plain, None), "paged_full": (paged, False),

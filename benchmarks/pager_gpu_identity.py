@@ -14,7 +14,7 @@ Two parts, both against a reference computed the resident model's way:
 (b) tiny random qwen3_moe, qwen2_moe and nemotron_h (bfloat16, converted at the default
     widths: 2-bit experts), paged at 100%, 50%, 25% of the expert bytes, at 2 slots (every
     prompt call split into groups) and at 50% with windows of 3 slots forced (the CUDA path
-    exercised on small pools), vs `load_converted`: greedy 200 tokens from an 80-token
+    exercised on small pools), vs `loader.load`: greedy 200 tokens from an 80-token
     prompt (more experts than slots) and from a 1-token prompt. Each: first differing token
     (None: all equal), whether the first step's log-probabilities are bitwise equal, and
     the calls split into groups of experts for that prompt.
@@ -179,11 +179,11 @@ def _first_mismatch(got, ref):
 def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: None) -> dict:
     import mlx.core as mx
 
+    from app.engine.loader import load
     from app.engine.offload import layers, load_paged
     from app.engine.offload.records import ExpertStore
     from app.engine.quant.convert import convert
-    from app.engine.quant.converted import load_converted
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     prompts = {"prompt_80": mx.array(np.random.default_rng(7).integers(3, 1000, PROMPT_LEN)
                                       .tolist()),
@@ -199,7 +199,7 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
                 slot = st.layout(st.layers[0]).expert_bytes
                 eb = st.expert_bytes()
                 per = st.layout(st.layers[0]).slot_elements
-            ref_model = load_converted(folder).model
+            ref_model = load(folder).model
             refs = {p: _generate(ref_model, prompts[p], gen) for p in prompts}
             del ref_model
             cases = {"budget_100": (eb, None), "budget_50": (eb // 2, None),

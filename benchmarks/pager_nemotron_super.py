@@ -11,7 +11,7 @@ run: greedy decode of the same prompt
     2. paged, cold: every record's pages dropped before the run and after each read
        (posix_fadvise DONTNEED), so every miss reads the disk,
     3. paged, warm, with `async_eval` (each layer's experts start computing at once),
-    4. fully resident (`load_converted`),
+    4. fully resident (`loader.load`),
     reporting tok/s, hit rate, bytes read per token, read bandwidth (bytes / time stalled
     on reads), host time on index read-backs, peak GPU memory (mx.get_peak_memory) and RSS,
     and whether the paged tokens equal the resident ones (the token lists are kept, with the
@@ -108,8 +108,8 @@ def fstype(path: Path) -> str:
 
 
 def build(folder: Path, small: bool) -> dict:
-    from app.engine.offload.synth import write_random_converted
     from app.engine.sizes import sizes_for
+    from app.engine.testing.synth import write_random_converted
 
     cfg = config(small)
     if not small:
@@ -207,9 +207,9 @@ def _measure(fn) -> dict:
 
 def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None) -> dict:
     """The four runs; `save(partial)` after each, so a run cut short keeps what it measured."""
+    from app.engine.loader import load
     from app.engine.offload import load_paged
     from app.engine.offload.records import ExpertStore
-    from app.engine.quant.converted import load_converted
 
     with ExpertStore(folder) as st:
         eb = st.expert_bytes()
@@ -243,7 +243,7 @@ def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None
 
     def resident():
         t = time.perf_counter()
-        lm = load_converted(folder)
+        lm = load(folder)
         load_s = time.perf_counter() - t
         d = _decode(lm.model, n)
         d["load_s"] = load_s

@@ -208,7 +208,7 @@ def run_case(name: str, folder: Path, prompt_tokens: int, gen_tokens: int) -> di
 
 def main() -> None:
     from app.engine.embedded import ensure_default_model
-    from app.engine.random_models import TINY_ARCHS, make_random_model
+    from app.engine.testing.random_models import TINY_ARCHS, make_random_model
 
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,9 +271,9 @@ def main() -> None:
             "models": shares,
         },
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
-    print(f"wrote {OUT}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("planner_accuracy", result, result.pop("machine"), OUT)
 
 
 if __name__ == "__main__":

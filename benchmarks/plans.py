@@ -8,7 +8,6 @@ exists for a machine that is not this one). Prints the README table (16 and 32 G
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -100,9 +99,9 @@ def main() -> None:
         "plans": plans,
         "readme_table": table,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
-    print(f"wrote {OUT}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("plans", result, "any: computed from config.json alone", OUT)
 
 
 if __name__ == "__main__":

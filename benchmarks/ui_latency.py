@@ -80,7 +80,7 @@ def one_run(app: QApplication, win: MainWindow, tokens: int) -> dict:
 
 
 def main() -> None:
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1500)

@@ -230,9 +230,9 @@ def cpu_main(args) -> dict:
     )
     adm["model"] = "SmolLM2-135M-Instruct, its own KV over the Shakespeare text"
     out["admission_smollm2_cpu"] = adm
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "zipfusion_cpu.json").write_text(json.dumps(out, indent=2))
-    log(f"wrote {RESULTS / 'zipfusion_cpu.json'}")
+    from record import write_result  # benchmarks/ is the script's folder, first on sys.path
+
+    write_result("zipfusion_cpu", out, out.pop("machine"))
     return out
 
 
@@ -432,7 +432,7 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
     import mlx.core as mx
     import numpy as np
 
-    from app.engine.cuda_kernels import zipfusion as zk
+    from app.engine.kvcache.zipfusion import kernels as zk
 
     res, sweep = [], []
     name, shp = next(iter(ATTN_SHAPES.items()))  # Llama-3.1-8B and Qwen3-8B share it
@@ -786,7 +786,7 @@ def device_main(args) -> dict:
         out["machine"]["torch"] = f"unavailable: {e}"
     log(json.dumps(out["machine"]))
     if args.dry_run:
-        from app.engine.cuda_kernels import zipfusion as zk_
+        from app.engine.kvcache.zipfusion import kernels as zk_
 
         zk_._use_kernel = lambda use_kernel: False  # reference path everywhere
         ATTN_SHAPES.clear()
@@ -845,7 +845,7 @@ def device_main(args) -> dict:
     if not args.skip_tests and not args.tests_after:
         run_tests()
 
-    from app.engine.cuda_kernels import zipfusion as zk
+    from app.engine.kvcache.zipfusion import kernels as zk
 
     out["variant_ok"] = quick_check(zk)
     log("variant check (kernel vs reference):", out["variant_ok"])
@@ -965,7 +965,7 @@ def generation_check() -> dict:
 
     import tests.gpu.test_zipfusion_gpu as T
     from app.engine.kvcache import zipfusion as zf
-    from app.engine.random_models import _randomize
+    from app.engine.testing.random_models import _randomize
 
     mc, ac = _get_classes(T.CFG)
     m = mc(ac.from_dict(T.CFG))
@@ -1062,7 +1062,10 @@ def merge_main(args) -> None:
     dev = json.loads(Path(args.device_json).read_text())
     cpu_path = RESULTS / "zipfusion_cpu.json"
     cpu = json.loads(cpu_path.read_text()) if cpu_path.exists() else {}
+    from record import header  # benchmarks/ is the script's folder, first on sys.path
+
     merged = {
+        **header(dev.get("machine")),
         "what": "ZipFusion (SPEC §5): lossless BF16 KV compression decoded inside decode attention",
         "commands": {
             "cpu": "LD_PRELOAD=...libopenblas.so.0 .venv/bin/python benchmarks/zipfusion.py cpu",

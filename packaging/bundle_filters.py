@@ -22,6 +22,7 @@ EXCLUDED_MODULES = [
     "matplotlib", "IPython", "jedi", "tkinter", "_tkinter", "pytest", "_pytest", "pytestqt",
     "PyQt5", "PyQt6", "PySide2", "setuptools", "pkg_resources", "_distutils_hack",
     "pytest_timeout",
+    "app.engine.testing",  # test and benchmark fixtures (random models)
     # huggingface_hub's CLI, inference client, webhooks and Xet uploader (the app does its own
     # resumable downloads over plain HTTP, app/downloads/transfer.py)
     "hf_xet", "pydantic", "pydantic_core", "typer", "click", "rich", "pygments", "markdown_it",

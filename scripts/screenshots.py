@@ -29,7 +29,7 @@ QUESTIONS = (
 def prepare_home(home: Path) -> tuple[Path, Path]:
     """A tiny MoE for the library (added as a local folder) and one for the hub to serve."""
     from app.engine.quant.hf_layout import to_hf_layout
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     local = make_random_model("qwen3_moe", home / "work" / "tiny-qwen3-moe", seed=1)
     hf = to_hf_layout(make_random_model("qwen3_moe", home / "work" / "mlx", seed=3), home / "work" / "hf")

@@ -22,7 +22,7 @@ _TINY_ROOT = Path(_HOME) / "tiny-models"
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """Factory: tiny_model_path(arch, seed=0) -> folder of a random tiny model (built once)."""
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     def get(arch: str, seed: int = 0) -> Path:
         folder = _TINY_ROOT / f"{arch}-{seed}"

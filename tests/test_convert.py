@@ -18,15 +18,16 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load_model
 
 from app.engine.errors import ModelLoadError, UnsupportedArchitectureError
+from app.engine.loader import load
 from app.engine.manifest import Manifest
 from app.engine.offload.records import ExpertRecordError, ExpertStore
 from app.engine.quant.convert import ConvertError, ConvertProgress, convert
-from app.engine.quant.converted import is_converted, load_converted
+from app.engine.quant.converted import is_converted
 from app.engine.quant.hf_layout import to_hf_layout
 from app.engine.quant.roles import expert_container, module_role, role_predicate, rules_for
-from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
 from app.engine.quant.widths import RoleWidths
-from app.engine.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "nemotron_h", "gemma4_text", "gpt_oss", "llama",
          "mixtral", "deepseek_v3", "qwen3_next", "qwen3_5_moe", "nemotron_h_latent"]
@@ -95,7 +96,7 @@ def test_hf_checkpoint_converts_bit_exact(tmp_path, arch):
     out = tmp_path / f"{arch}-rq"
     man = convert(hf, out, chunk_bytes=8192)  # several row blocks per dense tensor
     ref = _reference(hf, model_type)
-    lm = load_converted(out, verify=True)
+    lm = load(out, verify=True)
     assert mx.array_equal(lm.model(TOKENS), ref(TOKENS)).item()
 
     rules = rules_for(model_type)
@@ -125,7 +126,7 @@ def test_mlx_layout_and_widths_override(tmp_path):
     man = convert(mlx_dir, tmp_path / "out", widths="routed=3,shared=float,dense=8/32")
     assert man.roles["routed"]["bits"] == 3 and man.roles["shared"]["bits"] is None
     ref = _reference(mlx_dir, "qwen2_moe", widths)
-    lm = load_converted(tmp_path / "out")
+    lm = load(tmp_path / "out")
     assert mx.array_equal(lm.model(TOKENS), ref(TOKENS)).item()
     _assert_records_match(tmp_path / "out", ref)
     assert lm.model.model.layers[0].mlp.shared_expert.up_proj.weight.dtype == mx.bfloat16
@@ -136,7 +137,7 @@ def test_gpt_oss_bf16_export(tmp_path):
     mlx_dir, hf = _hf(tmp_path, "gpt_oss", gpt_oss_format="bf16")
     convert(hf, tmp_path / "out")
     ref = _reference(mlx_dir, "gpt_oss")
-    assert mx.array_equal(load_converted(tmp_path / "out").model(TOKENS), ref(TOKENS)).item()
+    assert mx.array_equal(load(tmp_path / "out").model(TOKENS), ref(TOKENS)).item()
 
 
 def test_already_quantized_mlx_folder(tmp_path):
@@ -178,7 +179,7 @@ def test_already_quantized_mlx_folder(tmp_path):
             f.weight = dq
             new.append((name, f.to_quantized(w.group_size, w.bits) if w.bits else f))
         ref.update_modules(tree_unflatten(new))
-        lm = load_converted(out)
+        lm = load(out)
         assert mx.array_equal(lm.model(TOKENS), ref(TOKENS)).item(), spec
         assert isinstance(lm.model.model.layers[0].mlp.gate, nn.Linear)  # router back to float
         assert ("model.embed_tokens.weight" in man.extra["requantized"]) == ("dense=8" in spec)
@@ -209,7 +210,7 @@ def test_progress_and_interrupt_leave_no_output(tmp_path):
     with pytest.raises(ConvertError, match="destination exists"):
         convert(hf, out)
     convert(hf, out, overwrite=True)
-    assert load_converted(out).model is not None
+    assert load(out).model is not None
 
 
 def test_not_enough_disk(tmp_path, monkeypatch):
@@ -284,4 +285,4 @@ def test_corrupt_record_is_reported_on_load(tmp_path):
         f.seek(lay["data_offset"] + 5 * lay["stride"] + 3)
         f.write(b"\xAA\x55")
     with pytest.raises(ExpertRecordError, match="layer 2, expert 5: checksum mismatch"):
-        load_converted(out, verify=True)
+        load(out, verify=True)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from app.cli import main
-from app.engine.random_models import make_random_model
+from app.engine.testing.random_models import make_random_model
 
 
 @pytest.fixture(autouse=True)

@@ -66,9 +66,9 @@ def test_killed_conversion_leaves_no_output_and_reruns(tmp_path):
     assert not dst.exists()
     partial = list(tmp_path.glob(".dst.rq-partial-*"))
     assert len(partial) == 1 and any(partial[0].iterdir())
+    from app.engine.loader import load
     from app.engine.quant.convert import convert
-    from app.engine.quant.converted import load_converted
 
     convert(src, dst)  # a new run clears the dead run's leftovers
     assert not any(tmp_path.glob(".dst.rq-partial-*")) and dst.exists()
-    assert load_converted(dst, verify=True).model is not None
+    assert load(dst, verify=True).model is not None

@@ -8,9 +8,9 @@ import pytest
 
 from app.engine import sizes
 from app.engine.quant.convert import convert
-from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
 from app.engine.quant.widths import ROLES, RoleWidths
-from app.engine.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
 CONFIGS = {**TINY_CONFIGS, **EXTRA_TINY_CONFIGS}
 

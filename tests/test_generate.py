@@ -4,7 +4,7 @@ import pytest
 
 from app.engine.errors import EngineError
 from app.engine.generate import Engine, Finished, GenerationSettings, PromptProcessed, TokenEvent
-from app.engine.random_models import TINY_ARCHS
+from app.engine.testing.random_models import TINY_ARCHS
 
 
 @pytest.fixture(scope="module")

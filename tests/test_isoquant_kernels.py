@@ -13,13 +13,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine import kvcache
-from app.engine import kvcache_kernels as kk
-from app.engine.kvcache.isoquant_attention import IsoQuantTensor
-from app.engine.kvcache.packing import pack_codes
-from app.engine.kvcache_kernels import isoquant as iq
+from app.engine.kvcache.isoquant import IsoQuantKVCache
+from app.engine.kvcache.isoquant import kernel_path as kk
+from app.engine.kvcache.isoquant import kernels as iq
+from app.engine.kvcache.isoquant.attention import IsoQuantTensor
+from app.engine.kvcache.isoquant.packing import pack_codes
+from app.engine.testing.isoquant_problems import random_problem
 
-cache_attention = importlib.import_module("app.engine.kvcache.isoquant_attention")
+cache_attention = importlib.import_module("app.engine.kvcache.isoquant.attention")
 
 TOL = 1e-3  # the issue's bound on ‖out − ref‖ / ‖ref‖ for every kernel path
 
@@ -55,7 +56,7 @@ def _unfused_reference(q, keys, values, scale, mask=None, sinks=None, lens=None)
     ],
 )
 def test_per_kernel_references_compose_to_the_oracle(b, hkv, g, length, d, tc, tf, kind, sinks):
-    q, k, v = iq.random_problem(b, hkv, g, length, d, tc, tf, kind=kind, dtype=mx.float32, seed=tc)
+    q, k, v = random_problem(b, hkv, g, length, d, tc, tf, kind=kind, dtype=mx.float32, seed=tc)
     sk = mx.random.normal((hkv * g,)) if sinks else None
     mask = "causal" if length > 1 else None
     ref = iq.attention_reference(q, k, v, _scale(d), mask, sk)
@@ -65,8 +66,8 @@ def test_per_kernel_references_compose_to_the_oracle(b, hkv, g, length, d, tc, t
 
 def test_one_inverse_rotation_equals_rotating_every_value():
     # SPEC §4: õ = Σ α_j ŷ_j in rotated space, then o = Rᵀ õ once == Σ α_j (Rᵀ ŷ_j)
-    q, k, v = iq.random_problem(1, 2, 1, 1, 128, 40, dtype=mx.float32, seed=4)
-    from app.engine.kvcache.quantizer import decode
+    q, k, v = random_problem(1, 2, 1, 1, 128, 40, dtype=mx.float32, seed=4)
+    from app.engine.kvcache.isoquant.quantizer import decode
 
     p = iq.Problem.of(q, k, v, None)
     probs = iq.softmax_reference(iq.qk_dot_reference(q, k, _scale(128)), p)  # [B*Hkv, 1, T]
@@ -76,7 +77,7 @@ def test_one_inverse_rotation_equals_rotating_every_value():
 
 
 def test_ragged_lengths_reference_ignores_the_tail():
-    q, k, v = iq.random_problem(2, 1, 2, 1, 64, 20, dtype=mx.float32, seed=5)
+    q, k, v = random_problem(2, 1, 2, 1, 64, 20, dtype=mx.float32, seed=5)
     out = iq.attention_reference(q, k, v, 0.125, lens=[20, 7])
     # changed codes past token 7 matter to sequence 0 (length 20), not to sequence 1 (7)
     k2 = cache_attention.IsoQuantTensor(
@@ -88,7 +89,7 @@ def test_ragged_lengths_reference_ignores_the_tail():
 
 
 def test_dispatch_on_cpu_uses_the_reference_and_refuses_a_forced_kernel(monkeypatch):
-    q, k, v = iq.random_problem(1, 1, 2, 1, 64, 10, 2, dtype=mx.float32, seed=6)
+    q, k, v = random_problem(1, 1, 2, 1, 64, 10, 2, dtype=mx.float32, seed=6)
     ref = iq.attention_reference(q, k, v, 0.125)
     assert mx.array_equal(kk.isoquant_attention(q, k, v, 0.125, use_kernel=False), ref)
     if kk.kernels_available():
@@ -108,7 +109,7 @@ def test_dispatch_on_cpu_uses_the_reference_and_refuses_a_forced_kernel(monkeypa
 
 
 def test_problem_rejects_what_kernels_cannot_take():
-    q, k, v = iq.random_problem(1, 2, 2, 1, 64, 4, 0, dtype=mx.float32)
+    q, k, v = random_problem(1, 2, 2, 1, 64, 4, 0, dtype=mx.float32)
     with pytest.raises(iq.Unsupported, match="array masks"):
         iq.Problem.of(q, k, v, mx.ones((1, 4), mx.bool_))
     with pytest.raises(ValueError, match="unknown attention mask"):
@@ -197,7 +198,7 @@ def test_float_window_plan_spreads_the_decode_tail_when_rows_are_few():
 def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     """fused_attention's per-call plan (Problem, variant, launch) is looked up by shapes, dtypes
     and the module's settings: a changed setting or a grown cache gets a new plan."""
-    q, k, v = iq.random_problem(1, 2, 4, 1, 64, 40, 3, dtype=mx.float32, seed=1)
+    q, k, v = random_problem(1, 2, 4, 1, 64, 40, 3, dtype=mx.float32, seed=1)
     monkeypatch.setattr(iq, "_PLANS", {})
     a = iq._plan(q, k, v, 0.125, None, None, "tc", None)
     assert iq._plan(q, k, v, 0.125, None, None, "tc", None) is a and len(iq._PLANS) == 1
@@ -207,17 +208,17 @@ def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     monkeypatch.setattr(iq, "TC_FOLD", not fold)
     b = iq._plan(q, k, v, 0.125, None, None, "tc", None)
     assert b is not a and b[2].slots == (0 if fold else slots)
-    q2, k2, v2 = iq.random_problem(1, 2, 4, 1, 64, 41, 3, dtype=mx.float32, seed=1)
+    q2, k2, v2 = random_problem(1, 2, 4, 1, 64, 41, 3, dtype=mx.float32, seed=1)
     assert iq._plan(q2, k2, v2, 0.125, None, None, "tc", None)[0].tc == 41
     with pytest.raises(iq.Unsupported):
-        iq._plan(*iq.random_problem(1, 2, 4, 1, 64, 8, 0, kb=4), 0.125, None, None, "tc", None)
+        iq._plan(*random_problem(1, 2, 4, 1, 64, 8, 0, kb=4), 0.125, None, None, "tc", None)
     monkeypatch.setattr(iq, "_PLANS_MAX", 3)
-    iq._plan(*iq.random_problem(1, 2, 4, 1, 64, 9, 0), 0.125, None, None, "tc", None)
+    iq._plan(*random_problem(1, 2, 4, 1, 64, 9, 0), 0.125, None, None, "tc", None)
     assert len(iq._PLANS) <= 3  # bounded: cleared when full
 
 
 def test_fp16_level_scale_tightens_the_table():
-    from app.engine.kvcache.quantizer import Quantizer
+    from app.engine.kvcache.isoquant.quantizer import Quantizer
 
     lv = Quantizer.make(128, 3).levels
     s = iq._fp16_level_scale(tuple(lv.tolist()))
@@ -285,7 +286,7 @@ EMU_PARAMS = [(c, "rows") for c in EMU_CASES] + [(c, "tc16") for c in EMU_CASES 
 def test_emulated_cuda_kernels_match_the_reference(emulated, case, layout, monkeypatch):
     path, b, hkv, g, length, d, tc, tf, kb, vb, kind, lens, sinks, dtype = case
     monkeypatch.setattr(iq, "TC_FOLD", tc % 2 == 1)  # odd lengths: tc with its combine folded in
-    q, k, v = iq.random_problem(
+    q, k, v = random_problem(
         b, hkv, g, length, d, tc, tf, kb, vb, kind, dtype, seed=tc + d, v_layout=layout
     )
     sk = mx.random.normal((hkv * g,)) if sinks else None
@@ -306,7 +307,7 @@ def test_emulated_combine_merges_many_splits(emulated):
     """Short splits with a float segment and a sink. Scalar kernel: ~80 compressed partials per
     row, shared by the combine's 8 warps unevenly. Tensor-core kernel: each threadgroup merges
     its 4 warps first (~20 partials; the last threadgroup's tail warps see no tokens)."""
-    q, k, v = iq.random_problem(1, 2, 4, 1, 128, 2530, 5, dtype=mx.float32, seed=21)
+    q, k, v = random_problem(1, 2, 4, 1, 128, 2530, 5, dtype=mx.float32, seed=21)
     sk = mx.random.normal((8,))
     p = iq.Problem.of(q, k, v, None)
     plan = iq.split_plan(p, iq.TC_RB, 32)
@@ -329,7 +330,7 @@ def test_emulated_tc_one_tile_splits(emulated):
     """Splits of one tile (one tile per warp; short contexts): ragged lengths end inside a
     split and inside a tile, a float tail and sinks, the merge and combine over many partials;
     a split length under a tile rounds up to one."""
-    q, k, v = iq.random_problem(2, 1, 4, 1, 128, 200, 3, dtype=mx.float32, seed=16)
+    q, k, v = random_problem(2, 1, 4, 1, 128, 200, 3, dtype=mx.float32, seed=16)
     p = iq.Problem.of(q, k, v, None)
     assert iq.split_plan(p, iq.TC_RB, 16, merged=True)["sl"] == iq.TC_TILE
     sk = mx.random.normal((4,))
@@ -347,7 +348,7 @@ def test_emulated_tc_long_splits_stream_many_tiles(emulated, d):
     partial (240: 16 tokens in the second split) and a sequence shorter than a tile (20), over
     a float tail and sinks."""
     lens = [1100, 333, 288, 240, 20]
-    q, k, v = iq.random_problem(5, 2, 4, 1, d, 1100, 5, dtype=mx.float32, seed=d + 3)
+    q, k, v = random_problem(5, 2, 4, 1, d, 1100, 5, dtype=mx.float32, seed=d + 3)
     sk = mx.random.normal((8,))
     ref = iq.attention_reference(q, k, v, _scale(d), None, sk, lens)
     out = iq.fused_attention(q, k, v, _scale(d), None, sk, lens, variant="tc", split_len=224)
@@ -360,7 +361,7 @@ def test_emulated_tc_small_value_norms_keep_their_precision(emulated):
     factor rsqrt(D) x (V level scale) is applied in fp32 afterwards. Folded into the weights it
     put every one of them below fp16's smallest normal number (measured here: relative error
     3.2e-3 that way, 5.8e-5 now; the bound is 1e-3)."""
-    q, k, v = iq.random_problem(2, 2, 4, 1, 128, 300, 0, dtype=mx.float32, seed=11)
+    q, k, v = random_problem(2, 2, 4, 1, 128, 300, 0, dtype=mx.float32, seed=11)
     v = IsoQuantTensor(v.codes, (v.norms * 1e-3).astype(mx.float16), v.fp, v.quantizer, v.rotation)
     ref = iq.attention_reference(q, k, v, _scale(128), None, None, [300, 171])
     out = iq.fused_attention(q, k, v, _scale(128), None, None, [300, 171], variant="tc")
@@ -377,7 +378,7 @@ def test_emulated_tc_float_window_aligned_or_not(emulated, misalign, monkeypatch
     names = frozenset({"k_fp", "v_fp"}) if misalign else frozenset()
     monkeypatch.setattr(harness.EmuKernel, "misalign", names)
     for d, tf, dtype in ((128, 64, mx.bfloat16), (64, 45, mx.float16), (128, 70, mx.float32)):
-        q, k, v = iq.random_problem(2, 2, 4, 1, d, 90, tf, dtype=dtype, seed=tf + d)
+        q, k, v = random_problem(2, 2, 4, 1, d, 90, tf, dtype=dtype, seed=tf + d)
         ref = iq.attention_reference(q, k, v, _scale(d), None, None, [90, 33])
         out = iq.fused_attention(q, k, v, _scale(d), None, None, [90, 33], variant="tc")
         tol = 8e-3 if dtype == mx.bfloat16 else TOL
@@ -394,7 +395,7 @@ def test_emulated_tc_query_rows_in_vector_loads_or_not(emulated, misalign, monke
     harness = pytest.importorskip("cuda_emu.harness")
     monkeypatch.setattr(harness.EmuKernel, "misalign", frozenset({"q"} if misalign else ()))
     for d, g, dtype in ((128, 4, mx.bfloat16), (64, 16, mx.float16), (128, 3, mx.float32)):
-        q, k, v = iq.random_problem(2, 2, g, 1, d, 70, 5, dtype=dtype, seed=g + d)
+        q, k, v = random_problem(2, 2, g, 1, d, 70, 5, dtype=dtype, seed=g + d)
         ref = iq.attention_reference(q, k, v, _scale(d), None, None, [70, 41])
         out = iq.fused_attention(q, k, v, _scale(d), None, None, [70, 41], variant="tc")
         tol = 8e-3 if dtype == mx.bfloat16 else TOL
@@ -428,7 +429,7 @@ def test_emulated_tc_int8_and_fp16_qk_both_match_the_reference(emulated, d, monk
     bound, on query rows of very different sizes (x8: scores ~30 in the log2 domain, where a
     coarse query part would show; a row of zeros, whose scale must not divide by zero; x1e-3),
     with a ragged tail tile."""
-    q, k, v = iq.random_problem(1, 2, 4, 1, d, 333, 4, dtype=mx.float32, seed=d)
+    q, k, v = random_problem(1, 2, 4, 1, d, 333, 4, dtype=mx.float32, seed=d)
     q = q * mx.array([8.0, 0.0, 1.0, 1e-3] * 2)[None, :, None, None]
     _tc_both_ways_match_the_reference(q, k, v, d, "TC_KI8", "KI8", monkeypatch)
 
@@ -455,7 +456,7 @@ def test_emulated_tc_subnormal_and_table_pv_both_match_the_reference(emulated, d
     of one sign and similar size (a V mean far from 0: the output is then small against 128 sum
     P', the subtraction's worst case) over 1500 tokens with near-flat attention, and a
     ragged tail tile."""
-    q, k, v = iq.random_problem(1, 2, 4, 1, d, 1500, 5, dtype=mx.float32, seed=3 * d)
+    q, k, v = random_problem(1, 2, 4, 1, d, 1500, 5, dtype=mx.float32, seed=3 * d)
     q = q * 1e-2  # near-flat attention: every token's weight in the sum
     # V codes 5 or 6 (levels ~40 and ~71) everywhere: packed rows of those codes
     rows = pack_codes(mx.random.randint(5, 7, (1, 2, 1500, d)).astype(mx.uint8), 3)
@@ -473,7 +474,7 @@ def test_emulated_tc_int8_pv_matches_the_reference_through_its_rescales(emulated
     most tiles), V norms of 0 for the first 40 tokens (nu unset: the sums kept in units of 1)
     that then grow ~1000x (nu doubling ~10 times), 2 and 4 query rows, a ragged tail tile."""
     for g in (4, 2):
-        q, k, v = iq.random_problem(1, 2, g, 1, d, 1500, 5, dtype=mx.float32, seed=5 * d + g)
+        q, k, v = random_problem(1, 2, g, 1, d, 1500, 5, dtype=mx.float32, seed=5 * d + g)
         t = mx.arange(1500, dtype=mx.float32)
         ramp = mx.where(t < 40, 0.0, mx.power(2.0, (t - 40) / 146.0))[None, None, :]
         v = dataclasses.replace(v, norms=(v.norms.astype(mx.float32) * ramp).astype(mx.float16))
@@ -491,7 +492,7 @@ def test_pv8_is_taken_only_where_it_applies(monkeypatch):
     dense rotation fall back to the subnormal V table."""
 
     def template(g, kind="v3", length=1):
-        q, k, v = iq.random_problem(1, 2, g, length, 128, 300, 0, kind=kind, dtype=mx.float32)
+        q, k, v = random_problem(1, 2, g, length, 128, 300, 0, kind=kind, dtype=mx.float32)
         _, _, run = iq._plan(q, k, v, _scale(128), None, None, "tc", None)
         t = dict(run.template)
         return t["PV8"], t["VSN"]
@@ -519,7 +520,7 @@ def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):
     """Kernel codes equal the MLX-ops encoder's, except where float rounding puts the unit
     coordinate u within 1e-5 of a threshold (either side is then a right answer); norms equal
     up to one fp16 step."""
-    from app.engine.kvcache.packing import unpack_codes
+    from app.engine.kvcache.isoquant.packing import unpack_codes
 
     c, rc = unpack_codes(codes, qz.bits), unpack_codes(ref_codes, qz.bits)
     y = rot.forward(x)
@@ -543,8 +544,8 @@ ENC_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ENC_CASES, ids=lambda c: f"d{c[3]}-n{c[2]}-{c[6]}-{c[4]}{c[5]}")
 def test_emulated_encoder_matches_the_mlx_encoder(emulated, case):
-    from app.engine.kvcache.quantizer import Quantizer, encode
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.quantizer import Quantizer, encode
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     b, h, n, d, kb, vb, kind, dtype = case
     mx.random.seed(n + d)
@@ -566,8 +567,8 @@ def test_emulated_encoder_matches_the_mlx_encoder(emulated, case):
 def test_emulated_encoder_splits_long_inputs_into_launches(emulated, monkeypatch):
     """A bulk compression longer than one launch's rows (grid y) goes in chunks, concatenated
     in order: the same codes as one launch."""
-    from app.engine.kvcache.quantizer import Quantizer
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.quantizer import Quantizer
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     rot = Rotation.make("v3", 64, 2, seed=4, layer=0)
     q3, q4 = Quantizer.make(64, 3), Quantizer.make(64, 4)
@@ -582,8 +583,8 @@ def test_emulated_encoder_splits_long_inputs_into_launches(emulated, monkeypatch
 
 @pytest.mark.slow
 def test_emulated_encoder_clamps_norms_and_declines_what_it_cannot_take(emulated):
-    from app.engine.kvcache.quantizer import Quantizer
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.quantizer import Quantizer
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     rot = Rotation.make("v3", 64, 1, seed=0, layer=0)
     q = Quantizer.make(64, 3)
@@ -598,8 +599,8 @@ def test_emulated_encoder_clamps_norms_and_declines_what_it_cannot_take(emulated
 def test_emulated_cache_compresses_with_the_fused_encoder(emulated, monkeypatch):
     """Decode with batch compression: the cache calls the kernel (one call per batch) and
     stores what the MLX-ops encoder would have."""
-    from app.engine import kvcache
-    from app.engine.kvcache import cache as cache_mod
+    from app.engine.kvcache.isoquant import IsoQuantKVCache
+    from app.engine.kvcache.isoquant import cache as cache_mod
 
     calls = []
 
@@ -609,7 +610,7 @@ def test_emulated_cache_compresses_with_the_fused_encoder(emulated, monkeypatch)
 
     def run(encoder):
         monkeypatch.setattr(cache_mod, "_ENCODER", encoder)
-        c = kvcache.IsoQuantKVCache("v3", 3, 3, window=8, layer=1, compress_every=16)
+        c = IsoQuantKVCache("v3", 3, 3, window=8, layer=1, compress_every=16)
         mx.random.seed(5)
         c.update_and_fetch(*(mx.random.normal((1, 2, 20, 64)).astype(mx.bfloat16) for _ in "kv"))
         c.finish_prefill()
@@ -630,7 +631,7 @@ def test_emulated_cache_compresses_with_the_fused_encoder(emulated, monkeypatch)
 
 @pytest.mark.slow
 def test_emulated_kernels_one_by_one(emulated):
-    q, k, v = iq.random_problem(2, 2, 4, 1, 64, 47, 0, dtype=mx.float32, seed=7)
+    q, k, v = random_problem(2, 2, 4, 1, 64, 47, 0, dtype=mx.float32, seed=7)
     p = iq.Problem.of(q, k, v, None)
     s = iq.qk_dot(q, k, 0.125, p)
     s_ref = iq.qk_dot_reference(q, k, 0.125)
@@ -648,7 +649,7 @@ def test_emulated_kernels_one_by_one(emulated):
 
 @pytest.mark.slow
 def test_emulated_dispatch_uses_the_kernel_and_falls_back(emulated, monkeypatch):
-    q, k, v = iq.random_problem(1, 1, 2, 1, 64, 20, 2, dtype=mx.float32, seed=8)
+    q, k, v = random_problem(1, 1, 2, 1, 64, 20, 2, dtype=mx.float32, seed=8)
     calls = []
     real = iq._fused_call  # reached only once the inputs are accepted
     monkeypatch.setattr(iq, "_fused_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -683,7 +684,7 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
     batches of 3), attends through the tensor-core kernel reading the layout as it is (VIL),
     bit for bit as the same cache with rows does, and within TOL of the reference."""
     caches = [
-        kvcache.IsoQuantKVCache("v3", 3, 3, window=5, layer=1, compress_every=3, v_layout=lay)
+        IsoQuantKVCache("v3", 3, 3, window=5, layer=1, compress_every=3, v_layout=lay)
         for lay in ("rows", "tc16")
     ]
     mx.random.seed(11)
@@ -710,7 +711,7 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
 def test_emulated_tc16_pack_writes_what_the_mlx_ops_write(emulated, d):
     """The cache's fused tc16 write (iq_tc16_pack) against packing.py on random codes: new rows
     after 0, 5 or 15 rows of an old chunk (one chunk, two, three), the rest code 0."""
-    from app.engine.kvcache.packing import pack_codes, pack_codes_tc16, unpack_codes_tc16
+    from app.engine.kvcache.isoquant.packing import pack_codes, pack_codes_tc16, unpack_codes_tc16
 
     mx.random.seed(d)
     for off, n in [(0, 16), (0, 3), (5, 16), (13, 3), (15, 20)]:
@@ -733,7 +734,7 @@ def test_emulated_tc16_pack_writes_what_the_mlx_ops_write(emulated, d):
 def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
     """A tc16 cache compressing in batches that straddle chunks writes the same bytes through
     the registered packer as through MLX ops."""
-    from app.engine.kvcache import cache as cache_mod
+    from app.engine.kvcache.isoquant import cache as cache_mod
 
     calls = []
 
@@ -743,7 +744,7 @@ def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
 
     def run(packer):
         monkeypatch.setattr(cache_mod, "_TC16_PACKER", packer)
-        c = kvcache.IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=7, v_layout="tc16")
+        c = IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=7, v_layout="tc16")
         mx.random.seed(3)
         c.update_and_fetch(*(mx.random.normal((1, 2, 21, 64)) for _ in "kv"))
         c.finish_prefill()

@@ -38,7 +38,7 @@ FAST = {"backoff": 0.001, "max_backoff": 0.01, "progress_interval": 0.0, "reserv
 def tiny_hf(tmp_path_factory) -> Path:
     """A tiny qwen3_moe as the hub has it: Hugging Face names, two shards + index."""
     from app.engine.quant.hf_layout import to_hf_layout
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     tmp = tmp_path_factory.mktemp("tiny")
     mlx = make_random_model("qwen3_moe", tmp / "mlx", seed=3)
@@ -47,7 +47,7 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_mlx(tmp_path_factory) -> Path:
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     return make_random_model("qwen3_moe", tmp_path_factory.mktemp("tinymlx") / "m", seed=4)
 
@@ -88,9 +88,9 @@ def test_download_convert_and_chat(hub_env, tiny_hf):
     # chat with it
     from mlx_lm import generate
 
-    from app.engine.quant.converted import load_converted
+    from app.engine.loader import load
 
-    lm = load_converted(folder)
+    lm = load(folder)
     text = generate(lm.model, lm.tokenizer, "Hello", max_tokens=8)
     assert isinstance(text, str) and len(lm.tokenizer.encode(text)) > 0
 

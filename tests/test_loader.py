@@ -10,7 +10,7 @@ import pytest
 from app.engine import loader
 from app.engine.errors import ModelLoadError, UnsupportedArchitectureError
 from app.engine.manifest import MANIFEST_NAME, Manifest
-from app.engine.random_models import TINY_ARCHS
+from app.engine.testing.random_models import TINY_ARCHS
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 Tiny models (random weights at scale 0.5, so greedy decoding wanders and routing keeps
 changing) are converted at the default role widths (2-bit experts); the reference is
-`load_converted` (every expert resident). Budgets of 100%, 50% and 25% of the experts, 200
+`loader.load` (every expert resident). Budgets of 100%, 50% and 25% of the experts, 200
 generated tokens after an 80-token prompt; every step's log-probabilities must be equal.
 """
 
@@ -16,13 +16,13 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from app.engine.errors import ModelLoadError
+from app.engine.loader import load
 from app.engine.offload import load_paged
 from app.engine.offload.layers import PagedSwitchGLU, PagedSwitchMLP
 from app.engine.offload.pager import BudgetError
 from app.engine.offload.records import ExpertRecordError, ExpertStore
 from app.engine.quant.convert import convert
-from app.engine.quant.converted import load_converted
-from app.engine.random_models import make_random_model
+from app.engine.testing.random_models import make_random_model
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "nemotron_h"]
 PROMPT = mx.array(np.random.default_rng(7).integers(3, 1000, 80).tolist())
@@ -53,7 +53,7 @@ def converted(tmp_path_factory):
             src = make_random_model(arch, root / f"{arch}-src", seed=11, scale=0.5)
             out = root / f"{arch}-rq"
             convert(src, out)
-            ref = load_converted(out)
+            ref = load(out)
             toks, lps = _generate(ref.model)
             mx.eval(lps)
             cache[arch] = (out, toks, lps)

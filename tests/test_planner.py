@@ -13,7 +13,7 @@ import pytest
 from app.engine import planner, profile, sizes
 from app.engine.planner import GiB, Machine, ModelTooLarge, PlanRefused, make_plan, plan_model
 from app.engine.profile import ShareSource
-from app.engine.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.json"))

@@ -22,9 +22,9 @@ from app.engine.quant.roles import (
     role_predicate,
     rules_for,
 )
-from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
 from app.engine.quant.widths import ROLES, RoleWidth, RoleWidths
-from app.engine.random_models import TINY_CONFIGS
+from app.engine.testing.random_models import TINY_CONFIGS
+from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
 CONFIGS = {**TINY_CONFIGS, **EXTRA_TINY_CONFIGS}
 

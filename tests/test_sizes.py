@@ -13,7 +13,7 @@ from mlx_lm.utils import _get_classes
 
 from app.engine import sizes
 from app.engine.quant.widths import ROLES, RoleWidths
-from app.engine.random_models import TINY_CONFIGS
+from app.engine.testing.random_models import TINY_CONFIGS
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 

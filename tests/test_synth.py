@@ -4,11 +4,11 @@ nothing behind."""
 
 import pytest
 
+from app.engine.loader import load
 from app.engine.manifest import Manifest
 from app.engine.offload import load_paged
-from app.engine.offload.synth import write_random_converted
-from app.engine.quant.converted import load_converted
-from app.engine.random_models import TINY_CONFIGS
+from app.engine.testing.random_models import TINY_CONFIGS
+from app.engine.testing.synth import write_random_converted
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "nemotron_h"])
@@ -18,7 +18,7 @@ def test_synthesized_model_loads_resident_and_paged(tmp_path, arch):
     man = write_random_converted(TINY_CONFIGS[arch], tmp_path / arch, seed=3, dtype="float32")
     assert man.experts and Manifest.load(tmp_path / arch).experts == man.experts
     ids = mx.array([[1, 5, 9, 42, 7, 3]])
-    full = load_converted(tmp_path / arch).model(ids)
+    full = load(tmp_path / arch).model(ids)
     expert_bytes = man.roles["routed"]["bytes"]
     paged = load_paged(tmp_path / arch, expert_bytes // 2).model(ids)
     assert mx.array_equal(full, paged).item()

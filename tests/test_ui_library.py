@@ -24,7 +24,7 @@ FAST = {"backoff": 0.001, "max_backoff": 0.01, "progress_interval": 0.0, "reserv
 def tiny_hf(tmp_path_factory) -> Path:
     """A tiny qwen3_moe as the hub has it (Hugging Face names), so the library converts it."""
     from app.engine.quant.hf_layout import to_hf_layout
-    from app.engine.random_models import make_random_model
+    from app.engine.testing.random_models import make_random_model
 
     tmp = tmp_path_factory.mktemp("ui-lib")
     return to_hf_layout(make_random_model("qwen3_moe", tmp / "mlx", seed=3), tmp / "hf")

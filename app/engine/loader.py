@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import ModelLoadError, UnsupportedArchitectureError
 from .manifest import Manifest
+from .quant.converted import expert_weights
 
 # safetensors: 8-byte little-endian header length, a JSON header, then the tensor bytes.
 _ST_DTYPE_BYTES = {
@@ -195,17 +196,25 @@ def folder_tokenizer(path: Path, config: dict):
         raise ModelLoadError(f"could not load the tokenizer: {e}", str(path)) from e
 
 
-def load(path: str | os.PathLike, lazy: bool = False) -> LoadedModel:
-    """Load a model folder. Raises ModelLoadError naming the file and the reason."""
+def load(path: str | os.PathLike, lazy: bool = False, verify: bool = False) -> LoadedModel:
+    """Load a model folder, every weight resident. Raises ModelLoadError naming the file and the
+    reason. A converted folder keeps its routed experts in per-expert records: they are stacked
+    back into the model (verify: check each record's checksum first)."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
 
     path = Path(path).resolve()
     config, manifest = check_folder(path)
-    if manifest is not None and manifest.experts:
-        # a converted folder keeps its routed experts in per-expert records
-        from .quant.converted import load_converted
-
-        return load_converted(path, lazy=lazy)
+    if manifest is None or not manifest.experts:
+        with weight_errors(path):
+            model, config = load_model(path, lazy=lazy)
+        return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)
+    # the strict load covers dense and experts together
     with weight_errors(path):
-        model, config = load_model(path, lazy=lazy)
+        model, config, weights = sanitized_weights(path)
+        weights.update(expert_weights(path, manifest.experts, verify=verify))
+        model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    if not lazy:
+        mx.eval(model.parameters())
     return LoadedModel(model, folder_tokenizer(path, config), config, path, manifest)

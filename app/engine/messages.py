@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 @dataclass
 class Load:
     path: str
-    kv_mode: str = "fp16"
     options: dict = field(default_factory=dict)  # plan/pager options, passed to the engine
     req_id: int = 0
 

@@ -419,9 +419,6 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
 
-ChatWindow = MainWindow  # the first window's name, kept for scripts written against it
-
-
 def app_icon() -> QIcon:
     for name in ("icon.png", "icon.svg"):
         p = RESOURCES / name

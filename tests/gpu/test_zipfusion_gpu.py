@@ -13,7 +13,7 @@ from mlx_lm.utils import _get_classes
 
 from app.engine.kvcache import zipfusion as zf
 from app.engine.kvcache.zipfusion.scheduler import Request, ZipScheduler
-from app.engine.random_models import _randomize
+from app.engine.testing.random_models import _randomize
 
 pytestmark = pytest.mark.skipif(
     not (getattr(mx, "cuda", None) and mx.cuda.is_available()),

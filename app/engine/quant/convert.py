@@ -8,7 +8,7 @@ Output folder:
   dict, which mlx-lm's loader reads).
 - `experts/layer_LLLL.bin`: every routed expert of every layer as one record
   (`app.engine.offload.records`); routed experts are NOT in the safetensors, so the folder
-  loads through `load_converted` (fully resident) or the pager.
+  loads through `loader.load` (fully resident) or the pager.
 - `rotaryquant.json`: widths, parameter counts, bytes and excess kurtosis per role, and the
   records' layout and checksums.
 

@@ -2,7 +2,7 @@
 launchers and public functions (STYLE "Kernels").
 
 Kernels (bodies in isoquant_body.h, shared by Metal and CUDA; prologues in
-metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
+metal_prologue.py and cuda_prologue.py):
   A iq_qk_dot          packed K -> scores (query rotated in the kernel)
   B iq_softmax         scores -> probabilities (lengths, causal float segment, sinks)
   C iq_value_word      probabilities x packed V -> õ, word-parallel (T < 512)
@@ -30,12 +30,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..cuda_kernels import isoquant as cuda_prologue
-from ..kvcache.codebook import kv_codebook
-from ..kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
-from ..kvcache.packing import unpack_codes
-from ..kvcache.rotation import Rotation
-from ..metal_kernels import isoquant as metal_prologue
+from . import cuda_prologue, metal_prologue
+from .attention import IsoQuantTensor, isoquant_attention_reference
+from .codebook import kv_codebook
+from .packing import unpack_codes
+from .rotation import Rotation
 
 # -- source factory ------------------------------------------------------------------------
 
@@ -104,7 +103,7 @@ def _kernel_name(name: str, dtype: str) -> str:
     # rotation, padded rows skipped; v12: its row blocks' splits spread over the grid; v13: its
     # grid as row blocks x splits, level tables from the host, query rows in 16-byte loads; v14: its
     # inputs without the level arrays it no longer reads; v15: P V on the int8 tensor cores (PV8);
-    # (v16: session 22's cluster fold, not kept) v17: PV8's exponents with kmul fused, P' in two
+    # (v16: a cluster fold, not kept) v17: PV8's exponents with kmul fused, P' in two
     # instructions a value, nu's growth voted before the maximum; v18: PV8's selectors' shift kept
     # on the masked word (iq_shl4); v19: P' parts picked by the pack's byte permutes, the warps'
     # merge with per-lane offsets (one barrier less), the fold without integer divisions; v20: the
@@ -166,14 +165,14 @@ TC_PRECISION = tuple(
     os.environ.get("ROTARYQUANT_ISOQUANT_TC_PRECISION", "10")[i] == "1" for i in (0, 1)
 )
 # tensor-core kernel: Q fragments in shared memory (100-104 registers, 4 threadgroups per SM)
-# instead of registers (134, 3): 2-14% faster on the H200 at 9 of 11 shapes (attention_decode.json)
+# instead of registers (134, 3): 2-14% faster on the H200 at 9 of 11 shapes (attention_decode.py's variant columns)
 TC_QS = os.environ.get("ROTARYQUANT_ISOQUANT_TC_QS", "1") == "1"
 # tensor-core kernel: the combine folded into the split kernel's last threadgroup per row block
 # (one launch per call instead of two; its warps merge and rotate their own rows, loading 8 splits
-# at a time) or a separate iq_combine launch. H200, side by side (attention_decode.json
-# "session13_runs", call 1), combine launch vs folded: B1 T2K 10.5 -> 10.0 µs (+ 64 float tokens
+# at a time) or a separate iq_combine launch. H200, side by side (docs/kernels.md), combine
+# launch vs folded: B1 T2K 10.5 -> 10.0 µs (+ 64 float tokens
 # 12.9 -> 12.4), B8 T2K 17.1 -> 15.7, B8 T8K 30.3 -> 30.3, B8 T32K 84.1 -> 83.9, B8 T128K 299.0 ->
-# 297.7, B32 T8K 88.1 -> 84.5, B32 T32K 302 -> 299. (Session 12's fold lost at 32K and above: its
+# 297.7, B32 T8K 88.1 -> 84.5, B32 T32K 302 -> 299. (An earlier fold lost at 32K and above: its
 # build kept the threadgroup's place and a float parameter live through the tile loop, which ptxas
 # then scheduled ~2% slower.) ROTARYQUANT_ISOQUANT_FOLD=0 takes the launch.
 TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "1") == "1"
@@ -181,7 +180,7 @@ TC_FOLD = os.environ.get("ROTARYQUANT_ISOQUANT_FOLD", "1") == "1"
 
 # tensor-core kernel: each warp issues its first tiles' loads before the threadgroup loads and
 # rotates the query (their DRAM latency overlaps that set-up) instead of after; within noise on
-# the H200 at every shape (attention_decode.json, the prefetch_off column)
+# the H200 at every shape (attention_decode.py's prefetch_off column)
 TC_PREFETCH = os.environ.get("ROTARYQUANT_ISOQUANT_TC_PREFETCH", "1") == "1"
 # tensor-core kernel: Q K^T on the int8 tensor cores when the K codebook is on the int8 grid (the
 # cache's 3-bit codebook is: codebook.kv_codebook): four K codes per byte permute into an exact
@@ -209,16 +208,16 @@ def tc_options() -> tuple:
 
 # Warps the default split plan aims for (one per split), by the number of (sequence, KV head,
 # row block) rows and the compressed tokens per row: chosen on GPU time (benchmarks/gpu_clock.py)
-# from side-by-side sweeps on the H200 (results/attention_decode.json "sweep", "session11_runs",
-# "session12_runs"). With <= 8 rows (batch 1) 1024 (against 1536: B1 T16K 17.5 vs 19.4 µs, T32K
+# from side-by-side sweeps on the H200 (docs/kernels.md; attention_decode.json
+# "split_plan_sweep" with the tc16 layout). With <= 8 rows (batch 1) 1024 (against 1536: B1 T16K 17.5 vs 19.4 µs, T32K
 # 22.9 vs 24.9); else 2048: 512 threadgroups of four equal splits at 64 and 256 rows, one full
 # wave at 4 per SM, where 3072 gave 768 (1.45 waves) and 1536 at 256 rows 512 with two warps idle
-# (session 12, after the cheaper set-up: B32 T8K 91.1 -> 87.6 µs, B16 T8K 52.3 -> 48.6, B8 T32K
+# (after the cheaper set-up: B32 T8K 91.1 -> 87.6 µs, B16 T8K 52.3 -> 48.6, B8 T32K
 # 86.0 -> 84.9, B8 T128K 306.7 -> 300.9, B8 T8K and B32 T2K / T32K equal); except with more than
 # 64 rows of over 32K tokens, 3072 (B32 T128K 1115 vs 1136 µs). The tensor-core kernel with <= 8
 # rows of <= 2K compressed tokens and a float window (decode at B1, short context) aims for 256
-# (64-token splits instead of 32: half the threadgroups and partials; session 18, side by side,
-# "session18_runs": B1 T2K + 64 float 11.85 -> 10.7 µs, + 72 12.1 -> 10.55; without the window
+# (64-token splits instead of 32: half the threadgroups and partials; side by side:
+# B1 T2K + 64 float 11.85 -> 10.7 µs, + 72 12.1 -> 10.55; without the window
 # 9.3 -> 9.4 and at T8K + 64 14.2 -> 15.8, so neither takes it).
 # A set value (ROTARYQUANT_ISOQUANT_SPLIT_WARPS, or the benchmark's sweep) applies to every shape.
 SPLIT_WARPS: int | None = int(os.environ.get("ROTARYQUANT_ISOQUANT_SPLIT_WARPS") or 0) or None
@@ -245,7 +244,7 @@ TC_FLOAT_SPLIT = 16
 # With at most this many (sequence, KV head, row block) rows, the float window's tokens aim for
 # two threadgroups per row, not one: the decode tail holds 64-79 tokens (the window plus up to 15
 # awaiting the next batch of compressions), and 65-79 of them in one threadgroup gave its warps
-# 32-token splits. H200, GPU us, side by side (attention_decode.json "session10_runs"): B1 T2K with
+# 32-token splits. H200, GPU us, side by side: B1 T2K with
 # 72 / 79 float tokens 14.8 / 14.9 -> 13.7 / 13.7; B8 T8K 36.3-38.0 either way; B32 T8K 108.5 ->
 # 113.6 (twice the float threadgroups' set-up).
 TC_FLOAT_GROUP_ROWS = 8
@@ -554,7 +553,7 @@ def split_plan(
     Default: enough warps to fill a large GPU, splits no shorter than 64/256 tokens so the
     partials stay small against the KV they summarize; with at most 16K compressed tokens in
     all, 32 for the tensor-core kernel (two tiles a warp: there the threadgroups' latency is
-    the call's time; H200, attention_decode.json: B1 T2K 12.3 vs 13.5 µs, while at B1 T8K and
+    the call's time; H200, attention_decode.py: B1 T2K 12.3 vs 13.5 µs, while at B1 T8K and
     B8 T2K, 4x and 8x the tokens, 32-token splits lost, 24.1 vs 17.4 and 30.2 vs 21.8 µs).
     merged: the threadgroup merges its warps' compressed splits into one partial (the
     tensor-core kernel)."""
@@ -697,7 +696,7 @@ def v_layout(dim: int, bits: int) -> str:
     these kernels: "tc16" where the tensor-core kernel takes them with its int8 V table (CUDA,
     3-bit, D 64/128), which reads a tc16 word as 4 tokens' selectors at 2 coordinates where rows
     take a 4-token transpose (H200, side by side, the same codes: B8 T8K 23.5 -> 21.8 µs, B8
-    T32K 65.8 -> 60.1, B32 T8K 66.4 -> 61.0; NOTES.md, session 25); else "rows". The int8 P V
+    T32K 65.8 -> 60.1, B32 T8K 66.4 -> 61.0; docs/kernels.md); else "rows". The int8 P V
     (PV8) takes at most 4 query rows a KV head, which a cache does not know, and VSN the rest: so
     tc16 only while VSN is on (else every call with more rows would repack the V codes)."""
     tc = BACKEND == "cuda" and bits == 3 and dim in TC_HEAD_DIMS
@@ -991,54 +990,6 @@ def pack_tc16(vc: mx.array, old: mx.array | None, off: int):
         output_shapes=[(b, h, 16 * nc, rb)],
         output_dtypes=[mx.uint8],
     )[0]
-
-
-# -- inputs for tests and benchmarks ----------------------------------------------------------
-
-
-def random_problem(
-    b: int,
-    hkv: int,
-    g: int,
-    length: int,
-    dim: int,
-    tc: int,
-    tf: int = 0,
-    kb: int = 3,
-    vb: int = 3,
-    kind: str = "v3",
-    dtype=mx.bfloat16,
-    seed: int = 0,
-    encoded: bool = True,
-    v_layout: str = "rows",
-):
-    """(q [B, Hq, L, D], keys, values) with tc packed and tf float tokens. encoded=True runs
-    the cache's quantizer on Gaussian K/V; False draws random code bytes and norms directly
-    (every byte pattern is a valid code stream: fast for benchmark-sized caches). v_layout:
-    the V codes' layout (packing.py; "tc16" repacks the same codes)."""
-    from ..kvcache.packing import pack_v_codes, unpack_codes
-    from ..kvcache.quantizer import Quantizer, encode
-
-    mx.random.seed(seed)
-    rot = Rotation.make(kind, dim, hkv, seed=seed, layer=1)
-    kq, vq = Quantizer.make(dim, kb), Quantizer.make(dim, vb)
-    if encoded:
-        kc, kn = encode(mx.random.normal((b, hkv, tc, dim)) * 2.0, rot, kq)
-        vc, vn = encode(mx.random.normal((b, hkv, tc, dim)), rot, vq)
-    else:
-        kc = mx.random.randint(0, 256, (b, hkv, tc, kq.row_bytes)).astype(mx.uint8)
-        vc = mx.random.randint(0, 256, (b, hkv, tc, vq.row_bytes)).astype(mx.uint8)
-        kn = (mx.random.uniform(10.0, 30.0, (b, hkv, tc))).astype(mx.float16)
-        vn = (mx.random.uniform(5.0, 15.0, (b, hkv, tc))).astype(mx.float16)
-    fk = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
-    fv = mx.random.normal((b, hkv, tf, dim)).astype(dtype) if tf else None
-    q = (mx.random.normal((b, hkv * g, length, dim)) * 1.5).astype(dtype)
-    if v_layout == "tc16":
-        vc = pack_v_codes(unpack_codes(vc, vb), vb, "tc16")
-    elif v_layout != "rows":
-        raise ValueError(f"unknown V layout {v_layout!r}")
-    keys = IsoQuantTensor(kc, kn, fk, kq, rot)
-    return q, keys, IsoQuantTensor(vc, vn, fv, vq, rot, layout=v_layout)
 
 
 def rel_error(out: mx.array, ref: mx.array) -> float:

@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from .fsutil import atomic_folder
-from .manifest import Manifest
+from ..fsutil import atomic_folder
+from ..manifest import Manifest
 
 TINY_VOCAB = 1000
 

@@ -3,7 +3,7 @@ same way (`make_random_model(config, folder)`): vocab 1000, hidden 128, 8 expert
 
 from __future__ import annotations
 
-from ..random_models import TINY_VOCAB
+from .random_models import TINY_VOCAB
 
 _COMMON = {"vocab_size": TINY_VOCAB, "hidden_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,

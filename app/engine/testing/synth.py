@@ -21,11 +21,11 @@ import numpy as np
 
 from ..fsutil import atomic_folder
 from ..manifest import Manifest
+from ..offload.records import LayerLayout, LayerWriter, experts_section
 from ..quant.roles import expert_modules, plan_params, width_for
 from ..quant.safetensors_io import OutTensor, ShardedWriter
 from ..quant.widths import RoleWidths
-from ..random_models import write_tiny_tokenizer
-from .records import LayerLayout, LayerWriter, experts_section
+from .random_models import write_tiny_tokenizer
 
 BLOCK_BYTES = 64 << 20  # random data generated per row block: bounds memory
 _LAYER = re.compile(r"\.layers\.(\d+)\.")

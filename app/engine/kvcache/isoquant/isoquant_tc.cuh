@@ -45,10 +45,10 @@
 // At least 4 threadgroups (16 warps) per SM: ptxas then fits the kernel in 128 registers without
 // spills. MLX writes the kernel's signature itself, so the bound goes on its __global__ (this
 // header is compiled with the tensor-core kernel alone). H200, side by side in one call: a bound of
-// 5 (96 registers, a few spilled words) was ahead of none (~102 registers) by ~6% in session 7;
+// 5 (96 registers, a few spilled words) was ahead of none (~102 registers) by ~6% at first;
 // with the stream below (one source pointer per lane, 32-bit shared addresses) 4 is ahead of 5:
 // B8 T32K 108.2 -> 104.6 us, B32 T32K 373 -> 365, B8 T8K 38.0 -> 37.1; with 32-token tiles too
-// (bound 5: 94.8 vs 92.2 us at B8 T32K; attention_decode.json "session8_runs").
+// (bound 5: 94.8 vs 92.2 us at B8 T32K; docs/kernels.md).
 #if defined(__CUDACC__) && defined(__CUDA_ARCH__)
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__(IQ_NW * 32, 4)
@@ -673,7 +673,7 @@ struct IqStream {
 // lanes hits 32 banks (16 (gid & 1) + 4 (gid / 2) + tig at D 128, 8 (gid & 3) + 4 (gid / 4) +
 // tig at D 64; rows 2tig + e are 16 (e) apart mod 32); rows read along d stay conflict-free. The
 // plain index put them on 2 banks (16-way conflicts); an XOR swizzle (d ^ (d / 32, r / 2), H200:
-// B8 T8K 25.49 -> 25.38 us, attention_decode.json "session20_runs") fixed that but took ~2
+// B8 T8K 25.49 -> 25.38 us) fixed that but took ~2
 // integer instructions an address, ~100 a warp.
 template <int D>
 constexpr int IQ_MROW = D + 16;
@@ -685,7 +685,7 @@ __host__ __device__ __forceinline__ int iq_tc_moff(int d, int r) {
 // Threadgroup roles: the grid is [row blocks of every (batch, KV head)] x [splits] (blockIdx.x,
 // .y), so the linear block id runs rows first, splits last: a row block's splits are spread over
 // the grid (and over the threadgroups' ages on their SMs) rather than started side by side on
-// neighbouring SMs (H200, side by side, attention_decode.json "session15_runs", call 6: B8 T8K
+// neighbouring SMs (H200, side by side: B8 T8K
 // 27.7 -> 26.6 us, B8 T32K 75.7 -> 74.2, B32 T8K 76.8 -> 75.7, B32 T2K 26.9 -> 26.3, B8 T2K 13.6
 // -> 13.2; B = 1 within 0.3 us either way), and the float window's splits (y >= NCB) come after
 // every compressed one, so the block scheduler (which starts threadgroups in that order) starts
@@ -871,7 +871,7 @@ __device__ __forceinline__ void iq_tc_warp(
     // shift can wait until just before the P V mma, after the V codes' selectors are built. With
     // one vote for both after the maximum, ptxas kept the V codes' reads and selectors below that
     // branch, behind the maximum's shuffles, the ceiling and the vote (H200, side by side: B8 T8K
-    // 24.66 -> 24.46 us, B8 T32K 69.24 -> 68.66; NOTES.md, session 23).
+    // 24.66 -> 24.46 us, B8 T32K 69.24 -> 68.66; docs/kernels.md).
     int gj = 0;
     if constexpr (PV8) {
       // a V norm of the tile above nu (positive fp16 bits order as unsigned integers)
@@ -1159,8 +1159,7 @@ __device__ __forceinline__ void iq_tc_warp(
   }
   // The partial's place and its scale, from the parameters and the block index again rather than
   // kept from the set-up: values live through the tile loop take its registers (H200, side by
-  // side: B8 T8K 23.57 -> 23.15 us, B8 T32K 66.2 -> 65.5, B1 T2K 9.02 -> 8.86; NOTES.md, session
-  // 24).
+  // side: B8 T8K 23.57 -> 23.15 us, B8 T32K 66.2 -> 65.5, B1 T2K 9.02 -> 8.86; docs/kernels.md).
   const int R = ip[IQ_P_R];
   int pbx, pby, pbh;
   iq_tc_place(R, pbx, pby, pbh);
@@ -1321,7 +1320,7 @@ __device__ __forceinline__ void iq_tc_fold(
         oc[i] *= sc;
         of[i] *= sc;
       }
-      // Two copies of the chunk's sum, as measured (session 24): one loop with the float part
+      // Two copies of the chunk's sum, as measured: one loop with the float part
       // switched off per chunk compiles to other SASS (nvcc 13), not timed.
       if (s0 + CH <= nspc) {  // compressed splits only (they come first): no float part
 #pragma unroll

@@ -111,11 +111,10 @@ def cuda_kernel(name: str, input_names, output_names, source: str, header: str, 
 # -- template values baked into per-configuration kernels ------------------------------------
 # MLX turns a call's `template=` list into C++ on every call (nanobind converts the list, then
 # it formats one `constexpr` line per value into a fresh copy of the source and the kernel name):
-# ~3-7 µs per call for 10 values in a microbenchmark on the lent H200's host (.device/s10/
-# callcost.py). A BakedKernel writes those lines once per configuration instead: one
+# ~3-7 µs per call for 10 values, measured on an H200 machine's host. A BakedKernel writes those lines once per configuration instead: one
 # mx.fast.cuda_kernel per distinct template, called with no template. Measured on IsoQuant's
 # fused_attention (two kernel calls): graph build 16.1-17.4 -> 14.9-15.4 µs per call, encoding
-# 15.9-16.9 -> 14.7-14.9 (results/isoquant_host.json, session11_baked_templates).
+# 15.9-16.9 -> 14.7-14.9 (results/isoquant_host.json).
 
 _CUDA_DTYPES = {
     mx.bool_: "bool",

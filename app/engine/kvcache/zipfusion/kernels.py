@@ -30,8 +30,8 @@ import os
 
 import mlx.core as mx
 
-from ..kvcache.zipfusion import codec
-from . import jit
+from .. import jit
+from . import codec
 
 # -- sources -------------------------------------------------------------------------------
 
@@ -1106,7 +1106,7 @@ def compress_blocks(blocks: mx.array, use_kernel: bool | None = None) -> tuple[m
 # shared by every such scalar, which the GPU reads remotely; more: managed pages the CPU writes
 # and the GPU then reads), and each kernel here reads its parameters before anything else.
 # Measured on the H200 (benchmarks/zipfusion.py, GPU clock, two runs): building them per call
-# cost the reduce 8.6-14.9 µs instead of 4.4-5.8 and a whole B8 call 74-75 µs instead of 64-66.
+# cost the reduce 8.6-14.9 µs instead of 4.4-5.8 and a whole call at B8 74-75 µs, not 64-66.
 # A lone kernel reading one fresh array pays far less (results/host_arrays.json: +0.5 µs for
 # 4 bytes, +0.06 µs for 32), so the cost comes from the calls' traffic on those pages (CPU
 # writes while GPU reads), not the read itself; not isolated further.
