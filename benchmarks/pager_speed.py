@@ -60,6 +60,7 @@ QWEN3 = {
 PROMPT = 4
 T0 = time.perf_counter()
 READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
+VARIANTS: list = [("current", None)]  # gpu mode: (name, zero_copy) of the paged rows
 
 
 def machine_name() -> str:
@@ -133,7 +134,7 @@ def pread_bound(store, cold: bool, records: int, threads=(1, 2, 4, 8, 16), seed:
 # -- records alone, little compute (cpu mode) ---------------------------------------------
 def records_store(workdir: Path, layers: int):
     from app.engine.offload.records import ExpertStore
-    from app.engine.offload.synth import write_random_experts
+    from app.engine.testing.synth import write_random_experts
 
     folder = workdir / f"super-records-{layers}L"
     meta = folder / "experts.json"
@@ -316,7 +317,7 @@ def qwen3_config(small: bool) -> dict:
 
 def build(folder: Path, cfg: dict):
     from app.engine.manifest import Manifest
-    from app.engine.offload.synth import write_random_converted
+    from app.engine.testing.synth import write_random_converted
 
     man = Manifest.load(folder) if folder.exists() else None
     if man is None or man.extra.get("bench_config") != cfg:
@@ -381,6 +382,31 @@ def model_decode(model, n: int, warmup: int, pipelined: bool, logits: bool = Fal
             "threads": pager.options.read_threads if pager is not None else None}
 
 
+ZERO_COPY_PROBE = r"""
+import mlx.core as mx, numpy as np
+a = mx.zeros((4, 1 << 20), dtype=mx.uint8)
+mx.eval(a)
+assert mx.sum(a.astype(mx.uint32)).item() == 0  # used on the device first
+mv = memoryview(a).cast("B")
+mv[1 << 20:2 << 20] = np.full(1 << 20, 7, np.uint8).tobytes()
+ok = mx.sum(a[1].astype(mx.uint32)).item() == 7 << 20 and mx.sum(a[0].astype(mx.uint32)).item() == 0
+print("zero-copy-ok" if ok else "zero-copy-wrong")
+"""
+
+
+def zero_copy_works() -> bool:
+    """Do host writes through an MLX array's buffer reach the device's computations? Tried
+    in a subprocess (a device pointer written from the host would crash this one)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", ZERO_COPY_PROBE], capture_output=True, text=True,
+                       timeout=120)
+    ok = r.returncode == 0 and "zero-copy-ok" in r.stdout
+    print(f"zero-copy probe: {'ok' if ok else 'no'} (rc {r.returncode}, "
+          f"{(r.stdout + r.stderr).strip()[-200:]})", flush=True)
+    return ok
+
+
 def spread(a: dict, b: dict) -> dict:
     import numpy as np
 
@@ -398,10 +424,10 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
     import mlx.core as mx
     from pager_routing import force_routing
 
+    from app.engine.loader import load as load_converted
     from app.engine.manifest import Manifest
     from app.engine.offload import load_paged
     from app.engine.offload.records import ExpertStore
-    from app.engine.quant.converted import load_converted
 
     man = Manifest.load(folder)
     store = ExpertStore(folder, man.experts)
@@ -430,12 +456,13 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
     del lm
     gc.collect()
     mx.clear_cache()
-    for frac in fracs:
+    runs = [(f, v) for f in fracs for v in (VARIANTS if f < 1 else VARIANTS[:1])]
+    for frac, (variant, zc) in runs:
         if time.perf_counter() - T0 > a.deadline:
-            print(f"  skipped {name} {frac:.0%}: past the deadline", flush=True)
+            print(f"  skipped {name} {frac:.0%} {variant}: past the deadline", flush=True)
             continue
         budget = eb if frac >= 1 else int(eb * frac)
-        lm = load_paged(folder, budget, read_threads=a.threads or 8)
+        lm = load_paged(folder, budget, read_threads=a.threads or 8, zero_copy=zc)
         pager = lm.model.rq_pager
         opts = pager.options
         for routing in a.routings:
@@ -446,7 +473,8 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
                 r = run(lm.model, routing)
                 ref = resident[routing]
                 vs = spread(ref["runs"][0], r)
-                extra = {"resident_spread": ref["spread"], "paged_vs_resident": vs,
+                extra = {"variant": variant, "zero_copy": pager.zero_copy,
+                         "resident_spread": ref["spread"], "paged_vs_resident": vs,
                          "resident_unpipelined_tps": ref["unpipelined_tps"],
                          "within_resident_spread": vs["max_abs_logit_diff"]
                          <= ref["spread"]["max_abs_logit_diff"]}
@@ -462,6 +490,15 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
 
 
 def gpu_mode(a, emit) -> None:
+    import mlx.core as mx
+
+    # staging: records to host staging, one copy a call into MLX, scattered on the device;
+    # zero_copy: preadv straight into the slot tensors (where host writes reach the device)
+    VARIANTS[:] = [("staging", False)]
+    if mx.cuda.is_available() and zero_copy_works():
+        VARIANTS.append(("zero_copy", True))
+    elif not mx.cuda.is_available():
+        VARIANTS[:] = [("current", None)]
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     tag = "small" if a.small else "full"

@@ -10,8 +10,8 @@ import pytest
 
 from app.engine.offload.pager import ExpertPager, PagerOptions
 from app.engine.offload.records import ExpertRecordError, ExpertStore
-from app.engine.offload.synth import write_random_experts
 from app.engine.offload.trace import model_traces
+from app.engine.testing.synth import write_random_experts
 
 PROJS = {"fc1": (64, 128), "fc2": (128, 64)}
 LAYERS, EXPERTS, K = 3, 32, 4
@@ -117,8 +117,8 @@ def test_per_token_breakdown_adds_up(records):
 def test_bench_reports_paging_figures(tmp_path):
     from app.engine.bench import bench_generate
     from app.engine.generate import Engine
-    from app.engine.offload.synth import write_random_converted
-    from app.engine.random_models import TINY_CONFIGS
+    from app.engine.testing.random_models import TINY_CONFIGS
+    from app.engine.testing.synth import write_random_converted
 
     man = write_random_converted(TINY_CONFIGS["qwen3_moe"], tmp_path / "m", seed=1,
                                  dtype="float32")

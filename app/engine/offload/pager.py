@@ -112,7 +112,7 @@ class SlotPool:
             mx.eval(a)
             self.storage[t.name] = a
         self._views: dict[str, memoryview] | None = None
-        self._stage: dict[str, np.ndarray] | None = None  # scatter path's host staging
+        self._stage: np.ndarray | None = None  # scatter path's host staging
 
     @property
     def nbytes(self) -> int:
@@ -139,17 +139,21 @@ class SlotPool:
                 self._views[t.name] = mv.cast("B")
         return [self._views[t.name][slot * t.nbytes:(slot + 1) * t.nbytes] for t in self.tensors]
 
-    def staging(self, rows: int) -> dict[str, np.ndarray]:
-        """Host staging (scatter path): per tensor [rows, *shape], so a record is read with
-        one preadv straight into its tensors' rows and each tensor goes to MLX in one copy."""
-        st = self._stage
-        if st is None or len(next(iter(st.values()))) < rows:
-            st = self._stage = {t.name: np.empty((rows, *t.shape), _NP_STORAGE[t.dtype])
-                                for t in self.tensors}
-        return st
+    def staging(self, rows: int) -> np.ndarray:
+        """Host staging (scatter path): [rows, packed] bytes, a record's tensors back to back
+        in each row, so a record is read with one preadv and a call's records go to MLX in one
+        copy (one host-to-device transfer, not one per tensor)."""
+        if self._stage is None or len(self._stage) < rows:
+            self._stage = np.empty((rows, self.slot_bytes), dtype=np.uint8)
+        return self._stage
 
     def stage_views(self, row: int) -> list[memoryview]:
-        return [memoryview(self._stage[t.name][row]).cast("B") for t in self.tensors]
+        mv = memoryview(self._stage[row])
+        out, pos = [], 0
+        for t in self.tensors:
+            out.append(mv[pos:pos + t.nbytes])
+            pos += t.nbytes
+        return out
 
     def scatter(self, slots: list[int]) -> None:
         """Write staged rows 0 .. len(slots) - 1 into `slots` (functional update)."""
@@ -157,8 +161,13 @@ class SlotPool:
 
         idx = mx.array(np.asarray(slots, dtype=np.uint32))
         n = len(slots)
+        big = mx.array(self._stage[:n])  # [n, packed] uint8: the call's one copy to MLX
+        pos = 0
         for t in self.tensors:
-            self.storage[t.name][idx] = mx.array(self._stage[t.name][:n])
+            store_dt = self.storage[t.name].dtype
+            part = big[:, pos:pos + t.nbytes].view(store_dt).reshape(n, *t.shape)
+            self.storage[t.name][idx] = part
+            pos += t.nbytes
 
 
 @dataclass
@@ -425,7 +434,7 @@ class ExpertPager:
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
             rows = min(per, max(len(todo), 8))
-            per = min(per, len(next(iter(pool.staging(rows).values()))))
+            per = min(per, len(pool.staging(rows)))
             for b in range(0, len(todo), per):
                 batch = todo[b:b + per]
                 self._map(lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
