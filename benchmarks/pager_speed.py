@@ -201,6 +201,7 @@ def row(machine: str, model: str, routing: str, frac: float, cache: str, paged: 
         "pread_bound_GBps": bound["GBps"], "pread_bound_threads": bound["threads"],
         "read_threads": paged["threads"],
         "misses_per_token": s["misses"] / n, "MB_read_per_token": s["bytes_read"] / n / 1e6,
+        "pager_ms_per_token": s.get("ms_per_token"),  # the pager's own clock (stats.per_token)
         **extra,
     }
 
