@@ -206,10 +206,12 @@ def row(machine: str, model: str, routing: str, frac: float, cache: str, paged: 
     }
 
 
-def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8) -> dict:
+def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
+              zero_copy: bool = False) -> dict:
     """GB/s of the pager's own read path (preadv into slots, CRC, bookkeeping of a call's
     misses: 22 records at a time), warm page cache, interleaved: the landed path (CRC on every
     read) vs the current one once records were checked (CRC only on a first read) vs no CRC."""
+    import mlx.core as mx
     import numpy as np
 
     from app.engine.offload.pager import ExpertPager, PagerOptions
@@ -217,6 +219,9 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8) -
     variants = {"crc_every_read": PagerOptions(read_threads=threads, verify_every_read=True),
                 "crc_first_read_only": PagerOptions(read_threads=threads),
                 "no_crc": PagerOptions(read_threads=threads, verify=False)}
+    if zero_copy:  # CUDA: preadv into the slots' memory, beside host staging
+        variants["zero_copy_first_read_only"] = PagerOptions(read_threads=threads,
+                                                             zero_copy=True)
     pagers = {k: ExpertPager(store, store.expert_bytes() // 4, o) for k, o in variants.items()}
     rng = np.random.default_rng(3)
     layer = store.layers[0]
@@ -227,12 +232,14 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8) -
     for batch in todo:  # every record read (and checked) once: page cache warm, CRCs known
         for p in pagers.values():
             p._read_into(p.pools[0], layer, batch)
+    mx.eval([a for p in pagers.values() for a in p.pools[0].storage.values()])
     secs = {k: [] for k in variants}
     for _ in range(reps):
         for k, p in pagers.items():
             t = time.perf_counter()
             for batch in todo:
                 p._read_into(p.pools[0], layer, batch)
+            mx.eval(list(p.pools[0].storage.values()))  # staged copies land (lazy scatter)
             secs[k].append(time.perf_counter() - t)
     for p in pagers.values():
         p.close()
@@ -517,7 +524,8 @@ def gpu_mode(a, emit) -> None:
     print(f"super: {moe} MoE layers, {eb / 1e9:.1f} GB of experts, budget {frac:.1%}",
           flush=True)
     store = ExpertStore(work / f"super-22L-{tag}")
-    READ_PATH.update(read_path(store, pread_bound(store, False, a.bound_records), a.threads or 8))
+    READ_PATH.update(read_path(store, pread_bound(store, False, a.bound_records), a.threads or 8,
+                               zero_copy=("zero_copy", True) in VARIANTS))
     print(f"read path GB/s (warm): {READ_PATH}", flush=True)
     model_rows(a, emit, SUPER, work / f"super-22L-{tag}", [frac], {frac: ["warm", "cold"]},
                None if a.small else 22 / SUPER_LAYERS)
