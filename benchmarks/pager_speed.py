@@ -488,7 +488,7 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
                          <= ref["spread"]["max_abs_logit_diff"]}
                 if scale:
                     extra["layers_scale"] = scale
-                    extra["full_model_tps_est"] = a.tokens / r["seconds"] / scale
+                    extra["full_model_tps_est"] = a.tokens / r["seconds"] * scale
                 emit(row(machine, name, routing, frac, cache, r, ref["tps"], ref["compute_s"],
                          bounds[cache], **extra))
         pager.close()
@@ -550,6 +550,8 @@ def main():
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds: later rows skipped")
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-speed"))
     ap.add_argument("--out", default=None, help="default: benchmarks/results/pager_speed.json")
+    ap.add_argument("--merge", default=None, help="a JSON from another machine (the H200 "
+                    "run): its rows replace the same rows of --out, with their commit and date")
     a = ap.parse_args()
     from record import RESULTS, write_result
 
@@ -577,6 +579,20 @@ def main():
                                      **({"read_path": READ_PATH} if READ_PATH else {})},
                      path=out)
 
+    if a.merge:
+        other = json.loads(Path(a.merge).read_text())
+        rows = [dict(r, commit=r.get("commit", other.get("commit")),
+                     date=r.get("date", other.get("date"))) for r in other["runs"]]
+        for r in rows:  # step time x 88/22 layers (runs before 5136808 divided by the scale)
+            if r.get("layers_scale"):
+                r["full_model_tps_est"] = r["paged_tps"] * r["layers_scale"]
+        mine = {key(x) for x in rows}
+        kept = [x for x in old if key(x) not in mine]
+        prev = json.loads(out.read_text()) if out.exists() else {}
+        write_result("pager_speed", {**{k: v for k, v in prev.items()
+                                        if k not in ("machine", "date", "commit", "runs")},
+                                     "runs": kept + rows}, path=out)
+        return
     (cpu_mode if a.mode == "cpu" else gpu_mode)(a, emit)
     print(f"done in {time.perf_counter() - T0:.0f} s")
 
