@@ -589,9 +589,10 @@ def main():
         mine = {key(x) for x in rows}
         kept = [x for x in old if key(x) not in mine]
         prev = json.loads(out.read_text()) if out.exists() else {}
+        extra = {"read_path_gpu": other["read_path"]} if "read_path" in other else {}
         write_result("pager_speed", {**{k: v for k, v in prev.items()
                                         if k not in ("machine", "date", "commit", "runs")},
-                                     "runs": kept + rows}, path=out)
+                                     **extra, "runs": kept + rows}, path=out)
         return
     (cpu_mode if a.mode == "cpu" else gpu_mode)(a, emit)
     print(f"done in {time.perf_counter() - T0:.0f} s")
