@@ -60,6 +60,7 @@ QWEN3 = {
 PROMPT = 4
 T0 = time.perf_counter()
 READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
+DROPPED = [False]  # a cold row dropped the record files from the page cache since
 VARIANTS: list = [("current", None)]  # gpu mode: (name, zero_copy) of the paged rows
 
 
@@ -77,12 +78,33 @@ def machine_name() -> str:
 # -- disk ---------------------------------------------------------------------------------
 def drop_page_cache(store) -> None:
     """Drop the record files' pages from the OS page cache (cold runs)."""
+    DROPPED[0] = True
     for layer in store.layers:
         fd = os.open(store.folder / store.layout(layer).file, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def warm_page_cache(store) -> None:
+    """Read the record files through once so a warm row after a cold one starts warm (only
+    after a cold row dropped them: written or read just before, they are in the cache)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not DROPPED[0]:
+        return
+    DROPPED[0] = False
+
+    def read(layer):
+        path = store.folder / store.layout(layer).file
+        with open(path, "rb", buffering=0) as f:
+            buf = bytearray(64 << 20)
+            while f.readinto(buf):
+                pass
+
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(read, store.layers))
 
 
 def pread_bound(store, cold: bool, records: int, threads=(1, 2, 4, 8, 16), seed: int = 5,
@@ -288,6 +310,8 @@ def cpu_mode(a, emit) -> None:
                     if cache == "cold":
                         opts = replace(opts, drop_page_cache=True)
                         drop_page_cache(store)
+                    else:
+                        warm_page_cache(store)
                     pager = ExpertPager(store, int(eb * frac), opts)
                     r = records_decode(pager, streams, a.tokens, a.warmup)
                     pager.close()
@@ -478,6 +502,8 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
                 pager.options = replace(opts, drop_page_cache=cache == "cold")
                 if cache == "cold":
                     drop_page_cache(store)
+                else:
+                    warm_page_cache(store)
                 r = run(lm.model, routing)
                 ref = resident[routing]
                 vs = spread(ref["runs"][0], r)
