@@ -255,8 +255,25 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
         for p in pagers.values():
             p._read_into(p.pools[0], layer, batch)
     mx.eval([a for p in pagers.values() for a in p.pools[0].storage.values()])
+    fd = os.open(store.folder / lay.file, os.O_RDONLY)
+    ring = np.ones((calls * SUPER_K, lay.record_size), np.uint8)  # touched, like slots
+    views = [memoryview(r) for r in ring]
+
+    def raw(batch, base):  # the same records, bare preadv on the same thread count
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda i: os.preadv(fd, [views[base + i]],
+                                            lay.record_offset(batch[i][0])),
+                        range(len(batch))))
+
     secs = {k: [] for k in variants}
+    secs["raw_preadv"] = []
     for _ in range(reps):
+        t = time.perf_counter()
+        for c, batch in enumerate(todo):
+            raw(batch, c * SUPER_K)
+        secs["raw_preadv"].append(time.perf_counter() - t)
         for k, p in pagers.items():
             t = time.perf_counter()
             for batch in todo:
@@ -265,6 +282,7 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
             secs[k].append(time.perf_counter() - t)
     for p in pagers.values():
         p.close()
+    os.close(fd)
     nbytes = calls * SUPER_K * lay.record_size
     out = {k: nbytes / min(v) / 1e9 for k, v in secs.items()}
     out["bound_GBps"] = bound["GBps"]
