@@ -61,7 +61,7 @@ PROMPT = 4
 T0 = time.perf_counter()
 READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
 DROPPED = [False]  # a cold row dropped the record files from the page cache since
-VARIANTS: list = [("current", None)]  # gpu mode: (name, zero_copy) of the paged rows
+VARIANTS: list = [("current", {})]  # gpu mode: (name, load_paged options) of paged rows
 
 
 def machine_name() -> str:
@@ -229,7 +229,7 @@ def row(machine: str, model: str, routing: str, frac: float, cache: str, paged: 
 
 
 def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
-              zero_copy: bool = False) -> dict:
+              zero_copy: bool = False, device_copy: bool = False) -> dict:
     """GB/s of the pager's own read path (preadv into slots, CRC, bookkeeping of a call's
     misses: 22 records at a time), warm page cache, interleaved: the landed path (CRC on every
     read) vs the current one once records were checked (CRC only on a first read) vs no CRC."""
@@ -244,6 +244,13 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
     if zero_copy:  # CUDA: preadv into the slots' memory, beside host staging
         variants["zero_copy_first_read_only"] = PagerOptions(read_threads=threads,
                                                              zero_copy=True)
+    if device_copy:  # CUDA: pinned staging copied by the driver (beside MLX's copy + scatter)
+        variants["crc_first_read_only"] = PagerOptions(read_threads=threads, device_copy=False)
+        variants["crc_every_read"] = PagerOptions(read_threads=threads, device_copy=False,
+                                                  verify_every_read=True)
+        variants["no_crc"] = PagerOptions(read_threads=threads, verify=False,
+                                          device_copy=False)
+        variants["device_copy_first_read_only"] = PagerOptions(read_threads=threads)
     pagers = {k: ExpertPager(store, store.expert_bytes() // 4, o) for k, o in variants.items()}
     rng = np.random.default_rng(3)
     layer = store.layers[0]
@@ -507,12 +514,12 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
     gc.collect()
     mx.clear_cache()
     runs = [(f, v) for f in fracs for v in (VARIANTS if f < 1 else VARIANTS[-1:])]
-    for frac, (variant, zc) in runs:
+    for frac, (variant, kw) in runs:
         if time.perf_counter() - T0 > a.deadline:
             print(f"  skipped {name} {frac:.0%} {variant}: past the deadline", flush=True)
             continue
         budget = eb if frac >= 1 else int(eb * frac)
-        lm = load_paged(folder, budget, read_threads=a.threads or 8, zero_copy=zc)
+        lm = load_paged(folder, budget, read_threads=a.threads or 8, **kw)
         pager = lm.model.rq_pager
         opts = pager.options
         for routing in a.routings:
@@ -526,6 +533,7 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
                 ref = resident[routing]
                 vs = spread(ref["runs"][0], r)
                 extra = {"variant": variant, "zero_copy": pager.zero_copy,
+                         "device_copy": pager._copier is not None,
                          "resident_spread": ref["spread"], "paged_vs_resident": vs,
                          "resident_unpipelined_tps": ref["unpipelined_tps"],
                          "within_resident_spread": vs["max_abs_logit_diff"]
@@ -544,24 +552,25 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
 def gpu_mode(a, emit) -> None:
     import mlx.core as mx
 
-    # staging: records to host staging, one copy a call into MLX, scattered on the device;
-    # zero_copy: preadv straight into the slot tensors (where host writes reach the device)
-    VARIANTS[:] = [("staging", False)]
-    if mx.cuda.is_available() and zero_copy_works():
-        VARIANTS.insert(0, ("zero_copy", True))  # first: the deadline skips later rows
-    elif not mx.cuda.is_available():
-        VARIANTS[:] = [("current", None)]
+    # device_copy: pinned staging copied into the slots by the CUDA driver (the default where
+    # its self-test passes); staging: one MLX copy a call, scattered on the device; zero_copy
+    # (--zero-copy): preadv into the slots' managed memory (page migrations: slow on the H200)
+    if mx.cuda.is_available():
+        VARIANTS[:] = [("device_copy", {"zero_copy": False}),
+                       ("staging", {"zero_copy": False, "device_copy": False})]
+        if a.zero_copy and zero_copy_works():
+            VARIANTS.append(("zero_copy", {"zero_copy": True}))
+    else:
+        VARIANTS[:] = [("current", {})]
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     tag = "small" if a.small else "full"
     q = build(work / f"qwen3-30b-a3b-{tag}", qwen3_config(a.small))
     s = build(work / f"super-22L-{tag}", super_config(a.small))
     del q, s
-    fracs = [0.5] + ([] if a.skip_full else [1.0])
-    model_rows(a, emit, "qwen3-30b-a3b", work / f"qwen3-30b-a3b-{tag}", fracs,
-               {0.5: ["warm"], 1.0: ["warm"]}, None)
     from app.engine.offload.records import ExpertStore
 
+    # Super first (the headline), then Qwen3: the deadline skips whatever is left
     eb = ExpertStore(work / f"super-22L-{tag}").expert_bytes()
     moe = sum(c == "E" for c in super_config(a.small)["hybrid_override_pattern"])
     frac = round(SUPER_BUDGET * moe / SUPER_MOE_LAYERS / (SUPER_EXPERTS * 1720320 * moe), 3) \
@@ -570,10 +579,14 @@ def gpu_mode(a, emit) -> None:
           flush=True)
     store = ExpertStore(work / f"super-22L-{tag}")
     READ_PATH.update(read_path(store, pread_bound(store, False, a.bound_records), a.threads or 8,
-                               zero_copy=("zero_copy", True) in VARIANTS))
+                               zero_copy=any(v[0] == "zero_copy" for v in VARIANTS),
+                               device_copy=any(v[0] == "device_copy" for v in VARIANTS)))
     print(f"read path GB/s (warm): {READ_PATH}", flush=True)
     model_rows(a, emit, SUPER, work / f"super-22L-{tag}", [frac], {frac: ["warm", "cold"]},
                None if a.small else 22 / SUPER_LAYERS)
+    fracs = [0.5] + ([] if a.skip_full else [1.0])
+    model_rows(a, emit, "qwen3-30b-a3b", work / f"qwen3-30b-a3b-{tag}", fracs,
+               {0.5: ["warm"], 1.0: ["warm"]}, None)
 
 
 def main():
@@ -589,6 +602,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0,
                     help="the pager's read threads (0: the pread bound's best; gpu mode: 8)")
     ap.add_argument("--bound-records", type=int, default=256)
+    ap.add_argument("--zero-copy", action="store_true",
+                    help="gpu mode: also the zero-copy rows (where the probe passes)")
     ap.add_argument("--skip-full", action="store_true",
                     help="gpu mode: no 100%% budget rows (the all-resident path)")
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds: later rows skipped")

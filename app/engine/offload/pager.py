@@ -73,6 +73,8 @@ class PagerOptions:
     drop_page_cache: bool = False  # posix_fadvise DONTNEED after each read (cold-disk runs)
     async_eval: bool = False  # start each paged call's experts at once (device busy while
     # Python builds the graph to the next sync); measured in benchmarks, off until it pays
+    device_copy: bool | None = None  # CUDA: records through pinned staging, copied into the
+    # slots by the driver (cuda_copy.py); None: where its self-test passes
     policy: str = "slru"  # eviction: segmented LRU beat LRU on trace routing and tied on
     # random (benchmarks/pager_policy.py); "lru" is plain LRU
 
@@ -113,6 +115,7 @@ class SlotPool:
             self.storage[t.name] = a
         self._views: dict[str, memoryview] | None = None
         self._stage: np.ndarray | None = None  # scatter path's host staging
+        self._bases: dict[str, int] | None = None  # slot tensors' addresses (device copies)
 
     @property
     def nbytes(self) -> int:
@@ -139,13 +142,34 @@ class SlotPool:
                 self._views[t.name] = mv.cast("B")
         return [self._views[t.name][slot * t.nbytes:(slot + 1) * t.nbytes] for t in self.tensors]
 
-    def staging(self, rows: int) -> np.ndarray:
+    def staging(self, rows: int, copier=None) -> np.ndarray:
         """Host staging (scatter path): [rows, packed] bytes, a record's tensors back to back
         in each row, so a record is read with one preadv and a call's records go to MLX in one
-        copy (one host-to-device transfer, not one per tensor)."""
+        copy (one host-to-device transfer, not one per tensor). With a device copier: the
+        largest batch's rows, allocated once and pinned."""
+        if copier is not None and self._stage is None:
+            rows = max(rows, STAGE_BYTES // self.slot_bytes)
         if self._stage is None or len(self._stage) < rows:
+            if copier is not None and self._stage is not None:
+                copier.unregister(self._stage)
             self._stage = np.empty((rows, self.slot_bytes), dtype=np.uint8)
+            if copier is not None:
+                copier.register(self._stage)
         return self._stage
+
+    def copy_staged(self, copier, slots: list[int]) -> None:
+        """Staged rows 0 .. len(slots) - 1 into `slots` with the device copier (in place: the
+        slots are unpinned and no computation reading them is in flight)."""
+        from .cuda_copy import buffer_address
+
+        if self._bases is None:
+            self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        row0 = self._stage.ctypes.data
+        for i, slot in enumerate(slots):
+            pos = row0 + i * self.slot_bytes
+            for t in self.tensors:
+                copier.copy(self._bases[t.name] + slot * t.nbytes, pos, t.nbytes)
+                pos += t.nbytes
 
     def stage_views(self, row: int) -> list[memoryview]:
         mv = memoryview(self._stage[row])
@@ -250,6 +274,13 @@ class ExpertPager:
         self._first_layer = layers[0]  # its calls mark forward passes (token clock)
         self._tick: float | None = None
         self.tokens, self.token_s = 0, 0.0
+        self._copier = None
+        if not self.zero_copy and options.device_copy is not False:
+            from .cuda_copy import DeviceCopier
+
+            self._copier = DeviceCopier.open()
+            if self._copier is not None:
+                self._copier.bind()  # copies run on this thread
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
                 pool.slot_views(0)
@@ -361,6 +392,9 @@ class ExpertPager:
             p.lru.unpin_all()
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         if self._pool_exec is not None:
             self._pool_exec.shutdown(wait=True)
             self._pool_exec = None
@@ -434,11 +468,14 @@ class ExpertPager:
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
             rows = min(per, max(len(todo), 8))
-            per = min(per, len(pool.staging(rows)))
+            per = min(per, len(pool.staging(rows, self._copier)))
             for b in range(0, len(todo), per):
                 batch = todo[b:b + per]
                 self._map(lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
                           list(enumerate(e for e, _ in batch)))
+                if self._copier is not None:
+                    pool.copy_staged(self._copier, [s for _, s in batch])
+                    continue
                 pool.scatter([s for _, s in batch])
                 if b + per < len(todo):  # bound the staged copies held by the lazy scatter
                     import mlx.core as mx
