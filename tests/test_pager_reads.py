@@ -140,6 +140,9 @@ class _HostCopier:
     def register(self, host):
         self.registered += 1
 
+    def bind(self):
+        pass
+
     def unregister(self, host):
         pass
 

@@ -164,6 +164,7 @@ class SlotPool:
 
         if self._bases is None:
             self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        copier.bind()  # the thread that generates may not be the one that loaded
         row0 = self._stage.ctypes.data
         for i, slot in enumerate(slots):
             pos = row0 + i * self.slot_bytes
@@ -279,8 +280,6 @@ class ExpertPager:
             from .cuda_copy import DeviceCopier
 
             self._copier = DeviceCopier.open()
-            if self._copier is not None:
-                self._copier.bind()  # copies run on this thread
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
                 pool.slot_views(0)
