@@ -135,14 +135,19 @@ class ExpertSLRU(ExpertLRU):
     def __init__(self, num_slots: int, protected: float = 0.8):
         super().__init__(num_slots)
         self.protected_fraction = protected
-        self.probation_min = 1
         self.probation: OrderedDict[Hashable, None] = OrderedDict()
         self.protected: OrderedDict[Hashable, None] = OrderedDict()
+        self.probation_min = 1
 
     @property
-    def protected_cap(self) -> int:
-        return max(0, min(self.num_slots - self.probation_min,
-                          int(self.num_slots * self.protected_fraction)))
+    def probation_min(self) -> int:
+        return self._probation_min
+
+    @probation_min.setter
+    def probation_min(self, n: int) -> None:
+        self._probation_min = n
+        self.protected_cap = max(0, min(self.num_slots - n,
+                                        int(self.num_slots * self.protected_fraction)))
 
     def lookup(self, key: Hashable) -> int | None:
         slot = super().lookup(key)
