@@ -609,6 +609,8 @@ def main():
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds: later rows skipped")
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-speed"))
     ap.add_argument("--out", default=None, help="default: benchmarks/results/pager_speed.json")
+    ap.add_argument("--merge-commit", default=None, help="the commit the merged rows ran "
+                    "(where the other machine's copy of the tree recorded none)")
     ap.add_argument("--merge", default=None, help="a JSON from another machine (the H200 "
                     "run): its rows replace the same rows of --out, with their commit and date")
     a = ap.parse_args()
@@ -640,7 +642,8 @@ def main():
 
     if a.merge:
         other = json.loads(Path(a.merge).read_text())
-        rows = [dict(r, commit=r.get("commit", other.get("commit")),
+        commit = a.merge_commit or other.get("commit")
+        rows = [dict(r, commit=r.get("commit", commit),
                      date=r.get("date", other.get("date"))) for r in other["runs"]]
         for r in rows:  # step time x 88/22 layers (runs before 5136808 divided by the scale)
             if r.get("layers_scale"):
