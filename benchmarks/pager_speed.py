@@ -60,6 +60,7 @@ QWEN3 = {
 PROMPT = 4
 T0 = time.perf_counter()
 READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
+COMMIT = "unknown"  # of this run: every row carries it (merged rows carry theirs)
 DROPPED = [False]  # a cold row dropped the record files from the page cache since
 VARIANTS: list = [("current", {})]  # gpu mode: (name, load_paged options) of paged rows
 
@@ -614,7 +615,10 @@ def main():
     ap.add_argument("--merge", default=None, help="a JSON from another machine (the H200 "
                     "run): its rows replace the same rows of --out, with their commit and date")
     a = ap.parse_args()
-    from record import RESULTS, write_result
+    from record import RESULTS, commit, write_result
+
+    global COMMIT
+    COMMIT = commit()
 
     out = Path(a.out) if a.out else RESULTS / "pager_speed.json"
     old = json.loads(out.read_text()).get("runs", []) if out.exists() else []
@@ -625,6 +629,7 @@ def main():
                 r.get("variant", "current"))
 
     def emit(r):
+        r.setdefault("commit", COMMIT)
         runs.append(r)
         ms = r["ms_per_token"]
         print(f"  {r['model'][:22]:22} {r['routing']:6} {r['budget_fraction']:5.0%} "
