@@ -60,6 +60,7 @@ QWEN3 = {
 PROMPT = 4
 T0 = time.perf_counter()
 READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
+SAVE: list = [lambda: None]  # writes the JSON (after the read path, before any row)
 COMMIT = "unknown"  # of this run: every row carries it (merged rows carry theirs)
 DROPPED = [False]  # a cold row dropped the record files from the page cache since
 VARIANTS: list = [("current", {})]  # gpu mode: (name, load_paged options) of paged rows
@@ -583,6 +584,7 @@ def gpu_mode(a, emit) -> None:
                                zero_copy=any(v[0] == "zero_copy" for v in VARIANTS),
                                device_copy=any(v[0] == "device_copy" for v in VARIANTS)))
     print(f"read path GB/s (warm): {READ_PATH}", flush=True)
+    SAVE[0]()
     model_rows(a, emit, SUPER, work / f"super-22L-{tag}", [frac], {frac: ["warm", "cold"]},
                None if a.small else 22 / SUPER_LAYERS)
     fracs = [0.5] + ([] if a.skip_full else [1.0])
@@ -621,7 +623,8 @@ def main():
     COMMIT = commit()
 
     out = Path(a.out) if a.out else RESULTS / "pager_speed.json"
-    old = json.loads(out.read_text()).get("runs", []) if out.exists() else []
+    prev_doc = json.loads(out.read_text()) if out.exists() else {}
+    old = prev_doc.get("runs", [])
     runs: list[dict] = []
 
     def key(r):
@@ -638,8 +641,14 @@ def main():
               f"ms/tok reads {ms['reads']:.1f} readbacks {ms['readbacks']:.1f} host "
               f"{ms['host']:.1f} compute {ms['compute']:.1f}  read "
               f"{r['read_GBps'] or 0:.2f} / bound {r['pread_bound_GBps']:.2f} GB/s", flush=True)
+        save()
+
+    def save():
         mine = {key(x) for x in runs}
-        write_result("pager_speed", {"runs": [x for x in old if key(x) not in mine] + runs,
+        keep = {k: v for k, v in prev_doc.items()
+                if k not in ("machine", "date", "commit", "runs", "settings", "read_path")}
+        write_result("pager_speed", {**keep,
+                                     "runs": [x for x in old if key(x) not in mine] + runs,
                                      "settings": {"tokens": a.tokens, "warmup": a.warmup,
                                                   "batch": 1},
                                      **({"read_path": READ_PATH} if READ_PATH else {})},
@@ -661,6 +670,7 @@ def main():
                                         if k not in ("machine", "date", "commit", "runs")},
                                      **extra, "runs": kept + rows}, path=out)
         return
+    SAVE[0] = save
     (cpu_mode if a.mode == "cpu" else gpu_mode)(a, emit)
     print(f"done in {time.perf_counter() - T0:.0f} s")
 
