@@ -42,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 QWEN3_30B_SHAPE = {
     "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -55,6 +56,8 @@ FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.1)
 COLD = (0.5, 0.1)
 PROMPT_LEN = 4  # short: CPU quantized matmuls over many (token, expert) pairs are slow
 WARMUP = 6  # decode steps before timing (--warmup): longer reaches the LRU's steady state
+ROUTING = "model"  # --routing: trace | random force the experts (pager_routing.py)
+EXPERTS: list = []  # the model's manifest `experts` section, once known
 
 
 def machine() -> dict:
@@ -110,6 +113,10 @@ def decode(model, n: int) -> tuple[list[int], float]:
     from mlx_lm.models.cache import make_prompt_cache
 
     toks = stream(n)
+    if ROUTING != "model":  # the same forced experts from the start of every run
+        from pager_routing import force_routing
+
+        force_routing(model, EXPERTS[0], ROUTING)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([toks[:PROMPT_LEN]]), cache=cache)[:, -1])
     out, prev, t0 = [], None, None
@@ -227,7 +234,7 @@ def side_by_side(folder: Path, n: int, trials: int) -> dict:
 
 
 def main():
-    global WARMUP
+    global WARMUP, ROUTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768,
@@ -243,17 +250,24 @@ def main():
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-bench"))
     ap.add_argument("--child", type=float, default=None)
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--routing", choices=("model", "trace", "random"), default="model",
+                    help="model: the random model's own router on random tokens; trace / "
+                    "random: forced expert choices (benchmarks/pager_routing.py)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pager.json"))
     a = ap.parse_args()
-    WARMUP = a.warmup
+    WARMUP, ROUTING = a.warmup, a.routing
     cfg = config(a.layers, a.vocab)
     tag = a.widths.replace("=", "").replace(",", "-").replace("/", "g") or "default"
     folder = Path(a.workdir) / f"qwen3-30b-shape-{a.layers}L-{a.vocab}v-{tag}-{a.dtype}"
     if a.child is not None:
+        from app.engine.manifest import Manifest
+
+        EXPERTS.append(Manifest.load(folder).experts)
         print(json.dumps(child(folder, a.child, a.tokens, a.cold)))
         return
     t = time.perf_counter()
     man = build(folder, cfg, a.widths, a.dtype)
+    EXPERTS.append(man.experts)
     print(f"model: {folder} ({man.total_bytes / 1e9:.2f} GB, experts "
           f"{expert_bytes(folder) / 1e9:.2f} GB; built in {time.perf_counter() - t:.0f} s)")
     prev = json.loads(Path(a.out).read_text()) if a.part != "all" and Path(
@@ -272,7 +286,8 @@ def main():
             [(f, False) for f in FRACTIONS] + [(f, True) for f in COLD]):
         cmd = [sys.executable, __file__, "--layers", str(a.layers), "--tokens", str(a.tokens),
                "--vocab", str(a.vocab), "--widths", a.widths, "--workdir", a.workdir,
-               "--dtype", a.dtype, "--warmup", str(a.warmup), "--child", str(frac)] + (["--cold"] if cold else [])
+               "--dtype", a.dtype, "--warmup", str(a.warmup), "--routing", a.routing,
+               "--child", str(frac)] + (["--cold"] if cold else [])
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                       text=True).stdout.strip().splitlines()[-1])
         r["identical_to_plain"] = r.pop("tokens") == sbs["plain_tokens"]
@@ -294,7 +309,7 @@ def main():
                   "total_bytes": man.total_bytes, "expert_bytes": expert_bytes(folder),
                   "widths": man.extra.get("widths"), "dtype": a.dtype,
                   "weights": "random (synth)"},
-        "settings": {"prompt_tokens": PROMPT_LEN, "warmup_tokens": WARMUP,
+        "settings": {"prompt_tokens": PROMPT_LEN, "warmup_tokens": WARMUP, "routing": ROUTING,
                      "timed_tokens": a.tokens, "trials": a.trials, "batch": 1,
                      "driver": "teacher-forced random tokens, pipelined like generate_step"},
         "overhead_full_residency_pct": sbs["overhead_full_residency_pct"],

@@ -126,3 +126,50 @@ def test_random_operations_match_a_reference_lru():
                 ref.remove(k)
         lru.check()
         assert list(lru.slot_of) == ref
+
+
+def test_slru_matches_the_policy_simulation():
+    import numpy as np
+
+    from app.engine.offload.lru import ExpertSLRU
+    from app.engine.offload.policy import make_cache
+    from app.engine.offload.trace import model_traces
+
+    traces = model_traces([0, 1], 64, 4, 300, seed=2)
+    slru, ref = ExpertSLRU(40), make_cache("slru", 40, per_token=8)
+    slru.probation_min = 16
+    hits = ref_hits = 0
+    for t in range(300):
+        for layer in (0, 1):
+            keys = [(layer, int(e)) for e in traces[layer][t]]
+            for k in keys:  # one key at a time, no pins: the simulation's model
+                ref_hits += ref.access(k)
+                hit = slru.lookup(k) is not None
+                if not hit:
+                    slru.allocate(k)
+                hits += hit
+        slru.check()
+    assert hits == ref_hits > 0
+    assert set(slru.protected) == set(ref.prot) and set(slru.probation) == set(ref.prob)
+    assert np.isclose(len(slru.protected), 24)
+
+
+def test_slru_protects_reused_keys_and_respects_pins():
+    from app.engine.offload.lru import ExpertSLRU
+
+    lru = ExpertSLRU(3, protected=0.34)  # one protected slot
+    lru.allocate("a")
+    assert lru.lookup("a") is not None and "a" in lru.protected
+    lru.allocate("b")
+    lru.allocate("c")
+    assert lru.allocate("d").evicted == "b"  # probation's oldest, not the older "a"
+    lru.pin(lru.slot_of["c"])
+    lru.pin(lru.slot_of["d"])
+    assert lru.allocate("e").evicted == "a"  # probation all pinned: the protected key goes
+    lru.pin(lru.slot_of["e"])
+    with pytest.raises(NoFreeSlot):
+        lru.allocate("f")
+    lru.unpin_all()
+    slots, allocs = lru.resolve(["c", "f"])
+    assert [a.evicted for a in allocs] == ["d"] and "c" in lru.protected
+    lru.check()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.engine import messages as M
-from app.ui.memory import GB, MemoryHistory, MemoryPanel
+from app.ui.memory import GB, MemoryHistory, MemoryPanel, paging_text
 
 MiB = 1 << 20
 
@@ -41,6 +41,26 @@ def test_pager_hit_rate_and_ssd_rate_come_from_deltas():
     clock.t += 1.0
     s2 = h.add(stats(pager=None, generating=False))  # a model without a pager
     assert math.isnan(s2.experts) and math.isnan(s2.tps)
+
+
+def test_paging_ms_per_token_by_part_from_deltas():
+    clock = Clock()
+    h = MemoryHistory(clock=clock)
+    base = {"hits": 0, "misses": 0, "bytes_read": 0, "resident_bytes": GB}
+    s0 = h.add(stats(pager={**base, "read_s": 1.0, "readback_s": 0.5, "host_s": 0.1,
+                            "tokens": 10, "token_s": 3.0}))
+    assert math.isnan(s0.ms_reads) and paging_text(s0) == "—"
+    clock.t += 1.0
+    # 4 tokens in 1.0 s: 0.2 s of reads, 0.04 s of read-backs, 0.02 s in the pager
+    s1 = h.add(stats(pager={**base, "read_s": 1.2, "readback_s": 0.54, "host_s": 0.12,
+                            "tokens": 14, "token_s": 4.0}))
+    assert (s1.ms_reads, s1.ms_readbacks, s1.ms_pager, s1.ms_rest) == pytest.approx(
+        (50.0, 10.0, 5.0, 185.0))
+    assert paging_text(s1) == "reads 50.0 · read-backs 10.0 · pager 5.0 · rest 185.0"
+    clock.t += 1.0
+    s2 = h.add(stats(pager={**base, "read_s": 1.2, "readback_s": 0.54, "host_s": 0.12,
+                            "tokens": 14, "token_s": 4.0}))  # no token since: no figure
+    assert math.isnan(s2.ms_reads)
 
 
 def test_kv_saved_from_the_worker_or_from_the_sizes():

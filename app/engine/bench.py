@@ -43,10 +43,13 @@ def bench_generate(
     # Force exactly gen_tokens decode steps: mask end-of-sequence out of the sampler's reach
     # by benchmarking the raw token stream (eos still stops, which the record reports).
     runs = []
+    pager = getattr(engine.loaded.model, "rq_pager", None) if engine.loaded else None
     for i in range(trials + 1):
         if progress is not None:
             progress(i, trials)
         fin = None
+        if pager is not None:  # the last trial's paging figures are reported
+            pager.reset_stats()
         for ev in engine.generate(ids, settings):
             if isinstance(ev, Finished):
                 fin = ev
@@ -62,4 +65,13 @@ def bench_generate(
         "kv_bytes": max(r.kv_bytes for r in runs),
         "trials": trials,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **({"pager": pager_summary(pager.stats())} if pager is not None else {}),
     }
+
+
+def pager_summary(s: dict) -> dict:
+    """Hit rate, read MB/s and ms per token by part of one run (the pager's stats)."""
+    n = s.get("tokens") or 0
+    return {"hit_rate": s["hit_rate"], "read_MBps": s.get("read_MBps"),
+            "ms_per_token": s.get("ms_per_token"),
+            "MB_read_per_token": s["bytes_read"] / n / 1e6 if n else None}

@@ -288,6 +288,40 @@ def min_expert_budget(s: ModelSizes) -> int:
     return min(need, s.expert_bytes)
 
 
+def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[str]) -> int:
+    """The expert budget (at most `left`) that maximises expected decode tok/s (the cost model
+    in offload.speed on trace-like routing), not hit rate: the smallest budget within 1% of
+    the best, since past the hit curve's knee the pool only holds records that the OS page
+    cache would serve from memory anyway."""
+    from .offload.speed import BACKEND_COSTS, step_seconds, trace_hit_rate
+
+    top = min(left, s.expert_bytes)
+    need = min_expert_budget(s)
+    if not s.moe_layers or top >= s.expert_bytes or top <= need:
+        return top  # all resident (no read-backs), or no room to choose
+    active = s.resident_bytes - s.embedding_bytes + s.active_expert_bytes
+
+    def tps(b: int) -> float:
+        return 1.0 / step_seconds(b, top, s.expert_bytes, active, s.moe_layers,
+                                  s.experts_per_token, s.bytes_per_expert,
+                                  BACKEND_COSTS[m.backend])
+
+    steps = 64
+    cands = [need + (top - need) * i // steps for i in range(steps + 1)]
+    best = tps(top)
+    pick = next(b for b in cands if tps(b) >= 0.99 * best)
+    hit = trace_hit_rate(pick / s.expert_bytes)
+    if pick < top:
+        reasons.append(
+            f"expert budget {gb(pick)} for an expected {tps(pick):.1f} tok/s ({hit:.0%} hits on "
+            f"trace-like routing); all {gb(top)} would give {best:.1f} tok/s: the rest stays "
+            "with the OS, whose page cache serves those misses from memory")
+    else:
+        reasons.append(f"expert budget {gb(pick)}: expected {best:.1f} tok/s ({hit:.0%} hits on "
+                       "trace-like routing; every byte of pool still pays)")
+    return pick
+
+
 @dataclass(frozen=True)
 class Plan:
     """A plan for one model on one machine. Checks its own arithmetic."""
@@ -700,7 +734,7 @@ def _choose_expert_budget(r: _Request, left: int) -> int:
     """The resident expert budget: what is left after weights and KV, or the override if it fits."""
     s = r.s
     if r.expert_budget is None:
-        return min(left, s.expert_bytes)
+        return expert_budget_for_speed(s, r.m, left, r.reasons)
     need_min = min_expert_budget(s)
     want = parse_size(r.expert_budget) if isinstance(r.expert_budget, str) else int(r.expert_budget)
     if not s.moe_layers:

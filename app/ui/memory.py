@@ -47,6 +47,11 @@ class Sample:
     hit_rate: float  # expert-cache hits over the last interval, 0..1 (NaN: no lookups)
     ssd_mbs: float  # expert bytes read per second over the last interval, MB/s
     kv_saved: float  # bytes the KV mode saves against fp16 (0 in fp16)
+    # the pager's ms per token over the last interval by part (NaN: no tokens in it)
+    ms_reads: float = NAN
+    ms_readbacks: float = NAN
+    ms_pager: float = NAN
+    ms_rest: float = NAN
 
 
 def _pager_totals(extra: dict) -> dict | None:
@@ -60,7 +65,30 @@ def _pager_totals(extra: dict) -> dict | None:
         "misses": float(t.get("misses", 0) or 0),
         "bytes_read": float(t.get("bytes_read", 0) or 0),
         "resident_bytes": float(t.get("resident_bytes", t.get("resident", 0)) or 0),
+        **{k: float(t.get(k, 0) or 0) for k in _TIMES},
     }
+
+
+_TIMES = ("read_s", "readback_s", "host_s", "tokens", "token_s")
+
+
+def _ms_parts(now: dict, prev: dict) -> dict:
+    """ms per token by part between two pager totals (NaN without a token in between)."""
+    d = {k: now[k] - prev[k] for k in _TIMES}
+    if d["tokens"] <= 0:
+        return {}
+    ms = {"ms_reads": d["read_s"], "ms_readbacks": d["readback_s"], "ms_pager": d["host_s"]}
+    ms = {k: 1000 * v / d["tokens"] for k, v in ms.items()}
+    ms["ms_rest"] = max(0.0, 1000 * d["token_s"] / d["tokens"] - sum(ms.values()))
+    return ms
+
+
+def paging_text(x: Sample) -> str:
+    """ms per token by part, e.g. "reads 12 · read-backs 3 · pager 1 · rest 40"."""
+    if math.isnan(x.ms_reads):
+        return "—"
+    return (f"reads {x.ms_reads:.1f} · read-backs {x.ms_readbacks:.1f} · "
+            f"pager {x.ms_pager:.1f} · rest {x.ms_rest:.1f}")
 
 
 class MemoryHistory:
@@ -82,6 +110,7 @@ class MemoryHistory:
         pager = _pager_totals(s.extra)
         hit_rate = ssd = NAN
         experts = NAN
+        parts: dict = {}
         if pager is not None:
             experts = pager["resident_bytes"]
             if self.last_pager is not None:
@@ -93,6 +122,7 @@ class MemoryHistory:
                     hit_rate = dh / (dh + dm)
                 if dt > 0:
                     ssd = max(0.0, pager["bytes_read"] - prev["bytes_read"]) / dt / 1e6
+                parts = _ms_parts(pager, prev)
             self.last_pager = (now, pager)
         sample = Sample(
             t=now,
@@ -105,6 +135,7 @@ class MemoryHistory:
             hit_rate=hit_rate,
             ssd_mbs=ssd,
             kv_saved=self.kv_saved(s),
+            **parts,
         )
         self.samples.append(sample)
         self.version += 1
@@ -162,6 +193,7 @@ class MemoryPanel(QWidget):
             ("rss", "Engine process"), ("weights", "Dense weights"), ("experts", "Experts resident"),
             ("kv", "KV cache"), ("tps", "Decode"), ("hit_rate", "Expert hit rate"),
             ("ssd_mbs", "SSD reads"), ("kv_saved", "KV saved"), ("peak", "Plan's expected peak"),
+            ("paging_ms", "Paging ms per token"),
         ]
         for i, (key, label) in enumerate(names):
             title = QLabel(label)
@@ -301,3 +333,4 @@ class MemoryPanel(QWidget):
         m["hit_rate"].setText("—" if math.isnan(last.hit_rate) else f"{last.hit_rate:.0%}")
         m["ssd_mbs"].setText("—" if math.isnan(last.ssd_mbs) else f"{last.ssd_mbs:.1f} MB/s")
         m["kv_saved"].setText(fmt_bytes(last.kv_saved))
+        m["paging_ms"].setText(paging_text(last))

@@ -123,3 +123,77 @@ class ExpertLRU:
         assert not used & set(self.free)
         assert {s: k for k, s in self.slot_of.items()} == self.key_of
         assert self.pinned <= used
+
+
+class ExpertSLRU(ExpertLRU):
+    """Segmented LRU (frequency-aware; chosen by benchmarks/pager_policy.py): a key used again
+    while resident moves to a protected segment of `protected` of the slots; new keys enter
+    probation, whose least recently used unpinned key is evicted first. The protected
+    segment's overflow goes back to probation as its newest key. Probation keeps at least
+    `probation_min` slots (the pager sets two forward passes' worth of keys)."""
+
+    def __init__(self, num_slots: int, protected: float = 0.8):
+        super().__init__(num_slots)
+        self.protected_fraction = protected
+        self.probation: OrderedDict[Hashable, None] = OrderedDict()
+        self.protected: OrderedDict[Hashable, None] = OrderedDict()
+        self.probation_min = 1
+
+    @property
+    def probation_min(self) -> int:
+        return self._probation_min
+
+    @probation_min.setter
+    def probation_min(self, n: int) -> None:
+        self._probation_min = n
+        self.protected_cap = max(0, min(self.num_slots - n,
+                                        int(self.num_slots * self.protected_fraction)))
+
+    def lookup(self, key: Hashable) -> int | None:
+        slot = super().lookup(key)
+        if slot is None:
+            return None
+        if key in self.protected:
+            self.protected.move_to_end(key)
+        else:
+            del self.probation[key]
+            self.protected[key] = None
+            while len(self.protected) > self.protected_cap:
+                old, _ = self.protected.popitem(last=False)
+                self.probation[old] = None
+        return slot
+
+    def allocate(self, key: Hashable) -> Allocation:
+        assert key not in self.slot_of, f"{key} is already resident"
+        evicted = None
+        if self.free:
+            slot = self.free.popleft()
+        else:
+            evicted = next((k for k in self.probation if self.slot_of[k] not in self.pinned),
+                           None)
+            if evicted is None:
+                evicted = next((k for k in self.protected
+                                if self.slot_of[k] not in self.pinned), None)
+            if evicted is None:
+                raise NoFreeSlot(f"all {self.num_slots} slots are pinned")
+            self.probation.pop(evicted, None)
+            self.protected.pop(evicted, None)
+            slot = self.slot_of.pop(evicted)
+        self.slot_of[key] = slot
+        self.key_of[slot] = key
+        self.probation[key] = None
+        return Allocation(key, slot, evicted)
+
+    def deallocate(self, key: Hashable) -> int:
+        slot = super().deallocate(key)
+        self.probation.pop(key, None)
+        self.protected.pop(key, None)
+        return slot
+
+    def check(self) -> None:
+        super().check()
+        assert set(self.probation) | set(self.protected) == set(self.slot_of)
+        assert not set(self.probation) & set(self.protected)
+
+
+POLICIES = {"lru": ExpertLRU, "slru": ExpertSLRU}

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import EngineError
-from .lru import ExpertLRU, NoFreeSlot
+from .lru import POLICIES, NoFreeSlot
 from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
-from .stats import LayerStats, total
+from .stats import LayerStats, per_token, total
 
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
 
@@ -64,17 +64,25 @@ class BudgetError(EngineError, ValueError):
 
 @dataclass(frozen=True)
 class PagerOptions:
-    verify: bool = True  # CRC-check every record read (size is always checked)
+    verify: bool = True  # CRC-check records (size is always checked)
+    verify_every_read: bool = False  # CRC on every read; else on a record's first read in
+    # the process (the CRC costs ~4x the copy out of the page cache; the file is read-only)
     read_threads: int = 4  # concurrent positioned reads of one call's misses (SSD queue depth)
     always_resolve: bool = False  # read indices back even when all experts are resident
     zero_copy: bool | None = None  # preadv into slot memory; None: on unless CUDA
     drop_page_cache: bool = False  # posix_fadvise DONTNEED after each read (cold-disk runs)
     async_eval: bool = False  # start each paged call's experts at once (device busy while
     # Python builds the graph to the next sync); measured in benchmarks, off until it pays
+    device_copy: bool | None = None  # CUDA: records through pinned staging, copied into the
+    # slots by the driver (cuda_copy.py); None: where its self-test passes
+    policy: str = "slru"  # eviction: segmented LRU beat LRU on trace routing and tied on
+    # random (benchmarks/pager_policy.py); "lru" is plain LRU
 
     def __post_init__(self):
         if self.read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
 
 
 def _signature(lay: LayerLayout) -> str:
@@ -85,7 +93,8 @@ def _signature(lay: LayerLayout) -> str:
 class SlotPool:
     """Slot tensors for every layer whose records share one layout, and their LRU."""
 
-    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int):
+    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int,
+                 policy: str = "lru"):
         import mlx.core as mx
 
         self.tensors: tuple[TensorSpec, ...] = layout.tensors
@@ -95,7 +104,8 @@ class SlotPool:
         self.num_experts = {lay: 0 for lay in layers}  # filled by the pager
         self.slot_bytes = layout.expert_bytes
         self.num_slots = num_slots
-        self.lru = ExpertLRU(num_slots)
+        self.lru = POLICIES[policy](num_slots)
+        self.pass_keys = 0  # keys resolved in the current forward pass (SLRU's probation)
         # storage dtype: bfloat16 kept as uint16 so numpy can address it; viewed at use
         self.storage = {}
         for t in self.tensors:
@@ -104,6 +114,8 @@ class SlotPool:
             mx.eval(a)
             self.storage[t.name] = a
         self._views: dict[str, memoryview] | None = None
+        self._stage: np.ndarray | None = None  # scatter path's host staging
+        self._bases: dict[str, int] | None = None  # slot tensors' addresses (device copies)
 
     @property
     def nbytes(self) -> int:
@@ -130,16 +142,57 @@ class SlotPool:
                 self._views[t.name] = mv.cast("B")
         return [self._views[t.name][slot * t.nbytes:(slot + 1) * t.nbytes] for t in self.tensors]
 
-    def scatter(self, slots: list[int], stage: np.ndarray) -> None:
-        """Write records `stage` [n, record_size] into `slots` (functional update)."""
+    def staging(self, rows: int, copier=None) -> np.ndarray:
+        """Host staging (scatter path): [rows, packed] bytes, a record's tensors back to back
+        in each row, so a record is read with one preadv and a call's records go to MLX in one
+        copy (one host-to-device transfer, not one per tensor). With a device copier: the
+        largest batch's rows, allocated once and pinned."""
+        if copier is not None and self._stage is None:
+            rows = max(rows, STAGE_BYTES // self.slot_bytes)
+        if self._stage is None or len(self._stage) < rows:
+            if copier is not None and self._stage is not None:
+                copier.unregister(self._stage)
+            self._stage = np.empty((rows, self.slot_bytes), dtype=np.uint8)
+            if copier is not None:
+                copier.register(self._stage)
+        return self._stage
+
+    def copy_staged(self, copier, slots: list[int]) -> None:
+        """Staged rows 0 .. len(slots) - 1 into `slots` with the device copier (in place: the
+        slots are unpinned and no computation reading them is in flight)."""
+        from .cuda_copy import buffer_address
+
+        if self._bases is None:
+            self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        copier.bind()  # the thread that generates may not be the one that loaded
+        row0 = self._stage.ctypes.data
+        for i, slot in enumerate(slots):
+            pos = row0 + i * self.slot_bytes
+            for t in self.tensors:
+                copier.copy(self._bases[t.name] + slot * t.nbytes, pos, t.nbytes)
+                pos += t.nbytes
+
+    def stage_views(self, row: int) -> list[memoryview]:
+        mv = memoryview(self._stage[row])
+        out, pos = [], 0
+        for t in self.tensors:
+            out.append(mv[pos:pos + t.nbytes])
+            pos += t.nbytes
+        return out
+
+    def scatter(self, slots: list[int]) -> None:
+        """Write staged rows 0 .. len(slots) - 1 into `slots` (functional update)."""
         import mlx.core as mx
 
         idx = mx.array(np.asarray(slots, dtype=np.uint32))
         n = len(slots)
+        big = mx.array(self._stage[:n])  # [n, packed] uint8: the call's one copy to MLX
+        pos = 0
         for t in self.tensors:
-            part = stage[:n, t.offset:t.offset + t.nbytes].view(_NP_STORAGE[t.dtype])
-            data = mx.array(np.ascontiguousarray(part).reshape(n, *t.shape))
-            self.storage[t.name][idx] = data
+            store_dt = self.storage[t.name].dtype
+            part = big[:, pos:pos + t.nbytes].view(store_dt).reshape(n, *t.shape)
+            self.storage[t.name][idx] = part
+            pos += t.nbytes
 
 
 @dataclass
@@ -156,6 +209,17 @@ class Route:
     slots: np.ndarray | None = None  # the same slots on the host (None: never read back)
     groups: list | None = None  # else: groups of experts, run one after another
     flat: np.ndarray | None = None  # the call's expert index per pair (host), with groups
+
+
+def _iovecs(lay: LayerLayout, views: list[memoryview]) -> list[memoryview]:
+    """One record's preadv buffers: each tensor straight into its view, gaps into scratch."""
+    bufs, pos = [], 0
+    for t, view in zip(lay.tensors, views, strict=True):
+        if t.offset > pos:
+            bufs.append(memoryview(bytearray(t.offset - pos)))
+        bufs.append(view)
+        pos = t.offset + t.nbytes
+    return bufs
 
 
 class ExpertPager:
@@ -191,7 +255,7 @@ class ExpertPager:
                 raise BudgetError(
                     f"expert budget of {self.budget_bytes} bytes holds no expert of layer "
                     f"{g[0]} ({b} bytes each; all experts: {self.expert_bytes} bytes)")
-            pool = SlotPool(store.layout(g[0]), g, slots)
+            pool = SlotPool(store.layout(g[0]), g, slots, options.policy)
             for layer in g:
                 pool.num_experts[layer] = store.layout(layer).num_experts
                 self.pool_of[layer] = pool
@@ -204,9 +268,18 @@ class ExpertPager:
         self._fds: dict[int, int] = {}
         self._pool_exec = ThreadPoolExecutor(options.read_threads) \
             if options.read_threads > 1 else None
-        self._stage: np.ndarray | None = None
         self._pending: list = []  # outputs since the last sync: evaluated before slots move
         self.load_bytes_read = 0
+        self._verified = {layer: np.zeros(store.layout(layer).num_experts, dtype=bool)
+                          for layer in layers}
+        self._first_layer = layers[0]  # its calls mark forward passes (token clock)
+        self._tick: float | None = None
+        self.tokens, self.token_s = 0, 0.0
+        self._copier = None
+        if not self.zero_copy and options.device_copy is not False:
+            from .cuda_copy import DeviceCopier
+
+            self._copier = DeviceCopier.open()
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
                 pool.slot_views(0)
@@ -240,18 +313,30 @@ class ExpertPager:
                    slots=sum(p.num_slots for p in self.pools),
                    experts=sum(sum(p.num_experts.values()) for p in self.pools),
                    layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()})
+        out.update(per_token(out, self.tokens, self.token_s))
         return out
 
     def reset_stats(self) -> None:
         for layer, st in self.layer_stats.items():
             resident = st.resident
             self.layer_stats[layer] = LayerStats(resident=resident)
+        self._tick, self.tokens, self.token_s = None, 0, 0.0
 
     def route(self, layer: int, indices) -> Route:
         """Slots for one call of `layer`'s experts with router `indices` [..., k]."""
         import mlx.core as mx
 
         st = self.layer_stats[layer]
+        if layer == self._first_layer:  # a forward pass starts: the last one took now - tick
+            now = time.perf_counter()
+            if self._tick is not None:
+                self.tokens += 1
+                self.token_s += now - self._tick
+            self._tick = now
+            for pool in self.pools:  # probation outlives two passes' keys
+                if pool.pass_keys:
+                    pool.lru.probation_min = min(pool.num_slots, 2 * pool.pass_keys)
+                    pool.pass_keys = 0
         if self.no_readback:
             st.hits += indices.size  # every pair hits; counted without reading indices back
             base = self.base[layer]
@@ -260,8 +345,18 @@ class ExpertPager:
         # the last call's output must be computed before any of its slots is overwritten
         mx.eval(indices, *self._pending)
         flat = np.array(indices, copy=True).reshape(-1).astype(np.int64)
-        st.readback_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        st.readback_s += t1 - t0
         st.readbacks += 1
+        read_before = st.read_s
+        try:
+            return self._route_host(layer, indices, flat, st)
+        finally:
+            st.host_s += time.perf_counter() - t1 - (st.read_s - read_before)
+
+    def _route_host(self, layer: int, indices, flat: np.ndarray, st: LayerStats) -> Route:
+        import mlx.core as mx
+
         self.release()
         pool = self.pool_of[layer]
         ne = pool.num_experts[layer]
@@ -296,6 +391,9 @@ class ExpertPager:
             p.lru.unpin_all()
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         if self._pool_exec is not None:
             self._pool_exec.shutdown(wait=True)
             self._pool_exec = None
@@ -328,6 +426,7 @@ class ExpertPager:
         pool = self.pool_of[layer]
         st = self.layer_stats[layer]
         keys = [(layer, e) for e in experts]
+        pool.pass_keys += len(keys)
         missing = {e for e in experts if (layer, e) not in pool.lru}
         try:
             slots, allocs = pool.lru.resolve(keys)
@@ -379,16 +478,16 @@ class ExpertPager:
             self._map(lambda es: self._read_direct(pool, layer, lay, fd, *es), todo)
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
-            if self._stage is None or self._stage.shape[1] < lay.record_size or \
-                    self._stage.shape[0] < min(per, len(todo)):
-                rows = min(per, max(len(todo), 8))
-                self._stage = np.empty((rows, lay.record_size), dtype=np.uint8)
-            per = min(per, self._stage.shape[0])
+            rows = min(per, max(len(todo), 8))
+            per = min(per, len(pool.staging(rows, self._copier)))
             for b in range(0, len(todo), per):
                 batch = todo[b:b + per]
-                self._map(lambda ie: self._read_stage(layer, lay, fd, *ie),
+                self._map(lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
                           list(enumerate(e for e, _ in batch)))
-                pool.scatter([s for _, s in batch], self._stage)
+                if self._copier is not None:
+                    pool.copy_staged(self._copier, [s for _, s in batch])
+                    continue
+                pool.scatter([s for _, s in batch])
                 if b + per < len(todo):  # bound the staged copies held by the lazy scatter
                     import mlx.core as mx
 
@@ -407,17 +506,11 @@ class ExpertPager:
 
     def _read_direct(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int,
                      expert: int, slot: int) -> None:
-        # one preadv of the record: tensors straight into the slot, gaps into scratch
-        bufs, pos = [], 0
-        for t, view in zip(lay.tensors, pool.slot_views(slot), strict=True):
-            if t.offset > pos:
-                bufs.append(memoryview(bytearray(t.offset - pos)))
-            bufs.append(view)
-            pos = t.offset + t.nbytes
-        self._preadv(layer, lay, fd, expert, bufs)
+        self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.slot_views(slot)))
 
-    def _read_stage(self, layer: int, lay: LayerLayout, fd: int, row: int, expert: int) -> None:
-        self._preadv(layer, lay, fd, expert, [memoryview(self._stage[row, :lay.record_size])])
+    def _read_stage(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, row: int,
+                    expert: int) -> None:
+        self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.stage_views(row)))
 
     def _preadv(self, layer: int, lay: LayerLayout, fd: int, expert: int, bufs: list) -> None:
         off = lay.record_offset(expert)
@@ -427,7 +520,8 @@ class ExpertPager:
                                     str(self.store.folder / lay.file), layer, expert)
         if self.options.drop_page_cache:
             os.posix_fadvise(fd, off, lay.stride, os.POSIX_FADV_DONTNEED)
-        if self.options.verify:
+        if self.options.verify and (self.options.verify_every_read
+                                    or not self._verified[layer][expert]):
             crc = 0
             for b in bufs:
                 crc = zlib.crc32(b, crc)
@@ -440,6 +534,7 @@ class ExpertPager:
                     f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): the "
                     "record is corrupt; convert the model again",
                     str(self.store.folder / lay.file), layer, expert)
+            self._verified[layer][expert] = True
 
     def _load_all(self) -> None:
         """All-resident start: every expert into slot base+e, layer after layer."""

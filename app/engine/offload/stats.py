@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 _SUMMED = ("hits", "misses", "reads", "bytes_read", "read_s", "readback_s", "readbacks",
-           "evictions", "resident", "split_calls")
+           "host_s", "evictions", "resident", "split_calls")
 
 
 @dataclass
@@ -19,6 +19,7 @@ class LayerStats:
     read_s: float = 0.0  # host time stalled on reads (pread, CRC, copy into the slot)
     readback_s: float = 0.0  # host time waiting for the router's indices (`.tolist()` sync)
     readbacks: int = 0  # index read-backs (zero on the all-resident path)
+    host_s: float = 0.0  # host time in the pager's bookkeeping (pins, LRU, slot remap)
     evictions: int = 0  # experts of this layer evicted to make room
     resident: int = 0  # experts of this layer resident now
     split_calls: int = 0  # calls whose experts exceeded the pool: run in groups of experts
@@ -42,3 +43,16 @@ def total(layers: dict[int, LayerStats], slot_bytes: dict[int, int]) -> dict:
     pairs = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / pairs if pairs else None
     return out
+
+
+def per_token(out: dict, tokens: int, token_s: float) -> dict:
+    """Per forward pass: ms by part (reads, read-backs, the pager's host bookkeeping and the
+    rest: graph building and compute not waited for in read-backs), MB/s of reads."""
+    if not tokens:
+        return {"tokens": 0, "ms_per_token": None, "read_MBps": None}
+    parts = {"reads": out["read_s"], "readbacks": out["readback_s"], "pager_host": out["host_s"]}
+    ms = {k: 1000 * v / tokens for k, v in parts.items()}
+    ms["rest"] = max(0.0, 1000 * token_s / tokens - sum(ms.values()))
+    ms["total"] = 1000 * token_s / tokens
+    return {"tokens": tokens, "ms_per_token": ms,
+            "read_MBps": out["bytes_read"] / out["read_s"] / 1e6 if out["read_s"] else None}

@@ -159,8 +159,7 @@ def write_random_converted(
             writer.abort()
             raise
 
-        for lay in layouts:
-            done = _write_layer(tmp, lay, rng, dtype, done, total, progress)
+        layouts, done = _write_layers(tmp, layouts, seed, dtype, done, total, progress)
 
         # mlx-lm's per-module quantization, as the converter writes it
         top = widths.dense
@@ -191,12 +190,19 @@ def write_random_converted(
     return man
 
 
-def _write_layer(folder: Path, lay: LayerLayout, rng, dtype: str, done: int, total: int,
-                 progress) -> int:
+def _float_bits(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as the raw storage of `dtype` (bfloat16: round to nearest even), in
+    numpy: layer writers run in worker processes that never start MLX (or a GPU context)."""
+    if dtype == "bfloat16":
+        u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return a.astype(np.dtype(dtype))
+
+
+def _write_layer(folder: Path, lay: LayerLayout, seed: tuple, dtype: str) -> LayerLayout:
     """One layer's records: codes from a per-layer random pool at a different offset per
     expert (distinct experts without generating every byte), scales drawn per expert."""
-    import mlx.core as mx
-
+    rng = np.random.default_rng(seed)
     code_bytes = sum(t.nbytes for t in lay.tensors if t.dtype == "uint32")
     pool = rng.integers(0, 2 ** 32, (2 * code_bytes) // 4 + 1024, dtype=np.uint32)
     lw = LayerWriter(folder, lay)
@@ -219,14 +225,66 @@ def _write_layer(folder: Path, lay: LayerLayout, rng, dtype: str, done: int, tot
                 elif leaf in ("weight", "bias"):
                     rec[t.name] = _float_values(rng, t.name, t.shape) * (leaf == "weight")
             for k, v in list(rec.items()):
-                if v.dtype.kind == "f":  # records take mx arrays in their dtype
-                    rec[k] = mx.array(v).astype(getattr(mx, dtype))
+                if v.dtype.kind == "f":
+                    rec[k] = _float_bits(v, dtype)
             lw.write(e, rec)
-            done += lay.record_size
-        lw.close()
+        return lw.close()
     except BaseException:
         lw.abort()
         raise
-    if progress:
-        progress(f"layer {lay.layer} experts", done, total)
-    return done
+
+
+def _write_layers(folder: Path, layouts: list[LayerLayout], seed: int, dtype: str,
+                  done: int, total: int, progress) -> tuple[list[LayerLayout], int]:
+    """Every layer's records, several layers at once in worker processes (spawned: no MLX
+    state is inherited); a layer's data depends only on (seed, layer)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(len(layouts), max(1, (os.cpu_count() or 1) - 1), 16)
+    out = []
+    if workers <= 1:
+        pending = [(lay, None) for lay in layouts]
+        ex = None
+    else:
+        ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+        pending = [(lay, ex.submit(_write_layer, folder, lay, (seed, lay.layer), dtype))
+                   for lay in layouts]
+    try:
+        for lay, fut in pending:
+            done_lay = fut.result() if fut else _write_layer(folder, lay, (seed, lay.layer),
+                                                             dtype)
+            out.append(done_lay)
+            done += lay.record_size * lay.num_experts
+            if progress:
+                progress(f"layer {lay.layer} experts", done, total)
+    finally:
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
+    return out, done
+
+
+def write_random_experts(folder: str | os.PathLike, num_layers: int, num_experts: int,
+                         projs: dict[str, tuple[int, int]], bits: int = 2,
+                         group_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
+                         module: str = "backbone.layers.{layer}.mixer.switch_mlp") -> dict:
+    """Expert records alone (no model around them) -> the manifest's `experts` section, also
+    saved as `experts.json` in `folder`. `projs`: projection -> (out, in), e.g. Nemotron 3
+    Super's {"fc1": (2688, 1024), "fc2": (1024, 2688)}: records of a real model's size for
+    pager measurements without its compute."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layouts = []
+    for layer in range(num_layers):
+        tensors, q = [], {}
+        for pr, (out_d, in_d) in projs.items():
+            tensors += [(f"{pr}.weight", "uint32", (out_d, in_d * bits // 32)),
+                        (f"{pr}.scales", dtype, (out_d, in_d // group_size)),
+                        (f"{pr}.biases", dtype, (out_d, in_d // group_size))]
+            q[pr] = {"bits": bits, "group_size": group_size, "mode": "affine"}
+        layouts.append(LayerLayout.plan(layer, module.format(layer=layer), num_experts,
+                                        tensors, q))
+    layouts, _ = _write_layers(folder, layouts, seed, dtype, 0, 0, None)
+    section = experts_section(layouts)
+    (folder / "experts.json").write_text(json.dumps(section))
+    return section
