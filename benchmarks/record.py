@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,7 +19,10 @@ RESULTS = Path(__file__).parent / "results"
 
 def commit() -> str:
     """The checked-out commit (with "+dirty" when the tree has uncommitted changes), or
-    "unknown" outside a git checkout (the GPU machine gets a copy of the tree, not the repo)."""
+    "unknown" outside a git checkout. A copy of the tree run elsewhere (a GPU machine) may carry
+    stale git metadata: ROTARYQUANT_COMMIT names the commit it was copied from."""
+    if os.environ.get("ROTARYQUANT_COMMIT"):
+        return os.environ["ROTARYQUANT_COMMIT"]
     root = Path(__file__).parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
