@@ -498,8 +498,8 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
     print(f"{name}: pread bound warm {bounds['warm']['GBps']:.2f} GB/s", flush=True)
     resident = {}
     lm = load_converted(folder)
-    def run(model, routing, pipelined=True):
-        force_routing(model, man.experts, routing, steps=steps)
+    def run(model, routing, pipelined=True, seed=0):
+        force_routing(model, man.experts, routing, steps=steps, seed=seed)
         return model_decode(model, a.tokens, a.warmup, pipelined, logits=pipelined)
 
     steps = PROMPT + a.warmup + a.tokens + 8
@@ -531,7 +531,8 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
                     drop_page_cache(store)
                 else:
                     warm_page_cache(store)
-                r = run(lm.model, routing)
+                # a cold row gets another stream: the warm row's experts are in the pool
+                r = run(lm.model, routing, seed=1 if cache == "cold" else 0)
                 ref = resident[routing]
                 vs = spread(ref["runs"][0], r)
                 extra = {"variant": variant, "zero_copy": pager.zero_copy,
