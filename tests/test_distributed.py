@@ -19,7 +19,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from app.engine.quant.tiny import EXTRA_TINY_CONFIGS
 from mlx.utils import tree_flatten
 
 from app.engine import kvcache as kv
@@ -31,6 +30,7 @@ from app.engine.offload import load_paged
 from app.engine.offload.records import ExpertStore
 from app.engine.quant.convert import convert
 from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
 ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h", "qwen3_next"]
 CONFIGS = {**TINY_CONFIGS, "qwen3_next": EXTRA_TINY_CONFIGS["qwen3_next"]}
