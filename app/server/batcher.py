@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -174,6 +175,8 @@ class Batcher:
         self._ready = threading.Event()
         self._live: dict[int, _Live] = {}
         self._pending = 0
+        self.finish_reasons: Counter = Counter()  # requests ended, by reason (stats and tests)
+        self.max_batch_seen = 0  # most requests that shared one decode step
         self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rq-batcher")
         self._thread.start()
@@ -281,36 +284,13 @@ class Batcher:
     def _loop(self) -> None:
         import mlx.core as mx
 
-        from ..engine.generate import GenerationSettings
-
-        tok = self.engine.loaded.tokenizer
-        think = self._think_ids()
         gen = self._new_generator()
+        used = False
+        think = self._think_ids()
         serial: list[Completion] = []
         try:
             while not self._stop.is_set():
-                # admit: each request gets the plan's KV cache and its own sampler
-                while True:
-                    try:
-                        req = self._incoming.get_nowait()
-                    except queue.Empty:
-                        break
-                    if req.cancelled.is_set():
-                        req.emit(Done("cancelled", len(req.prompt), 0))
-                        self._done()
-                        continue
-                    with self.lock:
-                        cache = self.engine.make_cache(
-                            GenerationSettings(), len(req.prompt) + req.max_tokens
-                        )
-                    if not all(hasattr(c, "merge") for c in cache):
-                        serial.append(req)  # no batch protocol: one at a time, below
-                        continue
-                    (uid,) = gen.insert(
-                        [req.prompt], [req.max_tokens], caches=[cache],
-                        samplers=[make_sampler(req.temperature, req.top_p, req.seed)],
-                    )  # fmt: skip
-                    self._live[uid] = _Live(req, tok)
+                self._admit(gen, serial)
                 # leave: cancelled requests (a client that went away) free their slot now
                 gone = [u for u, lv in self._live.items() if lv.req.cancelled.is_set()]
                 if gone:
@@ -322,34 +302,70 @@ class Batcher:
                     self._run_serial(serial.pop(0))
                     continue
                 if not self._live:
-                    mx.clear_cache()
+                    if used:  # idle: a fresh generator holds none of the last batch's arrays
+                        gen.close()
+                        gen, used = self._new_generator(), False
+                        mx.clear_cache()
                     self._wake.wait(0.25)
                     self._wake.clear()
                     continue
-                with self.lock:
-                    _, responses = gen.next()
-                for r in responses:
-                    live = self._live.get(r.uid)
-                    if live is None:
-                        continue
-                    if r.finish_reason == "stop":  # an end-of-sequence token: not text
-                        self._finish(r.uid, "stop")
-                        continue
-                    if live.token(r.token, *think):
-                        with self.lock:
-                            gen.remove([r.uid])
-                        self._finish(r.uid, "stop")
-                    elif r.finish_reason is not None:
-                        self._finish(r.uid, r.finish_reason)
+                self.max_batch_seen = max(self.max_batch_seen, len(self._live))
+                self._step(gen, think)
+                used = True
         finally:
             gen.close()
             for u in list(self._live):
                 self._finish(u, "cancelled")
             self._drain_incoming(Done("cancelled", 0, 0))
 
+    def _admit(self, gen, serial: list) -> None:
+        """New requests join the batch, each with the plan's KV cache and its own sampler."""
+        from ..engine.generate import GenerationSettings
+
+        tok = self.engine.loaded.tokenizer
+        while True:
+            try:
+                req = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            if req.cancelled.is_set():
+                req.emit(Done("cancelled", len(req.prompt), 0))
+                self._done()
+                continue
+            with self.lock:
+                cache = self.engine.make_cache(GenerationSettings(), len(req.prompt) + req.max_tokens)
+            if not all(hasattr(c, "merge") for c in cache):
+                serial.append(req)  # no batch protocol: one at a time
+                continue
+            (uid,) = gen.insert(
+                [req.prompt], [req.max_tokens], caches=[cache],
+                samplers=[make_sampler(req.temperature, req.top_p, req.seed)],
+            )  # fmt: skip
+            self._live[uid] = _Live(req, tok)
+
+    def _step(self, gen, think) -> None:
+        """One decode step of the whole batch (a function, so that the finished requests'
+        caches mlx-lm hands back die with it)."""
+        with self.lock:
+            _, responses = gen.next()
+        for r in responses:
+            live = self._live.get(r.uid)
+            if live is None:
+                continue
+            if r.finish_reason == "stop":  # an end-of-sequence token: not text
+                self._finish(r.uid, "stop")
+                continue
+            if live.token(r.token, *think):
+                with self.lock:
+                    gen.remove([r.uid])
+                self._finish(r.uid, "stop")
+            elif r.finish_reason is not None:
+                self._finish(r.uid, r.finish_reason)
+
     def _finish(self, uid: int, reason: str) -> None:
         live = self._live.pop(uid)
         live.finish(reason)
+        self.finish_reasons[reason] += 1
         self._done()
 
     def _run_serial(self, req: Completion) -> None:
@@ -372,4 +388,5 @@ class Batcher:
                 elif isinstance(ev, Finished):
                     reason = ev.reason
         live.finish(reason)
+        self.finish_reasons[reason] += 1
         self._done()
