@@ -48,6 +48,7 @@ class ApiServer:
         except OSError as e:
             self.sock.close()
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        self.sock.listen(1024)  # connections queue from now on, before uvicorn's loop runs
         self.host, self.port = host, self.sock.getsockname()[1]
         self.batcher = Batcher(engine, max_batch=max_batch, context=context)
         config = uvicorn.Config(create_app(self.batcher, api_key), log_level="warning",
