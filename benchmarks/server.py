@@ -100,7 +100,7 @@ def wait_up(base: str, proc: subprocess.Popen | None, timeout: float = 900) -> N
 def run_ours(folder: str, kv_mode: str, clients: list[int], tokens: int, rounds: int,
              ctx: str) -> dict:
     from app.engine.generate import Engine
-    from app.server import ApiServer
+    from app.server.run import ApiServer
 
     eng = Engine()
     info = eng.load(folder, {"kv_mode": kv_mode})

@@ -20,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")  # a dev dependency (pyproject [dev])
 
 from app.engine.generate import Engine  # noqa: E402
-from app.server import ApiServer  # noqa: E402
+from app.server.run import ApiServer  # noqa: E402
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [

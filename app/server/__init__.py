@@ -1,7 +1,3 @@
 """A local OpenAI-compatible (and Anthropic Messages) API over the engine, with continuous
-batching. Engine-side: never imports Qt."""
-
-from .batcher import Batcher, Completion
-from .run import DEFAULT_HOST, DEFAULT_PORT, ApiServer, address, is_loopback
-
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "ApiServer", "Batcher", "Completion", "address", "is_loopback"]
+batching: batcher.py (the model's thread), api.py (HTTP), run.py (uvicorn), address.py.
+Engine-side: never imports Qt; the package imports no MLX until a model is served."""

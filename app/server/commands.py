@@ -24,7 +24,8 @@ def _resolve(model: str | None) -> str:
 
 def cmd_serve(args) -> int:
     from ..engine.generate import Engine
-    from .run import ApiServer, is_loopback
+    from .address import is_loopback
+    from .run import ApiServer
 
     path = _resolve(args.model)
     options = {"plan": bool(args.plan)}
