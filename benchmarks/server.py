@@ -189,6 +189,31 @@ def build_qwen3(folder: Path, small: bool, layers: int | None) -> dict:
     return cfg
 
 
+def float_copy(src: str, folder: Path) -> str:
+    """The model with its dense layers in float32, as our engine runs them on a CPU
+    (app/engine/cpu_weights.py): served by both, so the CPU rows compare servers, not MLX's slow
+    CPU quantized matmul. Built once."""
+    import shutil
+
+    from mlx_lm.utils import load, save_config, save_model
+
+    from app.engine.cpu_weights import dequantize_dense
+
+    if not (folder / "config.json").exists():
+        model, _ = load(src)
+        dequantize_dense(model)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model(folder, model)
+        cfg = json.loads((Path(src) / "config.json").read_text())
+        cfg.pop("quantization", None)
+        cfg.pop("quantization_config", None)
+        save_config(cfg, folder / "config.json")
+        for f in Path(src).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
+                shutil.copy(f, folder / f.name)
+    return str(folder)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qwen3", action="store_true", help="Qwen3-30B-A3B shapes, random weights")
@@ -224,6 +249,11 @@ def main() -> None:
         from app.engine.embedded import ensure_default_model
 
         folder, name = str(ensure_default_model()), "SmolLM2-135M-Instruct (embedded)"
+        from app.engine.backend import detect
+
+        if detect().name == "cpu":
+            folder = float_copy(folder, Path(args.workdir) / "smollm2-135m-float32")
+            name += ", dense layers float32 for both servers"
         tokens = args.tokens or 64
     words = args.context_words if args.context_words is not None else (400 if args.qwen3 else 0)
     filler = "The quick brown fox jumps over the lazy dog. "

@@ -291,3 +291,52 @@ def test_cli_serve_answers_within_a_minute(smollm2_path, tmp_path):
         proc.terminate()
         proc.wait(30)
         proc.stdout.close()
+
+
+def test_isoquant_requests_batch(client, server, engine, monkeypatch):
+    """With the plan's KV mode isoquant3, concurrent requests share one batch of IsoQuant
+    caches (BatchIsoQuantKVCache) and answer as the model does."""
+    from app.engine.kvcache import batch as kv_batch
+
+    merged = []
+    real = kv_batch.BatchIsoQuantKVCache.merge.__func__
+
+    def spy(cls, caches):
+        merged.append(len(caches))
+        return real(cls, caches)
+
+    monkeypatch.setattr(kv_batch.BatchIsoQuantKVCache, "merge", classmethod(spy))
+    monkeypatch.setattr(engine, "default_kv_mode", "isoquant3")
+    long_q = "Please read this. " * 30 + "What is the capital of France?"  # > the float window
+    out: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(
+        i, _stream_text(client, server.batcher.model_id, long_q if i % 2 else PROMPTS[0], 40)))
+        for i in range(4)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(out) == 4 and all("Paris" in v for v in out.values()), out
+    assert merged and max(merged) >= 2  # admitted together, merged into one batch cache
+    _wait_idle(server)
+
+
+def test_a_cache_without_the_batch_protocol_runs_one_at_a_time(client, server, engine, monkeypatch):
+    """KV caches that cannot merge (ZipFusion today; here mlx-lm's QuantizedKVCache) are served
+    one request at a time through the engine's own loop."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    monkeypatch.setattr(engine, "make_cache", lambda settings, tokens=0: [
+        QuantizedKVCache(group_size=64, bits=8) for _ in engine.loaded.model.layers])  # fmt: skip
+    assert not hasattr(QuantizedKVCache, "merge")
+    seen = server.batcher.max_batch_seen
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(
+        _stream_text(client, server.batcher.model_id, PROMPTS[0], 30))) for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(outs) == 2 and all("Paris" in o for o in outs)
+    assert server.batcher.max_batch_seen == seen  # never batched
+    _wait_idle(server)
