@@ -137,11 +137,9 @@ class Api:
                 code="context_length_exceeded", param="messages",
             )  # fmt: skip
         room = ctx - len(prompt)
-        mt = body.get("max_completion_tokens") if max_name == "max_tokens" else None
-        if mt is None:
-            mt = _number(body, max_name, room, lo=1, kind=int)
-        else:
-            mt = _number(body, "max_completion_tokens", room, lo=1, kind=int)
+        if max_name == "max_tokens" and body.get("max_completion_tokens") is not None:
+            max_name = "max_completion_tokens"  # OpenAI's newer name for the same limit
+        mt = _number(body, max_name, room, lo=1, kind=int)
         if _number(body, "n", 1, lo=1, kind=int) != 1:
             raise ApiError(400, "only n = 1 is supported", param="n")
         tok = self.batcher.engine.loaded.tokenizer
