@@ -264,6 +264,7 @@ def main() -> None:
     print(f"{name} on {machine}; clients {clients}, {tokens} tokens each after a "
           f"{words}-word filler", flush=True)
 
+    load_before = os.getloadavg()[0]  # a shared machine: the figures are ratios at best
     theirs = run_mlx_lm(folder, clients, tokens, args.rounds, ctx)
     runs = []
     for mode in args.kv_modes.split(","):
@@ -282,6 +283,7 @@ def main() -> None:
               f"| {r['ours_tps'] / max(r['mlx_lm_server_tps'], 1e-9):.2f}x | {r['ours_tps'] / max(one, 1e-9):.2f}x |")  # fmt: skip
     payload = {"runs": runs, "tokens_per_client": tokens, "rounds": args.rounds,
                "context_words": words,
+               "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
                "method": "each client one greedy chat completion, all sent at once; aggregate = "
                          "completion tokens (usage) / wall time; mlx_lm.server with "
                          "--decode-concurrency/--prompt-concurrency = the largest client count, no prompt cache"}  # fmt: skip
