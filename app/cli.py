@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "app.engine.quant.commands",  # convert, inspect
     "app.engine.planner_commands",  # plan
     "app.downloads.commands",  # download, models, remove, verify
+    "app.server.commands",  # serve
 )
 
 

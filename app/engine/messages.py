@@ -35,6 +35,21 @@ class GetStats:
 
 
 @dataclass
+class StartServing:
+    """Serve the loaded model over the OpenAI-compatible API (app/server) from the worker."""
+
+    req_id: int = 0
+    host: str = "127.0.0.1"  # another address is the user's explicit choice (the UI warns)
+    port: int = 8080
+    api_key: str | None = None
+
+
+@dataclass
+class StopServing:
+    req_id: int = 0
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -85,6 +100,17 @@ class Done:
     peak_memory: int
     kv_bytes: int
     text: str
+
+
+@dataclass
+class Serving:
+    """The API's state after StartServing / StopServing (or a model load while serving)."""
+
+    req_id: int
+    url: str  # the base URL clients are given ("" when not serving)
+    host: str = ""
+    port: int = 0
+    error: str = ""
 
 
 @dataclass

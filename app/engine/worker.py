@@ -78,6 +78,8 @@ class _Worker:
         self.send_lock = threading.Lock()
         self.generating = False
         self.decode_tps = 0.0
+        self.api = None  # app.server.run.ApiServer while serving the loaded model
+        self.api_settings: dict | None = None  # host/port/key to serve again after a load
 
     def send(self, msg) -> None:
         with self.send_lock:
@@ -129,6 +131,7 @@ class _Worker:
         while True:
             msg = self.requests.get()
             if isinstance(msg, M.Shutdown):
+                self._stop_api()
                 return
             try:
                 self.handle(msg)
@@ -138,8 +141,18 @@ class _Worker:
 
     def handle(self, msg) -> None:
         if isinstance(msg, M.Load):
+            serving = self.api_settings if self.api is not None else None
+            self._stop_api()  # the API's batch must not run while the model changes
             info = self.engine.load(msg.path, msg.options)
             self.send(M.Loaded(msg.req_id, asdict(info)))
+            if serving:
+                self._start_api(msg.req_id, **serving)
+        elif isinstance(msg, M.StartServing):
+            self._start_api(msg.req_id, msg.host, msg.port, msg.api_key)
+        elif isinstance(msg, M.StopServing):
+            self._stop_api()
+            self.api_settings = None
+            self.send(M.Serving(msg.req_id, ""))
         elif isinstance(msg, M.Generate):
             self.generate(msg)
         elif isinstance(msg, M.GetStats):
@@ -147,7 +160,34 @@ class _Worker:
         else:
             raise ValueError(f"unknown request {type(msg).__name__}")
 
+    def _start_api(self, req_id: int, host: str, port: int, api_key: str | None) -> None:
+        """Serve the loaded model (one model in memory: the window and the API share it)."""
+        if self.engine.loaded is None:
+            raise ValueError("load a model before serving it")
+        from ..server.run import ApiServer
+
+        self._stop_api()
+        try:
+            self.api = ApiServer(self.engine, host, port, api_key=api_key).start()
+        except OSError as e:
+            self.send(M.Serving(req_id, "", host, port, error=str(e)))
+            return
+        self.api_settings = {"host": host, "port": self.api.port, "api_key": api_key}
+        self.send(M.Serving(req_id, self.api.url, host, self.api.port))
+
+    def _stop_api(self) -> None:
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
+
     def generate(self, msg: M.Generate) -> None:
+        if self.api is None:
+            self._generate(msg)
+            return
+        with self.api.batcher.lock:  # the API's batch waits between its steps meanwhile
+            self._generate(msg)
+
+    def _generate(self, msg: M.Generate) -> None:
         from .generate import Finished, GenerationSettings, PromptProcessed, TokenEvent
 
         settings = GenerationSettings.from_dict(msg.settings)
@@ -384,6 +424,21 @@ class WorkerClient:
 
     def cancel(self, req_id: int) -> None:
         self.send(M.Cancel(req_id))
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+              timeout: float = 60.0) -> M.Serving:  # fmt: skip
+        """Start serving the loaded model over the API; the reply says where (or why not)."""
+        rid = self.next_id()
+        self.send(M.StartServing(rid, host, port, api_key))
+        msg = self._wait(lambda m: isinstance(m, (M.Serving, M.Error)) and m.req_id == rid, timeout)
+        if isinstance(msg, M.Error):
+            raise WorkerError(f"{msg.kind}: {msg.message}")
+        return msg
+
+    def stop_serving(self, timeout: float = 60.0) -> M.Serving:
+        rid = self.next_id()
+        self.send(M.StopServing(rid))
+        return self._wait(lambda m: isinstance(m, M.Serving) and m.req_id == rid, timeout)
 
     def __enter__(self) -> WorkerClient:
         self.start()

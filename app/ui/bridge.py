@@ -41,6 +41,7 @@ class WorkerBridge(QObject):
     error = Signal(object)  # M.Error
     stats = Signal(object)  # M.Stats
     died = Signal(object)  # M.WorkerDied
+    serving = Signal(object)  # M.Serving
     _incoming = Signal(object)  # from the reader thread
 
     def __init__(self, parent=None, env: dict | None = None):
@@ -125,6 +126,13 @@ class WorkerBridge(QObject):
         if self.is_alive() and not self.stats_pending:
             self.stats_pending = self._send(M.GetStats())
 
+    def serve(self, host: str, port: int, api_key: str | None = None) -> None:
+        """Serve the loaded model over the API from the worker; `serving` answers."""
+        self._send(M.StartServing(self.client.next_id(), host, port, api_key))
+
+    def stop_serving(self) -> None:
+        self._send(M.StopServing(self.client.next_id()))
+
     def crash(self) -> None:
         """Test and demo hook: make the worker die as a segfault would."""
         self._send(M.Crash())
@@ -145,6 +153,8 @@ class WorkerBridge(QObject):
             self.done.emit(msg)
         elif isinstance(msg, M.Loaded):
             self.loaded.emit(msg)
+        elif isinstance(msg, M.Serving):
+            self.serving.emit(msg)
         elif isinstance(msg, M.Error):
             if msg.req_id is not None and msg.req_id == self.current:
                 self.current = None

@@ -35,6 +35,7 @@ from .library_view import LibraryView
 from .memory import MemoryPanel
 from .plan_model import PlanController, PlanResult
 from .plan_view import PlanView
+from .server_view import ServerSwitch
 from .session import DEFAULT_MODEL_REF, EngineSession
 from .theme import MODES, RESOURCES, Theme
 
@@ -117,6 +118,8 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(central)
         self.status_label = QLabel("")
         self.statusBar().addPermanentWidget(self.status_label)
+        self.server_switch = ServerSwitch(self.bridge)
+        self.statusBar().addPermanentWidget(self.server_switch)
         self._build_menus()
         self._connect()
         self._restore_state()
@@ -226,6 +229,7 @@ class MainWindow(QMainWindow):
         self.chat.stream_started.connect(self._on_stream_started)
         self.chat_view.status.connect(lambda m: self.statusBar().showMessage(m, 5000))
         self.library_view.status.connect(lambda m: self.statusBar().showMessage(m, 5000))
+        self.server_switch.status.connect(lambda m: self.statusBar().showMessage(m, 5000))
         self.library_view.load_requested.connect(self._load_from_library)
         self.library_view.plan_requested.connect(self._plan_from_library)
         self.library.entries_changed.connect(self.refresh_models)

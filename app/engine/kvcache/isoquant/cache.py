@@ -255,18 +255,9 @@ class IsoQuantKVCache(_BaseCache):
             c = s_hi
         if upto > c:
             lo, hi = c - self.fp_start, upto - self.fp_start
-            fk, fv = self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
-            fused = None
-            if _ENCODER is not None and self._enc_k is None:  # compiled: an explicit opt-in
-                fused = _ENCODER(fk, fv, self.rotation, self.kq, self.vq)
-            if fused is not None:
-                kc, kn, vc, vn = fused
-            elif self._enc_k is not None and hi - lo <= _COMPILED_MAX_TOKENS:
-                kc, kn = self._enc_k(fk)
-                vc, vn = self._enc_v(fv)
-            else:
-                kc, kn = encode(fk, self.rotation, self.kq)
-                vc, vn = encode(fv, self.rotation, self.vq)
+            kc, kn, vc, vn = self.encode_rows(
+                self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
+            )
             r0, r1 = c - self.sink, upto - self.sink
             self._views = None  # before the writes: a live view would keep the old buffers
             self._grow_codes(r1)
@@ -284,6 +275,25 @@ class IsoQuantKVCache(_BaseCache):
         if upto - start > self.step:
             # A bulk compression (end of prefill): release the prompt's float buffer now.
             self._shrink_fp()
+
+    def encode_rows(self, fk: mx.array, fv: mx.array):
+        """Float K/V [B, Hkv, n, D] -> (K codes, K norms, V codes, V norms), V codes in "rows"
+        layout. Per token: a token's codes do not depend on when or beside what it is encoded."""
+        fused = None
+        if _ENCODER is not None and self._enc_k is None:  # compiled: an explicit opt-in
+            fused = _ENCODER(fk, fv, self.rotation, self.kq, self.vq)
+        if fused is not None:
+            return fused
+        if self._enc_k is not None and fk.shape[2] <= _COMPILED_MAX_TOKENS:
+            return (*self._enc_k(fk), *self._enc_v(fv))
+        return (*encode(fk, self.rotation, self.kq), *encode(fv, self.rotation, self.vq))
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batch protocol: one left-padded batch cache of these caches (kvcache/batch.py)."""
+        from .batch import BatchIsoQuantKVCache
+
+        return BatchIsoQuantKVCache.merge(caches)
 
     def _write_v_tc16(self, r0: int, r1: int, vc: mx.array | None) -> None:
         """Store rows-format V codes vc of rows [r0, r1) into the tc16 V codes: the chunks

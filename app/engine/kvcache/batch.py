@@ -1,0 +1,306 @@
+"""BatchIsoQuantKVCache: IsoQuant caches of several requests in one batch (mlx-lm's batch
+protocol: merge, extract, filter, extend, prepare, finalize), for BatchGenerator.
+
+Every row is one token sequence laid out as [padding | codes | float tail], right-aligned:
+    codes  [B, Hkv, C, ..]  packed K/V codes ("rows" layout) + fp16 norms, positions [0, C)
+    float  [B, Hkv, Tf, D]  the recent tokens in the model's dtype, positions [C, C + Tf)
+and row i's tokens start at position pad[i] (left padding, masked like mlx-lm's BatchKVCache).
+The code/float boundary is shared, so a row that holds codes has exactly Tf float tokens; when
+rows with different float tails meet, the longer tails compress their oldest tokens (a token's
+codes do not depend on when it is encoded, so this is what the row's own cache would store
+once it compressed that far). Only rows without codes may have shorter float tails (padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from .cache import IsoQuantKVCache, _round_up
+from .isoquant_attention import IsoQuantTensor
+from .packing import pack_codes, preferred_v_layout, unpack_v_codes
+
+_CONFIG = ("rotation_kind", "key_bits", "value_bits", "window", "seed", "layer", "compress_every")
+
+
+@dataclass
+class _Row:
+    """One row's tokens: codes (kc, kn, vc rows layout, vn) [1, H, n, ..] and float [1, H, t, D]."""
+
+    codes: tuple | None
+    fk: mx.array | None
+    fv: mx.array | None
+
+    @property
+    def n(self) -> int:
+        return 0 if self.codes is None else self.codes[1].shape[2]
+
+    @property
+    def t(self) -> int:
+        return 0 if self.fk is None else self.fk.shape[2]
+
+
+def _cat(a, b):
+    return b if a is None else mx.concatenate([a, b], axis=2)
+
+
+def _config(c) -> dict:
+    return {k: getattr(c, k) for k in _CONFIG}
+
+
+def _row_of_single(c: IsoQuantKVCache) -> _Row:
+    if c.sink or c.decoded_shadow:
+        raise ValueError("batched IsoQuant caches keep no float sink and no decoded shadow")
+    if c.rotation is None or c.offset == 0:
+        return _Row(None, None, None)
+    kc, kn, vc, vn, fk, fv, _, _ = c.state
+    codes = None
+    if kc is not None:
+        rows = kn.shape[2]
+        v = unpack_v_codes(vc, c.vq.bits, c.v_layout)[:, :, :rows]
+        codes = (kc, kn, pack_codes(v, c.vq.bits), vn)
+    return _Row(codes, fk, fv)
+
+
+class BatchIsoQuantKVCache(_BaseCache):
+    step = 256  # grow the float tail in steps so decode doesn't reallocate each token
+
+    def __init__(self, config: dict, pad: list[int]):
+        self.config = dict(config)
+        self.proto = IsoQuantKVCache(**self.config, v_layout="rows")  # rotation, quantizers
+        self.pad = list(pad)  # per row: positions before the row's first token
+        self.codes = None  # (k_codes, k_norms, v_codes, v_norms) [B, H, C, ..] or None
+        self.fp_keys = self.fp_values = None  # [B, H, cap, D]; tokens [0, tf) live
+        self.tf = 0
+        self.offset = mx.array([-p for p in pad])  # per row: real position of the next token
+        self._right = None  # right padding of the prefill in flight (prepare -> finalize)
+
+    # ---- shape -------------------------------------------------------------------------
+    @property
+    def n_codes(self) -> int:
+        return 0 if self.codes is None else self.codes[1].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.pad)
+
+    def size(self) -> int:
+        return self.n_codes + self.tf
+
+    def empty(self) -> bool:
+        return self.size() == 0
+
+    # ---- the forward pass -------------------------------------------------------------
+    def _setup(self, h: int, d: int, dv: int) -> None:
+        if self.proto.rotation is None:
+            self.proto._setup(h, d, dv)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # keys, values: [B, Hkv, L, D]
+        b, h, n, d = keys.shape
+        self._setup(h, d, values.shape[-1])
+        if self.fp_keys is None or self.tf + n > self.fp_keys.shape[2]:
+            cap = _round_up(self.tf + n, self.step)
+            new_k = mx.zeros((b, h, cap, d), keys.dtype)
+            new_v = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
+            if self.tf:
+                new_k[:, :, : self.tf] = self.fp_keys[:, :, : self.tf]
+                new_v[:, :, : self.tf] = self.fp_values[:, :, : self.tf]
+            self.fp_keys, self.fp_values = new_k, new_v
+        self.fp_keys[:, :, self.tf : self.tf + n] = keys
+        self.fp_values[:, :, self.tf : self.tf + n] = values
+        self.tf += n
+        self.offset = self.offset + n
+        p = self.proto
+        if n == 1 and self.tf - p.window >= p.compress_every:
+            self._compress(self.tf - p.window)
+        return self._fetch()
+
+    def _compress(self, k: int) -> None:
+        """Move the oldest k float tokens of every row into the codes (padding encodes too)."""
+        enc = self.proto.encode_rows(self.fp_keys[:, :, :k], self.fp_values[:, :, :k])
+        self.codes = enc if self.codes is None else tuple(map(_cat, self.codes, enc))
+        rest = self.tf - k
+        cap = _round_up(max(rest, 1), self.step)
+        b, h, _, d = self.fp_keys.shape
+        new_k = mx.zeros((b, h, cap, d), self.fp_keys.dtype)
+        new_v = mx.zeros((b, h, cap, self.fp_values.shape[-1]), self.fp_values.dtype)
+        if rest:
+            new_k[:, :, :rest] = self.fp_keys[:, :, k : self.tf]
+            new_v[:, :, :rest] = self.fp_values[:, :, k : self.tf]
+        self.fp_keys, self.fp_values, self.tf = new_k, new_v, rest
+
+    def _fetch(self):
+        fk = self.fp_keys[:, :, : self.tf] if self.tf else None
+        fv = self.fp_values[:, :, : self.tf] if self.tf else None
+        if self.codes is None:
+            return fk, fv  # no codes yet: plain arrays, mlx-lm's own attention
+        kc, kn, vc, vn = self.codes
+        p = self.proto
+        return (
+            IsoQuantTensor(kc, kn, fk, p.kq, p.rotation),
+            IsoQuantTensor(vc, vn, fv, p.vq, p.rotation),
+        )
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        if window_size is not None:
+            raise ValueError("IsoQuant caches hold full attention, not a sliding window")
+        if max(self.pad, default=0) == 0:
+            if N == 1:
+                return None  # nothing to hide: the fused decode kernel can run
+            if not return_array:
+                return "causal"
+            return create_causal_mask(N, offset=self.size())
+        return create_causal_mask(N, offset=self.size(), left_padding=mx.array(self.pad))
+
+    # ---- rows <-> batch ------------------------------------------------------------------
+    def _row(self, i: int, right: int = 0) -> _Row:
+        """Row i's own tokens (`right` padding tokens dropped from its float end)."""
+        c, tf = self.n_codes, self.tf - right
+        lo = self.pad[i]
+        codes = None
+        if lo < c:
+            codes = tuple(a[i : i + 1, :, lo:] for a in self.codes)
+        f0 = max(lo - c, 0)
+        if f0 >= tf:
+            return _Row(codes, None, None) if codes is not None else _Row(None, None, None)
+        fk = self.fp_keys[i : i + 1, :, f0:tf]
+        fv = self.fp_values[i : i + 1, :, f0:tf]
+        return _Row(codes, fk, fv)
+
+    def _load_rows(self, rows: list[_Row]) -> None:
+        """Lay `rows` out as this batch: equalize the float tails, then pad on the left."""
+        p = self.proto
+        with_codes = [r.t for r in rows if r.n]
+        tf = min(with_codes) if with_codes else max((r.t for r in rows), default=0)
+        out = []
+        for r in rows:
+            if r.t > tf:  # the oldest float tokens join the codes
+                k = r.t - tf
+                enc = p.encode_rows(r.fk[:, :, :k], r.fv[:, :, :k])
+                codes = enc if r.codes is None else tuple(map(_cat, r.codes, enc))
+                r = _Row(codes, r.fk[:, :, k:], r.fv[:, :, k:])
+            elif r.n and r.t < tf:
+                raise AssertionError("a row with codes has a shorter float tail")
+            out.append(r)
+        c = max((r.n for r in out), default=0)
+        b = len(out)
+        self.pad = [c + tf - r.n - r.t for r in out]
+        self.offset = mx.array([r.n + r.t for r in out])
+        self.tf = tf
+        self.codes = None
+        if c:
+            ref = next(r.codes for r in out if r.codes is not None)
+            arrays = [mx.zeros((b, *a.shape[1:2], c, *a.shape[3:]), a.dtype) for a in ref]
+            for i, r in enumerate(out):
+                if r.codes is not None:
+                    for a, src in zip(arrays, r.codes, strict=True):
+                        a[i : i + 1, :, c - r.n :] = src
+            self.codes = tuple(arrays)
+        self.fp_keys = self.fp_values = None
+        ref = next((r for r in out if r.fk is not None), None)
+        if ref is not None:
+            cap = _round_up(max(tf, 1), self.step)
+            h, d, dv = ref.fk.shape[1], ref.fk.shape[3], ref.fv.shape[3]
+            self.fp_keys = mx.zeros((b, h, cap, d), ref.fk.dtype)
+            self.fp_values = mx.zeros((b, h, cap, dv), ref.fv.dtype)
+            for i, r in enumerate(out):
+                if r.t:
+                    self.fp_keys[i : i + 1, :, tf - r.t : tf] = r.fk
+                    self.fp_values[i : i + 1, :, tf - r.t : tf] = r.fv
+
+    @classmethod
+    def merge(cls, caches: list[IsoQuantKVCache]) -> BatchIsoQuantKVCache:
+        configs = [_config(c) for c in caches]
+        if any(cfg != configs[0] for cfg in configs):
+            raise ValueError("IsoQuant caches with different settings cannot share a batch")
+        batch = cls(configs[0], [0] * len(caches))
+        ready = next((c for c in caches if c.rotation is not None), None)
+        if ready is not None:
+            r = ready.rotation
+            batch._setup(r.n_heads, r.head_dim, r.head_dim)
+        rows = [_row_of_single(c) for c in caches]
+        if any(r.n or r.t for r in rows):
+            batch._load_rows(rows)
+        return batch
+
+    def extract(self, idx: int) -> IsoQuantKVCache:
+        """Row idx as a cache of its own (V codes in this backend's preferred layout)."""
+        r = self._row(idx)
+        c = IsoQuantKVCache(**self.config, v_layout="rows")
+        if self.proto.rotation is None or not (r.n or r.t):
+            return c
+        rot = self.proto.rotation
+        c._setup(rot.n_heads, rot.head_dim, rot.head_dim)
+        codes = r.codes or (None, None, None, None)
+        c.state = (*(mx.contiguous(a) if a is not None else None for a in codes),
+                   None if r.fk is None else mx.contiguous(r.fk),
+                   None if r.fv is None else mx.contiguous(r.fv), None, None)  # fmt: skip
+        c.relayout(preferred_v_layout(rot.head_dim, c.value_bits))
+        return c
+
+    def filter(self, batch_indices) -> None:
+        """Keep just these rows (in place)."""
+        keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
+                                 else batch_indices)]  # fmt: skip
+        if not keep:
+            self.__init__(self.config, [])
+            return
+        rows = [self._row(i) for i in keep]
+        if any(r.n or r.t for r in rows):
+            self._load_rows(rows)
+        else:
+            self.pad = [0] * len(keep)
+            self.offset = mx.zeros((len(keep),), mx.int32)
+            self.codes = self.fp_keys = self.fp_values = None
+            self.tf = 0
+
+    def extend(self, other: BatchIsoQuantKVCache) -> None:
+        """Append other's rows after this batch's rows (in place)."""
+        if other.config != self.config:
+            raise ValueError("IsoQuant caches with different settings cannot share a batch")
+        if self.proto.rotation is None and other.proto.rotation is not None:
+            self.proto = other.proto
+        rows = [self._row(i) for i in range(self.batch_size)]
+        rows += [other._row(i) for i in range(other.batch_size)]
+        if any(r.n or r.t for r in rows):
+            self._load_rows(rows)
+        else:
+            self.pad = self.pad + other.pad
+            self.offset = mx.concatenate([self.offset, other.offset])
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        if left_padding is not None:
+            if not self.empty():
+                raise ValueError("left padding can only be added to an empty batch cache")
+            self.pad = [p + int(lp) for p, lp in zip(self.pad, left_padding, strict=True)]
+            self.offset = self.offset - mx.array(list(left_padding))
+        if right_padding is not None and max(right_padding) > 0:
+            self._right = [int(r) for r in right_padding]
+
+    def finalize(self) -> None:
+        """After a right-padded prefill: drop each row's padding tokens from its float end."""
+        if self._right is None:
+            return
+        rows = [self._row(i, r) for i, r in enumerate(self._right)]
+        self._right = None
+        self._load_rows(rows)
+
+    # ---- the rest of the protocol ---------------------------------------------------------
+    @property
+    def state(self):
+        codes = self.codes or (None, None, None, None)
+        fk = None if self.fp_keys is None else self.fp_keys[:, :, : self.tf]
+        fv = None if self.fp_values is None else self.fp_values[:, :, : self.tf]
+        return tuple(a for a in (*codes, fk, fv, self.offset) if a is not None)
+
+    def is_trimmable(self) -> bool:
+        return False  # a batch never rewinds: speculative decoding runs one request at a time
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (*(self.codes or ()), self.fp_keys, self.fp_values)
+        return sum(a.nbytes for a in arrays if a is not None)

@@ -1,0 +1,147 @@
+"""BatchIsoQuantKVCache: mlx-lm's batch protocol over IsoQuant caches. merge / extract / filter /
+extend round-trip bit-exactly; batched attention equals each row's own; mlx-lm's own
+batch_generate and BatchGenerator run with our caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from app.engine import kvcache
+from app.engine.kvcache import IsoQuantKVCache
+from app.engine.kvcache.batch import BatchIsoQuantKVCache
+from app.engine.kvcache.isoquant_attention import isoquant_attention_reference
+
+H, D = 2, 64
+
+
+def _kv(t, seed):
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return (mx.random.normal((1, H, t, D), key=k1).astype(mx.float16),
+            mx.random.normal((1, H, t, D), key=k2).astype(mx.float16))  # fmt: skip
+
+
+def _single(prompt, decode, seed, **kw):
+    """A cache after a prompt of `prompt` tokens and `decode` single-token steps."""
+    c = IsoQuantKVCache(window=8, compress_every=4, **kw)
+    k, v = _kv(prompt + decode, seed)
+    if prompt:
+        c.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
+    for t in range(prompt, prompt + decode):
+        c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    return c
+
+
+def _arrays(c):
+    return [None if a is None else np.array(a) for a in c.state]
+
+
+def _same(a, b):
+    sa, sb = _arrays(a), _arrays(b)
+    assert len(sa) == len(sb)
+    for x, y in zip(sa, sb, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.shape == y.shape and x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+    assert (a.offset, a.compressed) == (b.offset, b.compressed)
+
+
+def _rows():
+    # compressed rows whose float tails agree (window 8 + 2 pending), a short float-only row,
+    # a prompt not yet compressed (tail 12: compresses 2 tokens on merge) and an empty cache
+    return [
+        _single(40, 2, 1),
+        _single(70, 6, 2),
+        _single(5, 0, 3),
+        _single(12, 0, 4),
+        _single(0, 0, 5),
+    ]
+
+
+def test_merge_extract_round_trip_bit_exact():
+    singles = _rows()
+    batch = IsoQuantKVCache.merge(singles)
+    assert isinstance(batch, BatchIsoQuantKVCache)
+    assert batch.offset.tolist() == [c.offset for c in singles]
+    for i, c in enumerate(singles):
+        out = batch.extract(i)
+        if c.offset and c.compressed == 0 and c.offset > batch.tf:
+            c._compress_to(c.offset - batch.tf)  # what merging compressed early, said so
+        _same(out, c)
+
+
+def test_filter_and_extend_round_trip_bit_exact():
+    singles = _rows()
+    batch = IsoQuantKVCache.merge(singles)
+    expect = [batch.extract(i) for i in range(len(singles))]
+    batch.filter([4, 0, 2])
+    for j, i in enumerate([4, 0, 2]):
+        _same(batch.extract(j), expect[i])
+    other = IsoQuantKVCache.merge([_single(100, 2, 7)])  # the same float tail (9)
+    other_row = other.extract(0)
+    batch.extend(other)
+    assert batch.batch_size == 4
+    for j, i in enumerate([4, 0, 2]):
+        _same(batch.extract(j), expect[i])
+    _same(batch.extract(3), other_row)
+
+
+def test_batched_attention_equals_each_row():
+    """The batch's attention (left padding masked) equals attention over each row alone, and
+    decode steps keep every row equal to its own cache fed the same tokens."""
+    singles = [_single(40, 2, 1), _single(70, 6, 2), _single(5, 0, 3)]
+    batch = IsoQuantKVCache.merge(singles)
+    for step in range(6):  # crosses a decode-time compression of the batch
+        k, v = _kv(3, 100 + step)
+        k, v = k.reshape(3, H, 1, D), v.reshape(3, H, 1, D)
+        q = mx.random.normal((3, 2 * H, 1, D), key=mx.random.key(200 + step)).astype(mx.float16)
+        mask = batch.make_mask(1)
+        bk, bv = batch.update_and_fetch(k, v)
+        out = (isoquant_attention_reference(q, bk, bv, scale=D**-0.5, mask=mask)
+               if hasattr(bk, "codes") else None)  # fmt: skip
+        for i in range(3):
+            row = batch.extract(i)
+            rk, rv = row._fetch()
+            if hasattr(rk, "codes"):
+                ref = isoquant_attention_reference(q[i : i + 1], rk, rv, scale=D**-0.5)
+            else:  # a row without codes yet: plain float attention
+                ref = mx.fast.scaled_dot_product_attention(q[i : i + 1], rk, rv, scale=D**-0.5)
+            assert out is not None
+            np.testing.assert_allclose(
+                np.array(out[i : i + 1]), np.array(ref), rtol=2e-3, atol=2e-3
+            )
+
+
+def test_sink_caches_are_refused():
+    c = _single(20, 0, 1, sink=4)
+    c.finish_prefill()
+    with pytest.raises(ValueError, match="sink"):
+        IsoQuantKVCache.merge([c])
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from app.engine.loader import load
+
+    lm = load(tiny_model_path("qwen3_moe"))
+    kvcache.install(lm.model)
+    return lm
+
+
+@pytest.mark.parametrize("mode", ["isoquant3", "isoquant_k4v3"])
+def test_mlx_lm_batch_generate_runs_with_our_caches(tiny, mode):
+    from mlx_lm.generate import batch_generate
+
+    model, tok = tiny.model, tiny.tokenizer
+    prompts = [tok.encode("The quick brown fox " * n) for n in (1, 7, 3, 12)]
+    caches = [kvcache.make_cache(model, mode, window=8) for _ in prompts]
+    assert all(isinstance(c, IsoQuantKVCache) for c in caches[0])
+    res = batch_generate(model, tok, prompts, prompt_caches=caches, max_tokens=24,
+                         return_token_ids=True, return_prompt_caches=True)  # fmt: skip
+    assert [len(t) > 0 for t in res.token_ids] == [True] * 4
+    for p, ids, cache in zip(prompts, res.token_ids, res.caches, strict=True):
+        assert isinstance(cache[0], IsoQuantKVCache)
+        assert cache[0].compressed > 0  # decode compressed the aged-out tokens
+        assert cache[0].offset == len(p) + len(ids)  # the prompt and every sampled token
