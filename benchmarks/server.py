@@ -166,7 +166,7 @@ def build_qwen3(folder: Path, small: bool, layers: int | None) -> dict:
     import mlx.core as mx
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-    from app.engine.random_models import _randomize, write_tiny_tokenizer
+    from app.engine.testing.random_models import _randomize, write_tiny_tokenizer
 
     cfg = qwen3_config(small, layers)
     if (folder / "config.json").exists():

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from app.engine import kvcache
-from app.engine.kvcache import IsoQuantKVCache
-from app.engine.kvcache.batch import BatchIsoQuantKVCache
-from app.engine.kvcache.isoquant_attention import isoquant_attention_reference
+from app.engine.kvcache.isoquant import IsoQuantKVCache, isoquant_attention_reference
+from app.engine.kvcache.isoquant import install as install_isoquant
+from app.engine.kvcache.isoquant.batch import BatchIsoQuantKVCache
 
 H, D = 2, 64
 
@@ -126,7 +126,7 @@ def tiny(tiny_model_path):
     from app.engine.loader import load
 
     lm = load(tiny_model_path("qwen3_moe"))
-    kvcache.install(lm.model)
+    install_isoquant(lm.model)
     return lm
 
 

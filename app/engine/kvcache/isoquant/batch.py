@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from .attention import IsoQuantTensor
 from .cache import IsoQuantKVCache, _round_up
-from .isoquant_attention import IsoQuantTensor
 from .packing import pack_codes, preferred_v_layout, unpack_v_codes
 
 _CONFIG = ("rotation_kind", "key_bits", "value_bits", "window", "seed", "layer", "compress_every")
