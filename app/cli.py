@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from .engine import kvcache
+
 COMMAND_MODULES = (
     "app.engine.quant.commands",  # convert, inspect
     "app.engine.planner_commands",  # plan
@@ -45,7 +47,7 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int)
     p.add_argument("--kv-mode", default="auto",
-                   help="auto (the plan's, else fp16) | fp16 | isoquant3 | isoquant4 | zipfusion ...")
+                   help="auto (the plan's, else fp16) | a KV mode: " + ", ".join(kvcache.names()))
     p.add_argument("--plan", action="store_true",
                    help="apply the auto-planner's choices for this machine (paging, KV mode)")
     p.add_argument("--expert-budget", help="page routed experts within this many bytes, e.g. 4GB")

@@ -16,6 +16,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from .engine import kvcache
+
 PROMPT = "What is the capital of France?"
 EXPECTED = "Paris"  # SmolLM2-135M-Instruct's greedy answer (checked in tests/test_generate.py)
 MODEL_REF = "embedded:default"  # app.engine.generate.DEFAULT_MODEL_REF, without importing MLX
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--self-test", action="store_true", help="(accepted: the launcher's flag)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per step")
-    p.add_argument("--kv-mode", default="fp16", help="fp16 | isoquant3 | isoquant4 | ...")
+    p.add_argument("--kv-mode", default="fp16", help="a KV mode: " + ", ".join(kvcache.names()))
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     args = p.parse_args(argv)
     report = run(args.max_tokens, args.timeout, args.kv_mode)

@@ -32,7 +32,7 @@ import gpu_clock  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from record import write_result  # noqa: E402
 
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 WINDOW = 64  # float tokens of the cache's recent window (kvcache default W)

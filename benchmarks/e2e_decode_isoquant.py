@@ -27,9 +27,10 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import kvcache  # noqa: E402
-from app.engine import kvcache_kernels as kk  # noqa: E402  (registers the kernels)
-from app.engine.kvcache.packing import V_LAYOUT_ENV  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import isoquant  # noqa: E402
+from app.engine.kvcache.isoquant import kernel_path as kk  # noqa: E402  (registers the kernels)
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
+from app.engine.kvcache.isoquant.packing import V_LAYOUT_ENV  # noqa: E402
 
 CFG = {
     "model_type": "llama",
@@ -71,7 +72,7 @@ def build_model():
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
-    kvcache.install(model)
+    isoquant.install(model)
     return model
 
 
@@ -96,7 +97,7 @@ def make_caches(mode: str, ctx: int):
 def random_isoquant_cache(ctx: int, hkv: int = 8, d: int = 128, layer: int = 0):
     """A 3-bit IsoQuant cache holding ctx tokens: random code bytes and norms for all but the
     WINDOW newest, which are random bf16 (not evaluated)."""
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=layer)
+    c = isoquant.IsoQuantKVCache("v3", 3, 3, window=WINDOW, layer=layer)
     c._setup(hkv, d, d)
     tc, row = ctx - WINDOW, 3 * d // 8
     c.state = (
@@ -148,14 +149,14 @@ def decode_tok_s(model, caches, steps: int, warmup: int = WARMUP):
 def _set_mode(mode: str, fold_default: bool) -> None:
     kk.install()  # registered: the kernels run whenever the backend has them
     if mode == "isoquant_reference":  # MLX ops throughout: attention and encoder
-        kvcache.register_kernel(None)
-        kvcache.register_encoder(None)
+        isoquant.attention.register_kernel(None)
+        isoquant.cache.register_encoder(None)
     if mode == "isoquant_fused_mlx_encoder":  # fused attention, MLX-ops compression
-        kvcache.register_encoder(None)
+        isoquant.cache.register_encoder(None)
     iq.TC_FOLD = fold_default if mode != "isoquant_fused_fold" else True
-    os.environ.pop(kvcache.cache.COMPILE_ENV, None)
+    os.environ.pop(isoquant.cache.COMPILE_ENV, None)
     if mode == "isoquant_fused_compiled_encoder":
-        os.environ[kvcache.cache.COMPILE_ENV] = "1"
+        os.environ[isoquant.cache.COMPILE_ENV] = "1"
     os.environ.pop(V_LAYOUT_ENV, None)  # the caches' V layout: the backend's (packing.py)
     if mode == "isoquant_fused_rows":
         os.environ[V_LAYOUT_ENV] = "rows"
@@ -165,7 +166,7 @@ def _record(mode: str, ctx: int, tps_rounds: list, unpiped: tuple, caches) -> di
     tps = statistics.median(tps_rounds)
     sync, build_ms, eval_ms, max_ms = unpiped
     kv = sum(kvcache.cache_nbytes([c]) for c in caches)
-    layout = next((c.v_layout for c in caches if isinstance(c, kvcache.IsoQuantKVCache)), None)
+    layout = next((c.v_layout for c in caches if isinstance(c, isoquant.IsoQuantKVCache)), None)
     print(
         f"ctx {ctx:6d} {mode:20s} {tps:7.1f} tok/s (median of {len(tps_rounds)})  "
         f"{1e3 / tps:7.2f} ms/token  (one step at a time: {sync:7.1f} tok/s; build "
@@ -252,7 +253,7 @@ def main() -> None:
         "isoquant_fused_fold: the tensor-core kernel with its combine folded in (one launch); "
         "isoquant_fused_rows: V codes stored as rows where the backend's caches store tc16 "
         "(v_layout: the caches' V layout, packing.py)",
-        kv_compile=kvcache.cache.compile_encoders(),
+        kv_compile=isoquant.cache.compile_encoders(),
         records=rows,
     )
     from record import write_result  # benchmarks/ is the script's folder, first on sys.path

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine import kvcache  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import isoquant  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
 
 
 def per_call_us(fn, n=2000) -> float:
@@ -56,11 +56,11 @@ def build_and_encode_us(fn, calls=32, reps=60) -> tuple[float, float]:
 def _layer_us(q, scale) -> float:
     """One layer's attention step as a model runs it, kernels stubbed (host Python only): the
     cache's update_and_fetch, then the model module's attention (the installed dispatch)."""
-    from app.engine import kvcache_kernels as kk
-    from app.engine.kvcache.dispatch import make_dispatch
+    from app.engine.kvcache.isoquant import kernel_path as kk
+    from app.engine.kvcache.isoquant.dispatch import make_dispatch
 
     kk.install()
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
+    c = isoquant.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
     c.update_and_fetch(*(mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16) for _ in "kv"))
     c.finish_prefill()
     tok = [mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16) for _ in "kv"]
@@ -109,7 +109,7 @@ def main() -> None:
     iq._KERNELS.clear()
     iq._KERNELS.update(real)
     iq.BACKEND = backend
-    c = kvcache.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
+    c = isoquant.IsoQuantKVCache("v3", 3, 3, window=64, layer=0)
     c.update_and_fetch(*(mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16) for _ in "kv"))
     c.finish_prefill()
     tok = [mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16) for _ in "kv"]

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
 
 for arg in sys.argv[1:] or ["8x2048"]:
     empty = arg.endswith("e")

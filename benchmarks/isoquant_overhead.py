@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from app.engine.cuda_kernels import jit  # noqa: E402
-from app.engine.kvcache_kernels import isoquant as iq  # noqa: E402
+from app.engine.kvcache import jit  # noqa: E402
+from app.engine.kvcache.isoquant import kernels as iq  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 

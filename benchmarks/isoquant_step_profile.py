@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from e2e_decode_isoquant import random_isoquant_cache  # noqa: E402  (same folder)
 
-from app.engine import kvcache  # noqa: E402
-from app.engine import kvcache_kernels as kk  # noqa: E402
+from app.engine.kvcache import isoquant  # noqa: E402
+from app.engine.kvcache.isoquant import kernel_path as kk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -60,7 +60,7 @@ def profile(ctx: int) -> dict:
     tok = [mx.random.normal((1, HKV, 1, D)).astype(mx.bfloat16) for _ in range(2)]
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
     mx.eval(tok, q)
-    res = {"context": ctx, "kv_compile": kvcache.cache.compile_encoders()}
+    res = {"context": ctx, "kv_compile": isoquant.cache.compile_encoders()}
     c = make_cache(ctx)
 
     def upd():
@@ -70,7 +70,7 @@ def profile(ctx: int) -> dict:
     def enc(x):
         if c._enc_k is not None:
             return list(c._enc_k(x))
-        return list(kvcache.quantizer.encode(x, c.rotation, c.kq))
+        return list(isoquant.quantizer.encode(x, c.rotation, c.kq))
 
     res["cache_update_us"] = timed(upd)
     res["encode_only_us"] = timed(lambda: enc(tok[0]) + enc(tok[1]))

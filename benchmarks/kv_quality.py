@@ -40,7 +40,8 @@ from mlx_lm.utils import dequantize_model  # noqa: E402
 
 from app.engine import kvcache  # noqa: E402
 from app.engine.embedded import ensure_default_model  # noqa: E402
-from app.engine.kvcache.cache import IsoQuantKVCache  # noqa: E402
+from app.engine.kvcache import isoquant  # noqa: E402
+from app.engine.kvcache.isoquant.cache import IsoQuantKVCache  # noqa: E402
 from app.engine.loader import load  # noqa: E402
 
 WINDOW_TOKENS = 2048
@@ -111,7 +112,7 @@ def load_model(path: str | None, dtype: str, dequantize: bool):
             lambda a: a.astype(dt) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()
         )
     )
-    kvcache.install(model)
+    isoquant.install(model)
     return lm, model
 
 

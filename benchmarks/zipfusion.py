@@ -432,7 +432,7 @@ def device_kernel_times(out, kv_src, dl: Deadline, batches=(8, 16, 32, 64), ctx=
     import mlx.core as mx
     import numpy as np
 
-    from app.engine.cuda_kernels import zipfusion as zk
+    from app.engine.kvcache.zipfusion import kernels as zk
 
     res, sweep = [], []
     name, shp = next(iter(ATTN_SHAPES.items()))  # Llama-3.1-8B and Qwen3-8B share it
@@ -786,7 +786,7 @@ def device_main(args) -> dict:
         out["machine"]["torch"] = f"unavailable: {e}"
     log(json.dumps(out["machine"]))
     if args.dry_run:
-        from app.engine.cuda_kernels import zipfusion as zk_
+        from app.engine.kvcache.zipfusion import kernels as zk_
 
         zk_._use_kernel = lambda use_kernel: False  # reference path everywhere
         ATTN_SHAPES.clear()
@@ -845,7 +845,7 @@ def device_main(args) -> dict:
     if not args.skip_tests and not args.tests_after:
         run_tests()
 
-    from app.engine.cuda_kernels import zipfusion as zk
+    from app.engine.kvcache.zipfusion import kernels as zk
 
     out["variant_ok"] = quick_check(zk)
     log("variant check (kernel vs reference):", out["variant_ok"])

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from zipfusion import build_timing_stores  # noqa: E402
 
-from app.engine.cuda_kernels import zipfusion as zk  # noqa: E402
+from app.engine.kvcache.zipfusion import kernels as zk  # noqa: E402
 
 N_Q, N_KV, D, CTX = 32, 8, 128, 8192
 for arg in sys.argv[1:] or ["8"]:

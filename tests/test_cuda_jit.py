@@ -1,5 +1,5 @@
 """What the CUDA kernels hand to mx.fast.cuda_kernel: the stripped body and a one-line header
-that includes the stripped header from a content-addressed file (app/engine/cuda_kernels/jit.py).
+that includes the stripped header from a content-addressed file (app/engine/kvcache/jit.py).
 The nvcc compile checks (test_isoquant_kernels_compile.py, test_zipfusion_kernels.py) compile
 exactly that; here: stripping loses no token, and the include file is right and robust."""
 
@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 
-from app.engine.cuda_kernels import isoquant as cuda_iq
-from app.engine.cuda_kernels import jit
-from app.engine.cuda_kernels import zipfusion as zk
-from app.engine.kvcache_kernels import isoquant as iq
+from app.engine.kvcache import jit
+from app.engine.kvcache.isoquant import cuda_prologue as cuda_iq
+from app.engine.kvcache.isoquant import kernels as iq
+from app.engine.kvcache.zipfusion import kernels as zk
 
 TRICKY = r"""
 #define A 1 // comment "with quotes"

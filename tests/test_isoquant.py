@@ -9,16 +9,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine.kvcache.codebook import (
+from app.engine.kvcache.isoquant.attention import IsoQuantTensor, isoquant_attention_reference
+from app.engine.kvcache.isoquant.codebook import (
     Codebook,
     int8_lloyd_max,
     kv_codebook,
     lloyd_max,
 )
-from app.engine.kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
-from app.engine.kvcache.packing import pack_codes, packed_row_bytes, unpack_codes
-from app.engine.kvcache.quantizer import Quantizer, decode, encode
-from app.engine.kvcache.rotation import KINDS, Rotation, quat_conj
+from app.engine.kvcache.isoquant.packing import pack_codes, packed_row_bytes, unpack_codes
+from app.engine.kvcache.isoquant.quantizer import Quantizer, decode, encode
+from app.engine.kvcache.isoquant.rotation import KINDS, Rotation, quat_conj
 
 DIMS = (64, 128, 256, 512)
 
@@ -88,7 +88,7 @@ def _hamilton(p, q):
 
 
 def test_block_matrix_is_the_quaternion_sandwich():
-    from app.engine.kvcache.rotation import quat_left, quat_right
+    from app.engine.kvcache.isoquant.rotation import quat_left, quat_right
 
     rng = np.random.default_rng(0)
     ql, qr, v = rng.standard_normal((3, 4))
@@ -371,7 +371,7 @@ def test_registered_kernel_is_used_but_not_for_a_sink_prefix():
     import importlib
 
     mod = importlib.import_module(
-        "app.engine.kvcache.isoquant_attention"
+        "app.engine.kvcache.isoquant.attention"
     )  # the module, not the function
 
     keys, values, _, _ = _make_kv("v3", 1, 2, 10, 2, 64, 3, 3, seed=4)

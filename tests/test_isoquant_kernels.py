@@ -13,13 +13,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine import kvcache
-from app.engine import kvcache_kernels as kk
-from app.engine.kvcache.isoquant_attention import IsoQuantTensor
-from app.engine.kvcache.packing import pack_codes
-from app.engine.kvcache_kernels import isoquant as iq
+from app.engine.kvcache.isoquant import IsoQuantKVCache
+from app.engine.kvcache.isoquant import kernel_path as kk
+from app.engine.kvcache.isoquant import kernels as iq
+from app.engine.kvcache.isoquant.attention import IsoQuantTensor
+from app.engine.kvcache.isoquant.packing import pack_codes
 
-cache_attention = importlib.import_module("app.engine.kvcache.isoquant_attention")
+cache_attention = importlib.import_module("app.engine.kvcache.isoquant.attention")
 
 TOL = 1e-3  # the issue's bound on ‖out − ref‖ / ‖ref‖ for every kernel path
 
@@ -66,7 +66,7 @@ def test_per_kernel_references_compose_to_the_oracle(b, hkv, g, length, d, tc, t
 def test_one_inverse_rotation_equals_rotating_every_value():
     # SPEC §4: õ = Σ α_j ŷ_j in rotated space, then o = Rᵀ õ once == Σ α_j (Rᵀ ŷ_j)
     q, k, v = iq.random_problem(1, 2, 1, 1, 128, 40, dtype=mx.float32, seed=4)
-    from app.engine.kvcache.quantizer import decode
+    from app.engine.kvcache.isoquant.quantizer import decode
 
     p = iq.Problem.of(q, k, v, None)
     probs = iq.softmax_reference(iq.qk_dot_reference(q, k, _scale(128)), p)  # [B*Hkv, 1, T]
@@ -217,7 +217,7 @@ def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
 
 
 def test_fp16_level_scale_tightens_the_table():
-    from app.engine.kvcache.quantizer import Quantizer
+    from app.engine.kvcache.isoquant.quantizer import Quantizer
 
     lv = Quantizer.make(128, 3).levels
     s = iq._fp16_level_scale(tuple(lv.tolist()))
@@ -519,7 +519,7 @@ def _assert_codes_match(codes, norms, ref_codes, ref_norms, x, rot, qz):
     """Kernel codes equal the MLX-ops encoder's, except where float rounding puts the unit
     coordinate u within 1e-5 of a threshold (either side is then a right answer); norms equal
     up to one fp16 step."""
-    from app.engine.kvcache.packing import unpack_codes
+    from app.engine.kvcache.isoquant.packing import unpack_codes
 
     c, rc = unpack_codes(codes, qz.bits), unpack_codes(ref_codes, qz.bits)
     y = rot.forward(x)
@@ -543,8 +543,8 @@ ENC_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ENC_CASES, ids=lambda c: f"d{c[3]}-n{c[2]}-{c[6]}-{c[4]}{c[5]}")
 def test_emulated_encoder_matches_the_mlx_encoder(emulated, case):
-    from app.engine.kvcache.quantizer import Quantizer, encode
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.quantizer import Quantizer, encode
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     b, h, n, d, kb, vb, kind, dtype = case
     mx.random.seed(n + d)
@@ -566,8 +566,8 @@ def test_emulated_encoder_matches_the_mlx_encoder(emulated, case):
 def test_emulated_encoder_splits_long_inputs_into_launches(emulated, monkeypatch):
     """A bulk compression longer than one launch's rows (grid y) goes in chunks, concatenated
     in order: the same codes as one launch."""
-    from app.engine.kvcache.quantizer import Quantizer
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.quantizer import Quantizer
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     rot = Rotation.make("v3", 64, 2, seed=4, layer=0)
     q3, q4 = Quantizer.make(64, 3), Quantizer.make(64, 4)
@@ -582,8 +582,8 @@ def test_emulated_encoder_splits_long_inputs_into_launches(emulated, monkeypatch
 
 @pytest.mark.slow
 def test_emulated_encoder_clamps_norms_and_declines_what_it_cannot_take(emulated):
-    from app.engine.kvcache.quantizer import Quantizer
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.quantizer import Quantizer
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     rot = Rotation.make("v3", 64, 1, seed=0, layer=0)
     q = Quantizer.make(64, 3)
@@ -598,8 +598,8 @@ def test_emulated_encoder_clamps_norms_and_declines_what_it_cannot_take(emulated
 def test_emulated_cache_compresses_with_the_fused_encoder(emulated, monkeypatch):
     """Decode with batch compression: the cache calls the kernel (one call per batch) and
     stores what the MLX-ops encoder would have."""
-    from app.engine import kvcache
-    from app.engine.kvcache import cache as cache_mod
+    from app.engine.kvcache.isoquant import IsoQuantKVCache
+    from app.engine.kvcache.isoquant import cache as cache_mod
 
     calls = []
 
@@ -609,7 +609,7 @@ def test_emulated_cache_compresses_with_the_fused_encoder(emulated, monkeypatch)
 
     def run(encoder):
         monkeypatch.setattr(cache_mod, "_ENCODER", encoder)
-        c = kvcache.IsoQuantKVCache("v3", 3, 3, window=8, layer=1, compress_every=16)
+        c = IsoQuantKVCache("v3", 3, 3, window=8, layer=1, compress_every=16)
         mx.random.seed(5)
         c.update_and_fetch(*(mx.random.normal((1, 2, 20, 64)).astype(mx.bfloat16) for _ in "kv"))
         c.finish_prefill()
@@ -683,7 +683,7 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
     batches of 3), attends through the tensor-core kernel reading the layout as it is (VIL),
     bit for bit as the same cache with rows does, and within TOL of the reference."""
     caches = [
-        kvcache.IsoQuantKVCache("v3", 3, 3, window=5, layer=1, compress_every=3, v_layout=lay)
+        IsoQuantKVCache("v3", 3, 3, window=5, layer=1, compress_every=3, v_layout=lay)
         for lay in ("rows", "tc16")
     ]
     mx.random.seed(11)
@@ -710,7 +710,7 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
 def test_emulated_tc16_pack_writes_what_the_mlx_ops_write(emulated, d):
     """The cache's fused tc16 write (iq_tc16_pack) against packing.py on random codes: new rows
     after 0, 5 or 15 rows of an old chunk (one chunk, two, three), the rest code 0."""
-    from app.engine.kvcache.packing import pack_codes, pack_codes_tc16, unpack_codes_tc16
+    from app.engine.kvcache.isoquant.packing import pack_codes, pack_codes_tc16, unpack_codes_tc16
 
     mx.random.seed(d)
     for off, n in [(0, 16), (0, 3), (5, 16), (13, 3), (15, 20)]:
@@ -733,7 +733,7 @@ def test_emulated_tc16_pack_writes_what_the_mlx_ops_write(emulated, d):
 def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
     """A tc16 cache compressing in batches that straddle chunks writes the same bytes through
     the registered packer as through MLX ops."""
-    from app.engine.kvcache import cache as cache_mod
+    from app.engine.kvcache.isoquant import cache as cache_mod
 
     calls = []
 
@@ -743,7 +743,7 @@ def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
 
     def run(packer):
         monkeypatch.setattr(cache_mod, "_TC16_PACKER", packer)
-        c = kvcache.IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=7, v_layout="tc16")
+        c = IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=7, v_layout="tc16")
         mx.random.seed(3)
         c.update_and_fetch(*(mx.random.normal((1, 2, 21, 64)) for _ in "kv"))
         c.finish_prefill()

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from app.engine.cuda_kernels import isoquant as cuda
-from app.engine.cuda_kernels import jit
-from app.engine.kvcache_kernels import isoquant as iq
+from app.engine.kvcache import jit
+from app.engine.kvcache.isoquant import cuda_prologue as cuda
+from app.engine.kvcache.isoquant import kernels as iq
 
 NVCC = shutil.which("nvcc")
 _TC = dict(

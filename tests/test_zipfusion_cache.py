@@ -9,9 +9,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
-from app.engine.cuda_kernels import zipfusion as zk
 from app.engine.kvcache import zipfusion as zf
 from app.engine.kvcache.zipfusion import codec
+from app.engine.kvcache.zipfusion import kernels as zk
 from app.engine.kvcache.zipfusion.scheduler import Request, ZipScheduler
 from app.engine.random_models import _randomize
 

@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine.cuda_kernels import zipfusion as zk
 from app.engine.kvcache import zipfusion as zf
 from app.engine.kvcache.zipfusion import codec
+from app.engine.kvcache.zipfusion import kernels as zk
 
 EMU_DIR = Path(__file__).parent / "cuda_emu"
 _CACHE = Path(tempfile.gettempdir()) / f"zf_emu_{os.getuid()}"

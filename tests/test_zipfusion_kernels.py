@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine.cuda_kernels import zipfusion as zk
 from app.engine.kvcache import zipfusion as zf
 from app.engine.kvcache.zipfusion import codec
+from app.engine.kvcache.zipfusion import kernels as zk
 
 CUDA = bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend (an NVIDIA GPU)")

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from . import kvcache
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -21,11 +23,8 @@ class Backend:
 
     @property
     def kv_modes(self) -> tuple[str, ...]:
-        """KV-cache modes this backend can run."""
-        modes = ("fp16", "isoquant3", "isoquant4", "isoquant_k4v3")
-        if self.cuda_kernels:
-            modes += ("zipfusion",)
-        return modes
+        """KV-cache modes this backend can run (the modes table's rows, research ones included)."""
+        return kvcache.names(self.name)
 
     @property
     def fused_isoquant(self) -> bool:
@@ -33,11 +32,7 @@ class Backend:
         return self.metal_kernels or self.cuda_kernels
 
     def unavailable_reason(self, kv_mode: str) -> str | None:
-        if kv_mode in self.kv_modes:
-            return None
-        if kv_mode == "zipfusion":
-            return "ZipFusion needs an NVIDIA GPU (MLX's CUDA backend); this machine runs on " + self.name
-        return f"unknown KV mode {kv_mode!r}"
+        return kvcache.unavailable_reason(kv_mode, self.name)
 
 
 def _device_info() -> dict:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import kvcache
 from . import loader as _loader
 from .errors import EngineError
 
-KV_MODES_BASE = ("fp16",)
 DEFAULT_MODEL_REF = "embedded:default"  # the embedded SmolLM2, prepared on first use
 
 
@@ -30,7 +30,7 @@ class GenerationSettings:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    kv_mode: str = "auto"  # auto (the plan's) | fp16 | isoquant3 | isoquant4 | isoquant_k4v3 | zipfusion
+    kv_mode: str = "auto"  # auto (the plan's) | a row of the KV modes table (kvcache/modes.py)
     kv_window: int | None = None  # IsoQuant's recent FP16 window (None = the cache's default)
     prefill_step_size: int = 512
 
@@ -114,25 +114,6 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
     return load_paged(path, int(expert_budget))
 
 
-def _register_isoquant_kernels() -> None:
-    """Importing the kernel package registers IsoQuant's fused kernels with the cache where the
-    backend has them (ROTARYQUANT_ISOQUANT_ATTENTION=auto|kernel|reference forces a path)."""
-    try:
-        from . import kvcache_kernels  # noqa: F401
-    except ImportError:
-        pass  # a build without kernels: the reference attention runs
-
-
-def _kvcache_module():
-    """The KV-cache package, when present (IsoQuant, ZipFusion); None for fp16-only builds."""
-    try:
-        from . import kvcache
-
-        return kvcache if hasattr(kvcache, "make_cache") else None
-    except ImportError:
-        return None
-
-
 class Engine:
     """Owns one loaded model. Not thread-safe: one generation at a time (MLX arrays never
     cross threads)."""
@@ -163,10 +144,6 @@ class Engine:
             if plan.paging and options.get("expert_budget") is None:
                 options["expert_budget"] = plan.expert_budget
         lm = _load_any(path, options.get("expert_budget"))
-        kv = _kvcache_module()
-        if kv is not None and hasattr(kv, "install"):
-            kv.install(lm.model)
-            _register_isoquant_kernels()
         float_dense = 0
         if detect().name == "cpu" and options.get("cpu_float_weights", True):
             from .cpu_weights import dequantize_dense
@@ -180,14 +157,13 @@ class Engine:
             plan = self._profile_and_replan(lm, path, options, plan)
         self.default_kv_mode = options.get("kv_mode") or (plan.kv_mode if plan else "fp16")
         backend = detect()
-        modes = self._kv_modes(kv) + (("zipfusion",) if "zipfusion" in backend.kv_modes else ())
         self.info = ModelInfo(
             path=str(lm.path),
             name=(lm.manifest.name if lm.manifest and lm.manifest.name else Path(lm.path).name),
             architecture=lm.architecture,
             num_layers=len(getattr(lm.model, "layers", [])),
             weight_bytes=_weight_bytes(lm.model),
-            kv_modes=modes,
+            kv_modes=kvcache.names(backend.name, offered=True),
             backend=backend.name,
             load_seconds=time.perf_counter() - t0,
             extra={"plan": plan.to_dict() if plan else None,
@@ -222,12 +198,6 @@ class Engine:
             expert_budget=options.get("expert_budget"),
         )
 
-    @staticmethod
-    def _kv_modes(kv) -> tuple[str, ...]:
-        if kv is None:
-            return KV_MODES_BASE
-        return tuple(getattr(kv, "KV_MODES", KV_MODES_BASE))
-
     def unload(self) -> None:
         self.loaded = None
         self.info = None
@@ -255,44 +225,22 @@ class Engine:
 
     # -- caches ----------------------------------------------------------------------------
     def make_cache(self, settings: GenerationSettings, tokens: int = 8192) -> list:
-        """A prompt cache for one request of up to `tokens` tokens in the settings' KV mode."""
-        from mlx_lm.models.cache import make_prompt_cache
+        """A prompt cache for one request of up to `tokens` tokens in the settings' KV mode: any
+        row of the modes table that runs on this backend (research rows included)."""
+        from .backend import detect
 
         model = self._require().model
         mode = self.default_kv_mode if settings.kv_mode == "auto" else settings.kv_mode
-        self.last_kv_mode = mode
-        if mode == "fp16":
-            return make_prompt_cache(model)
-        from .backend import detect
-
-        reason = detect().unavailable_reason(mode)
-        kv = _kvcache_module()
-        if mode != "zipfusion" and (kv is None or mode not in self._kv_modes(kv)):
-            reason = reason or f"KV mode {mode!r} is not available in this build"
-        if mode == "zipfusion" and not reason:
-            from .kvcache.zipfusion import make_zipfusion_cache
-
-            # after IsoQuant's install: ZipFusion's dispatch wraps the one already there
-            return make_zipfusion_cache(model, max_tokens=tokens)
+        reason = kvcache.unavailable_reason(mode, detect().name)
         if reason:
             raise EngineError(reason)
+        self.last_kv_mode = mode
         opts = {} if settings.kv_window is None else {"window": settings.kv_window}
-        return kv.make_cache(model, mode, **opts)
+        return kvcache.make_cache(model, mode, max_tokens=tokens, **opts)
 
     @staticmethod
     def cache_nbytes(cache: list | None) -> int:
-        if not cache:
-            return 0
-        kv = _kvcache_module()
-        if kv is not None and hasattr(kv, "cache_nbytes"):
-            return int(kv.cache_nbytes(cache))
-        total = 0
-        for c in cache:
-            try:
-                total += int(c.nbytes)
-            except (AttributeError, TypeError, ValueError):
-                pass
-        return total
+        return kvcache.cache_nbytes(cache) if cache else 0
 
     def kv_stats(self) -> dict:
         """The last request's KV cache: mode, tokens held, bytes held, and what the same tokens

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import kvcache
 from .errors import EngineError
 from .profile import ShareSource, estimate_share, share_for
 from .quant.widths import ROLES, RoleWidths
@@ -44,9 +45,7 @@ SSM_STEP = 256  # mlx-lm's Mamba-2 prefill works in 256-token steps
 # Metal's recommended working set as a fraction of RAM (Apple: ~2/3 below 36 GB, ~3/4 above);
 # used only when planning for a Mac other than this one.
 METAL_WORKING_SET = ((36 * GiB, 2 / 3), (1 << 62, 3 / 4))
-# KV modes by quality: lossless modes rank above lossy ones (used for the monotonicity check)
-KV_QUALITY = {"fp16": 2, "zipfusion": 2, "isoquant3": 1}
-BACKENDS = ("metal", "cuda", "cpu")
+BACKENDS = kvcache.modes.BACKENDS
 
 
 class PlanRefused(EngineError):
@@ -144,7 +143,8 @@ class Machine:
 
     @property
     def kv_modes(self) -> tuple[str, ...]:
-        return ("fp16", "isoquant3") + (("zipfusion",) if self.cuda_kernels else ())
+        """The KV modes the planner may choose here: the table's offered rows for this backend."""
+        return kvcache.names(self.backend, offered=True)
 
     def with_ram(self, ram: int) -> Machine:
         """The same kind of machine with another amount of RAM (for 'smallest machine')."""
@@ -309,7 +309,7 @@ class Plan:
         for kind, mode in self.kv_modes.items():
             if mode not in self.machine.kv_modes:
                 raise ValueError(f"KV mode {mode} is not available on {self.machine.backend}")
-            if kind != "full" and mode != "fp16":
+            if kind != "full" and mode != kvcache.FLOAT:
                 raise ValueError(f"{kind} layers stay fp16")
         if not 1 <= self.context_limit <= self.target_context:
             raise ValueError("context limit must be within 1..target context")
@@ -332,13 +332,13 @@ class Plan:
     @property
     def kv_mode(self) -> str:
         """The mode of the compressible (full-attention) layers, fp16 where there are none."""
-        return self.kv_modes.get("full", "fp16")
+        return self.kv_modes.get("full", kvcache.FLOAT)
 
     def quality(self) -> dict:
         """What the user gives up: weight bits per role, KV precision per kind, context."""
         return {
             "widths": {r: self.widths[r].bits or 16 for r in ROLES},
-            "kv": {k: KV_QUALITY[m] for k, m in self.kv_modes.items()},
+            "kv": {k: kv_quality(m) for k, m in self.kv_modes.items()},
             "context": self.context_limit,
         }
 
@@ -433,15 +433,36 @@ class _Budget:
         return self.m.usable - self.fixed(context) - self.s.kv_bytes(context, modes, PREFILL_CHUNK)
 
 
+def kv_quality(mode: str) -> int:
+    """KV precision for the quality order: lossless modes rank above lossy ones."""
+    return 2 if kvcache.mode(mode).lossless else 1
+
+
+def _full_layers(s: ModelSizes, mode: str) -> dict:
+    """`mode` on the full-attention layers, float on the others (bounded or latent caches)."""
+    return {k.kind: (mode if k.kind == "full" else kvcache.FLOAT) for k in s.kv}
+
+
 def _compressed(s: ModelSizes, m: Machine, prefer_lossless: bool) -> dict:
-    """KV modes with the full-attention layers compressed: ZipFusion (lossless, 0.75x) where
-    the backend runs it and it is enough, else IsoQuant 3-bit (~0.2x)."""
-    mode = "zipfusion" if prefer_lossless and m.cuda_kernels else "isoquant3"
-    return {k.kind: (mode if k.kind == "full" else "fp16") for k in s.kv}
+    """KV modes with the full-attention layers compressed: the table's lossless choice
+    (ZipFusion, 0.75x) where the backend runs it and it is enough, else its compact one
+    (IsoQuant 3-bit, ~0.2x)."""
+    lossless = kvcache.mode(kvcache.modes.AUTO_LOSSLESS).runs_on(m.backend)
+    auto = kvcache.modes.AUTO_LOSSLESS if prefer_lossless and lossless else kvcache.modes.AUTO_COMPACT
+    return _full_layers(s, auto)
+
+
+def _kv_mode_refusal(mode: str, m: Machine) -> str:
+    offered = ", ".join(kvcache.names(offered=True))
+    if mode not in kvcache.MODES:
+        return f"unknown KV mode {mode!r}; modes are {offered}"
+    if not kvcache.mode(mode).offered:
+        return f"KV mode {mode} is a research variant (benchmarks only); modes are {offered}"
+    return f"{kvcache.needs(mode)}; this plan is for {m.backend}"
 
 
 def _fp16(s: ModelSizes) -> dict:
-    return {k.kind: "fp16" for k in s.kv}
+    return {k.kind: kvcache.FLOAT for k in s.kv}
 
 
 def make_plan(
@@ -503,21 +524,14 @@ def make_plan(
     compressible = any(k.kind == "full" for k in s.kv)
     share = share or estimate_share(s, target)
     if kv_mode is not None:
-        if kv_mode not in ("fp16", "isoquant3", "zipfusion"):
-            raise PlanRefused(
-                "kv-mode", f"unknown KV mode {kv_mode!r}; modes are fp16, isoquant3, zipfusion"
-            )
         if kv_mode not in m.kv_modes:
-            raise PlanRefused(
-                "kv-mode",
-                f"ZipFusion needs an NVIDIA GPU (MLX's CUDA backend); this plan is for {m.backend}",
-            )
-        if kv_mode != "fp16" and not compressible:
+            raise PlanRefused("kv-mode", _kv_mode_refusal(kv_mode, m))
+        if kv_mode != kvcache.FLOAT and not compressible:
             raise PlanRefused(
                 "kv-mode",
                 f"{s.name} has no full-attention KV to compress (its layers: {', '.join(k.kind for k in s.kv) or 'none'})",
             )
-        modes = {k.kind: (kv_mode if k.kind == "full" else "fp16") for k in s.kv}
+        modes = _full_layers(s, kv_mode)
         reasons.append(f"KV mode {kv_mode} as requested")
     elif not s.kv:
         modes = {}
@@ -560,7 +574,7 @@ def make_plan(
     context_limit = target
     if not fits(target, modes):
         kv_need = s.kv_bytes(target, modes, PREFILL_CHUNK)
-        if kv_mode is None and compressible and modes.get("full") == "fp16":
+        if kv_mode is None and compressible and modes.get("full") == kvcache.FLOAT:
             comp = _compressed(s, m, prefer_lossless=True)
             if not fits(target, comp):
                 comp = _compressed(s, m, prefer_lossless=False)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import kvcache
+
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
@@ -28,7 +30,7 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument(
         "--kv-mode",
-        choices=("fp16", "isoquant3", "zipfusion"),
+        choices=kvcache.names(offered=True),
         help="override the KV mode of full-attention layers",
     )
     p.add_argument("--expert-budget", help="override the resident expert budget (e.g. 12GB)")

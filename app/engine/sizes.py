@@ -13,11 +13,11 @@ layers (mlx-lm drops `mtp.*` weights when loading) and vision towers (text-only 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import kvcache
 from .errors import EngineError
 from .quant.widths import ROLES, RoleWidth, RoleWidths
 
@@ -26,15 +26,6 @@ SHARED_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
 
 # Bytes per fp16 KV value; mlx-lm's caches hold K and V in the activation dtype.
 KV_VALUE_BYTES = 2
-# mlx-lm's KVCache grows in steps of 256 tokens, so a cache holds ceil(T / 256) * 256 slots.
-KV_STEP = 256
-# IsoQuant 3-bit: d*3/8 bytes of codes + an fp16 norm per vector; the most recent window stays fp16.
-ISOQUANT_WINDOW = 64
-# ZipFusion: 12 of 16 bits per value when a block compresses, + 8 bytes per page, head and K/V.
-ZIPFUSION_RATIO = 0.75
-ZIPFUSION_PAGE = 16
-
-KV_MODES = ("fp16", "isoquant3", "zipfusion")
 
 
 class SizeError(EngineError, ValueError):
@@ -82,34 +73,28 @@ class KVKind:
             return context
         return min(context, self.window + max(extra - 1, 0))
 
+    @property
+    def dims(self) -> kvcache.AttentionDims:
+        return kvcache.AttentionDims(
+            self.kv_heads, self.k_head_dim, self.v_head_dim, self.value_bytes
+        )
+
     def compressible(self, mode: str) -> bool:
         """Whether `mode` applies to this kind: sliding layers stay fp16 (their cache is bounded,
         SPEC §4), MLA latents are not per-head K/V."""
-        return mode == "fp16" or self.kind == "full"
+        return mode == kvcache.FLOAT or self.kind == "full"
 
-    def nbytes(self, context: int, mode: str = "fp16", extra: int = 0) -> int:
-        """Bytes of this kind's cache, all its layers, at `context` tokens (one sequence)."""
-        if mode not in KV_MODES:
-            raise ValueError(f"unknown KV mode {mode!r}; modes are {KV_MODES}")
+    def nbytes(self, context: int, mode: str = kvcache.FLOAT, extra: int = 0) -> int:
+        """Bytes of this kind's cache, all its layers, at `context` tokens (one sequence): the
+        mode's row in the KV modes table counts one layer."""
+        row = kvcache.mode(mode)
         if not self.compressible(mode):
             raise ValueError(f"KV mode {mode} does not apply to {self.kind} layers")
         t = self.tokens(context, extra)
-        if mode == "fp16":
-            slots = -(-t // KV_STEP) * KV_STEP
-            if self.window is not None:
-                slots = min(slots, self.window + max(extra - 1, 0))
-            return self.layers * slots * self.bytes_per_token
-        if mode == "isoquant3":
-            recent = min(t, ISOQUANT_WINDOW)
-            packed = t - recent
-            per_vec = lambda d: d * 3 // 8 + 2  # noqa: E731  (3-bit codes + fp16 norm)
-            per_tok = self.kv_heads * (per_vec(self.k_head_dim) + per_vec(self.v_head_dim))
-            return self.layers * (packed * per_tok + recent * self.bytes_per_token)
-        # zipfusion: full pages compressed, the page being written raw
-        full_pages, tail = divmod(t, ZIPFUSION_PAGE)
-        page_raw = ZIPFUSION_PAGE * self.bytes_per_token
-        page = math.ceil(page_raw * ZIPFUSION_RATIO) + 8 * 2 * self.kv_heads
-        return self.layers * (full_pages * page + tail * self.bytes_per_token)
+        if self.window is not None:  # float; mlx-lm's rotating cache stops at window + chunk - 1
+            cap = (self.window + max(extra - 1, 0)) * self.bytes_per_token
+            return self.layers * min(kvcache.mode(kvcache.FLOAT).nbytes(self.dims, t), cap)
+        return self.layers * row.nbytes(self.dims, t)
 
     def to_dict(self) -> dict:
         return {
@@ -254,14 +239,14 @@ class ModelSizes:
     def attention_layers(self) -> int:
         return sum(k.layers for k in self.kv)
 
-    def kv_bytes(self, context: int, modes: dict | str = "fp16", extra: int = 0) -> int:
+    def kv_bytes(self, context: int, modes: dict | str = kvcache.FLOAT, extra: int = 0) -> int:
         """KV bytes at `context` tokens; `modes` maps kind -> mode (or one mode for the kinds
         it applies to, fp16 for the rest)."""
         total = 0
         for k in self.kv:
-            m = modes if isinstance(modes, str) else modes.get(k.kind, "fp16")
+            m = modes if isinstance(modes, str) else modes.get(k.kind, kvcache.FLOAT)
             if not k.compressible(m):
-                m = "fp16"
+                m = kvcache.FLOAT
             total += k.nbytes(context, m, extra)
         return total
 

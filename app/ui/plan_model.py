@@ -19,7 +19,7 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class Overrides:
-    kv_mode: str | None = None  # fp16 | isoquant3 | zipfusion; None: the planner decides
+    kv_mode: str | None = None  # an offered row of the KV modes table; None: the planner decides
     expert_budget: int | None = None  # bytes
     context: int | None = None  # tokens
     widths: str | None = None  # 'routed=3' style (RoleWidths.parse); at conversion only
@@ -72,10 +72,12 @@ def resolve_target(target: str) -> str:
 
 
 def unavailable_kv_modes() -> dict[str, str]:
+    """Offered KV modes that this machine cannot run, with the reason."""
+    from ..engine import kvcache
     from ..engine.backend import detect
 
-    b = detect()
-    return {m: why for m in ("zipfusion",) if (why := b.unavailable_reason(m))}
+    b = detect().name
+    return {m: why for m in kvcache.names(offered=True) if (why := kvcache.unavailable_reason(m, b))}
 
 
 def make_plan(target: str, o: Overrides, machine=None):

@@ -27,11 +27,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..engine import kvcache
 from .plan_model import GiB, Overrides, PlanController, PlanResult, Refusal
 from .session import DEFAULT_MODEL_REF
 from .theme import current_colors
 
-KV_CHOICES = ("fp16", "isoquant3", "zipfusion")  # the planner's modes
 WIDTH_CHOICES = (
     ("As converted / planner default", None),
     ("Routed experts 3-bit", "routed=3"),
@@ -126,7 +126,7 @@ class PlanView(QWidget):
         box = QGroupBox("Overrides")
         self.kv_combo = QComboBox()
         self.kv_combo.addItem("Planner's choice", None)
-        for mode in KV_CHOICES:
+        for mode in kvcache.names(offered=True):  # the planner's modes
             self.kv_combo.addItem(mode, mode)
         self.kv_note = QLabel("")
         self.kv_note.setObjectName("muted")

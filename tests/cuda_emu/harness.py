@@ -3,7 +3,7 @@
 `EmuKernel` has the call signature of an `mx.fast.cuda_kernel` object, so tests can put it in
 place of the built kernels and drive the real launchers (split plans, combine, fallbacks).
 Each (kernel, template, dtypes) compiles once per session with g++ into a cache folder; inputs
-and outputs travel as raw files. The generated signature is cuda_kernels.isoquant's
+and outputs travel as raw files. The generated signature is kvcache.isoquant.cuda_prologue's
 `translation_unit`, i.e. what MLX compiles on the GPU.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from app.engine.cuda_kernels import isoquant as cp
+from app.engine.kvcache.isoquant import cuda_prologue as cp
 
 EMU_DIR = Path(__file__).parent
 _CACHE = Path(tempfile.gettempdir()) / f"iq_emu_{os.getuid()}"

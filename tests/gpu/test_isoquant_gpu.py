@@ -12,9 +12,9 @@ import math
 import mlx.core as mx
 import pytest
 
-from app.engine import kvcache
-from app.engine import kvcache_kernels as kk
-from app.engine.kvcache_kernels import isoquant as iq
+from app.engine.kvcache import isoquant
+from app.engine.kvcache.isoquant import kernel_path as kk
+from app.engine.kvcache.isoquant import kernels as iq
 
 pytestmark = pytest.mark.skipif(
     not iq.kernels_available(), reason="needs MLX's Metal or CUDA backend (a GPU)"
@@ -95,7 +95,7 @@ def test_bf16_queries_and_views_of_a_grown_cache():
         return mx.concatenate([a, mx.zeros_like(a)[:, :, :100]], axis=2)[:, :, : a.shape[2]]
 
     def grown(t):
-        return kvcache.IsoQuantTensor(
+        return isoquant.IsoQuantTensor(
             pad(t.codes), pad(t.norms), pad(t.fp), t.quantizer, t.rotation
         )
 
@@ -124,26 +124,26 @@ def test_each_kernel_against_its_reference():
 
 def test_the_cache_attention_uses_the_kernel_and_the_setting_forces_the_reference(monkeypatch):
     assert kk.install()
-    cache = kvcache.IsoQuantKVCache("v3", 3, 3, window=16)
+    cache = isoquant.IsoQuantKVCache("v3", 3, 3, window=16)
     mx.random.seed(0)
     for _ in range(3):
         cache.update_and_fetch(mx.random.normal((1, 2, 100, 64)), mx.random.normal((1, 2, 100, 64)))
     keys, values = cache.update_and_fetch(
         mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
     )
-    assert isinstance(keys, kvcache.IsoQuantTensor) and keys.compressed_len == 301 - 16
+    assert isinstance(keys, isoquant.IsoQuantTensor) and keys.compressed_len == 301 - 16
     q = mx.random.normal((1, 8, 1, 64))
     calls = []
     real = iq._fused_call
     monkeypatch.setattr(iq, "_fused_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    out = kvcache.isoquant_attention(q, keys, values, 0.125)
+    out = isoquant.isoquant_attention(q, keys, values, 0.125)
     with mx.stream(mx.cpu):
-        ref = kvcache.isoquant_attention(q, keys, values, 0.125, use_kernel=False)
+        ref = isoquant.isoquant_attention(q, keys, values, 0.125, use_kernel=False)
     assert calls and iq.rel_error(out, ref) < TOL
     monkeypatch.setenv(kk.SETTING_ENV, "reference")
     assert not kk.install()
     calls.clear()
-    kvcache.isoquant_attention(q, keys, values, 0.125)
+    isoquant.isoquant_attention(q, keys, values, 0.125)
     assert not calls
     monkeypatch.setenv(kk.SETTING_ENV, "auto")
     assert kk.install()
@@ -156,9 +156,9 @@ def test_the_cache_attention_uses_the_kernel_and_the_setting_forces_the_referenc
 def test_fused_encoder_matches_the_mlx_encoder(d, kb, vb, kind, n):
     """The cache's one-launch K/V encoder against quantizer.encode on strided bf16 rows: codes
     equal except within 1e-5 of a threshold, norms within one fp16 step."""
-    from app.engine.kvcache.packing import unpack_codes
-    from app.engine.kvcache.quantizer import Quantizer, encode
-    from app.engine.kvcache.rotation import Rotation
+    from app.engine.kvcache.isoquant.packing import unpack_codes
+    from app.engine.kvcache.isoquant.quantizer import Quantizer, encode
+    from app.engine.kvcache.isoquant.rotation import Rotation
 
     mx.random.seed(d + n)
     rot = Rotation.make(kind, d, 8, seed=1, layer=3)
@@ -213,7 +213,7 @@ def test_folded_combine_reuses_counter_slots_and_survives_concurrent_calls(monke
 @pytest.mark.parametrize("d", [64, 128])
 def test_tc16_pack_matches_packing(d):
     """The cache's fused tc16 write (iq_tc16_pack) against packing.py, bit for bit."""
-    from app.engine.kvcache.packing import pack_codes, pack_codes_tc16
+    from app.engine.kvcache.isoquant.packing import pack_codes, pack_codes_tc16
 
     mx.random.seed(d)
     for off, n in [(0, 16), (5, 16), (15, 300), (3, 1)]:

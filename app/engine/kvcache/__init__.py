@@ -1,37 +1,48 @@
-"""KV-cache compression: IsoQuant (rotated 3/4-bit codes, this package) and ZipFusion
-(lossless BF16, `zipfusion/`). Format of the packed IsoQuant cache: packing.py."""
+"""KV-cache compression, one wing: the table of KV modes (`modes`) and one package per
+algorithm with its kernels beside it: IsoQuant (`isoquant/`: rotated 3/4-bit codes) and
+ZipFusion (`zipfusion/`: lossless BF16). Shared CUDA JIT helpers: `jit`.
 
-from .cache import IsoQuantKVCache, register_encoder
-from .dispatch import install
-from .isoquant_attention import (
-    IsoQuantTensor,
-    isoquant_attention,
-    isoquant_attention_reference,
-    register_kernel,
+Importing this package (or `modes`) does not import MLX: the window process reads the table.
+"""
+
+from .modes import (
+    FLOAT,
+    MODES,
+    AttentionDims,
+    KVMode,
+    cache_nbytes,
+    finish_prefill,
+    make_cache,
+    mode,
+    names,
+    needs,
+    register,
+    unavailable_reason,
 )
-from .modes import KV_MODES, MODES, cache_nbytes, finish_prefill, make_cache, mode_spec
-from .packing import FORMAT_VERSION, pack_codes, unpack_codes
-from .persist import load_cache, save_cache
-from .rotation import Rotation
+
+
+def __getattr__(name):
+    # save/load a prompt cache (MLX arrays): imported on first use only
+    if name in ("load_cache", "save_cache"):
+        from . import persist
+
+        return getattr(persist, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "FORMAT_VERSION",
-    "KV_MODES",
+    "FLOAT",
     "MODES",
-    "IsoQuantKVCache",
-    "IsoQuantTensor",
-    "Rotation",
+    "AttentionDims",
+    "KVMode",
     "cache_nbytes",
     "finish_prefill",
-    "install",
-    "isoquant_attention",
-    "isoquant_attention_reference",
     "load_cache",
     "make_cache",
-    "mode_spec",
-    "pack_codes",
-    "register_encoder",
-    "register_kernel",
+    "mode",
+    "names",
+    "needs",
+    "register",
     "save_cache",
-    "unpack_codes",
+    "unavailable_reason",
 ]

@@ -1,89 +1,186 @@
-"""KV modes: the prompt-cache factory, deferred-prefill hook and byte counting for the engine."""
+"""The one table of KV modes: what each is, where it runs, what it costs, how its cache is built.
+
+Planner, sizes, CLI, worker, window and the engine's make_cache all read this table; adding a
+mode is one row here plus its algorithm's package. Pure data: factories are named as
+"module:function" and imported only when a cache is built, so the window process can read the
+table without importing MLX.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-from .cache import IsoQuantKVCache
-
-DEFAULT_WINDOW = 64  # chosen from benchmarks/kv_quality.py (SmolLM2-135M): see results JSON
-DEFAULT_SINK = 0  # first tokens kept in float (attention sinks); see results JSON
+BACKENDS = ("metal", "cuda", "cpu")
+BACKEND_NEEDS = {
+    "metal": "an Apple GPU (MLX's Metal backend)",
+    "cuda": "an NVIDIA GPU (MLX's CUDA backend)",
+    "cpu": "MLX's CPU backend",
+}
+FLOAT = "fp16"  # mlx-lm's own cache in the model's dtype: no compression
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
+DEFAULT_WINDOW = 64  # IsoQuant's float tail, chosen from benchmarks/kv_quality.py (SmolLM2-135M)
+DEFAULT_SINK = 0  # first tokens IsoQuant keeps in float (attention sinks); see results JSON
+ZIPFUSION_PAGE = 16  # tokens per ZipFusion page; the page being written stays raw
+ZIPFUSION_RATIO = 0.75  # 12 of 16 bits per value when a block compresses (SPEC §5)
+# The planner's own choices when it compresses full-attention KV: lossless where the backend
+# runs it and it fits, else the compact one.
+AUTO_LOSSLESS = "zipfusion"
+AUTO_COMPACT = "isoquant3"
 
 
 @dataclass(frozen=True)
-class KVModeSpec:
+class AttentionDims:
+    """One attention layer's KV geometry; value_bytes is the activation dtype's size."""
+
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    value_bytes: int = 2
+
+    @property
+    def float_bytes_per_token(self) -> int:
+        return self.kv_heads * (self.k_head_dim + self.v_head_dim) * self.value_bytes
+
+
+def float_nbytes(d: AttentionDims, tokens: int) -> int:
+    return -(-tokens // KV_STEP) * KV_STEP * d.float_bytes_per_token
+
+
+def isoquant_nbytes(key_bits: int, value_bits: int, d: AttentionDims, tokens: int) -> int:
+    # codes + an fp16 norm per vector; the most recent DEFAULT_WINDOW tokens stay in float
+    recent = min(tokens, DEFAULT_WINDOW)
+    packed = lambda dim, bits: dim * bits // 8 + 2  # noqa: E731
+    per_tok = d.kv_heads * (packed(d.k_head_dim, key_bits) + packed(d.v_head_dim, value_bits))
+    return (tokens - recent) * per_tok + recent * d.float_bytes_per_token
+
+
+def zipfusion_nbytes(d: AttentionDims, tokens: int) -> int:
+    # full pages compressed (+ 8 bytes of metadata per page, head and K/V), the last one raw
+    full_pages, tail = divmod(tokens, ZIPFUSION_PAGE)
+    page = math.ceil(ZIPFUSION_PAGE * d.float_bytes_per_token * ZIPFUSION_RATIO) + 8 * 2 * d.kv_heads
+    return full_pages * page + tail * d.float_bytes_per_token
+
+
+@dataclass(frozen=True)
+class KVMode:
+    """One row. nbytes(dims, tokens): bytes one full-attention layer holds at `tokens`.
+    factory: "module:function" called as f(model, **options, max_tokens=...) -> prompt cache.
+    offered: in the chat's menu and the planner's choices (False: benchmarks and CLI only)."""
+
     name: str
-    rotation: str | None  # None: plain float cache
-    key_bits: int = 16
-    value_bits: int = 16
+    label: str
+    lossless: bool
+    backends: tuple[str, ...]
+    nbytes: Callable[[AttentionDims, int], int] = field(compare=False)
+    factory: str
+    offered: bool = True
     description: str = ""
+    options: Mapping = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        if self.rotation is not None and (
-            self.key_bits not in (3, 4) or self.value_bits not in (3, 4)
-        ):
-            raise ValueError(f"KV mode {self.name}: IsoQuant needs 3- or 4-bit codes")
+        if not set(self.backends) <= set(BACKENDS) or not self.backends:
+            raise ValueError(f"KV mode {self.name}: backends must be among {BACKENDS}")
+        if ":" not in self.factory:
+            raise ValueError(f"KV mode {self.name}: factory must be 'module:function'")
+
+    def runs_on(self, backend: str) -> bool:
+        return backend in self.backends
+
+    def make_cache(self, model, **options) -> list:
+        module, name = self.factory.split(":")
+        return getattr(importlib.import_module(module), name)(model, **{**self.options, **options})
 
 
-_SPECS = (
-    KVModeSpec("fp16", None, description="mlx-lm's float cache (model dtype)"),
-    KVModeSpec("isoquant3", "v3", 3, 3, "IsoQuant WHT+SO(4), 3-bit K and V"),
-    KVModeSpec("isoquant4", "v3", 4, 4, "IsoQuant WHT+SO(4), 4-bit K and V"),
-    KVModeSpec("isoquant_k4v3", "v3", 4, 3, "IsoQuant WHT+SO(4), 4-bit K, 3-bit V"),
-    KVModeSpec("isoquant3_v1", "v1", 3, 3, "ablation: SO(3) quaternion conjugation, no WHT"),
-    KVModeSpec("isoquant3_v2", "v2", 3, 3, "ablation: SO(4) blocks, no WHT"),
-    KVModeSpec("turboquant3", "dense", 3, 3, "baseline: dense random orthogonal rotation"),
-)
-MODES: dict[str, KVModeSpec] = {s.name: s for s in _SPECS}
-KV_MODES: tuple[str, ...] = tuple(MODES)
+def _isoquant(name, rotation, kb, vb, description, offered=True) -> KVMode:
+    return KVMode(
+        name, f"IsoQuant {kb}/{vb}-bit" if kb != vb else f"IsoQuant {kb}-bit", False, BACKENDS,
+        functools.partial(isoquant_nbytes, kb, vb), "app.engine.kvcache.isoquant:make_cache",
+        offered, description, {"rotation": rotation, "key_bits": kb, "value_bits": vb},
+    )  # fmt: skip
 
 
-def mode_spec(kv_mode: str) -> KVModeSpec:
+_ROWS = (
+    KVMode(FLOAT, "fp16", True, BACKENDS, float_nbytes, "app.engine.kvcache.modes:float_cache",
+           description="mlx-lm's float cache (model dtype)"),
+    _isoquant("isoquant3", "v3", 3, 3, "IsoQuant WHT+SO(4), 3-bit K and V"),
+    _isoquant("isoquant4", "v3", 4, 4, "IsoQuant WHT+SO(4), 4-bit K and V"),
+    _isoquant("isoquant_k4v3", "v3", 4, 3, "IsoQuant WHT+SO(4), 4-bit K, 3-bit V"),
+    _isoquant("isoquant3_v1", "v1", 3, 3, "ablation: SO(3) quaternion conjugation, no WHT", False),
+    _isoquant("isoquant3_v2", "v2", 3, 3, "ablation: SO(4) blocks, no WHT", False),
+    _isoquant("turboquant3", "dense", 3, 3, "baseline: dense random orthogonal rotation", False),
+    KVMode("zipfusion", "ZipFusion", True, ("cuda",), zipfusion_nbytes,
+           "app.engine.kvcache.zipfusion:make_cache", description="lossless BF16, 12 bits a value"),
+)  # fmt: skip
+MODES: dict[str, KVMode] = {r.name: r for r in _ROWS}
+
+
+def register(row: KVMode) -> KVMode:
+    """Add a row (a new mode, or tests' own); a name already taken is refused."""
+    if row.name in MODES:
+        raise ValueError(f"KV mode {row.name!r} is already in the table")
+    MODES[row.name] = row
+    return row
+
+
+def names(backend: str | None = None, offered: bool = False) -> tuple[str, ...]:
+    """Modes in table order; only those that run on `backend` / that are offered if asked."""
+    return tuple(
+        r.name
+        for r in MODES.values()
+        if (backend is None or r.runs_on(backend)) and (r.offered or not offered)
+    )
+
+
+def mode(name: str) -> KVMode:
     try:
-        return MODES[kv_mode]
+        return MODES[name]
     except KeyError:
-        raise ValueError(f"unknown KV mode {kv_mode!r}; expected one of {KV_MODES}") from None
+        raise ValueError(f"unknown KV mode {name!r}; modes are {', '.join(MODES)}") from None
 
 
-def make_cache(
-    model,
-    kv_mode: str = "fp16",
-    *,
-    window: int = DEFAULT_WINDOW,
-    sink: int = DEFAULT_SINK,
-    seed: int = 0,
-    decoded_shadow: bool = False,
-) -> list:
-    """The model's prompt cache with every growing full-attention KVCache replaced by an
-    IsoQuantKVCache (layer i seeded with (seed, i)); sliding-window and SSM caches are kept.
-    window: recent tokens kept in float; sink: first tokens kept in float; decoded_shadow:
-    also keep levels[codes] in float32 (CPU benchmarks only: same numbers, more memory)."""
-    spec = mode_spec(kv_mode)
-    caches = make_prompt_cache(model)
-    if spec.rotation is None:
-        return caches
-    # type() is exact on purpose: subclasses of KVCache may not be growing full-attention KV.
-    return [
-        IsoQuantKVCache(
-            spec.rotation, spec.key_bits, spec.value_bits, window, seed, i, decoded_shadow, sink
-        )
-        if type(c) is KVCache
-        else c
-        for i, c in enumerate(caches)
-    ]
+def needs(name: str) -> str:
+    """What mode `name` needs to run, in words."""
+    r = mode(name)
+    return f"{r.label} needs {' or '.join(BACKEND_NEEDS[b] for b in r.backends)}"
+
+
+def unavailable_reason(name: str, backend: str) -> str | None:
+    """Why mode `name` cannot run on `backend` (None: it can)."""
+    if name not in MODES:
+        return f"unknown KV mode {name!r}"
+    if MODES[name].runs_on(backend):
+        return None
+    return f"{needs(name)}; this machine runs on {backend}"
+
+
+def make_cache(model, kv_mode: str = FLOAT, **options) -> list:
+    """The model's prompt cache in `kv_mode`. Options go to the mode's factory: IsoQuant takes
+    window, sink, seed, decoded_shadow; every factory takes max_tokens (the request's bound)."""
+    return mode(kv_mode).make_cache(model, **options)
+
+
+def float_cache(model, max_tokens: int | None = None, **_) -> list:
+    """mlx-lm's own caches; the float mode has no knobs, so other modes' options are ignored."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
 
 
 def finish_prefill(cache_list) -> None:
-    """After the prompt, before the first decode step: compress each IsoQuant prefix in bulk."""
+    """After the prompt, before the first decode step: caches with deferred prefill compress
+    their prompt in bulk (IsoQuant)."""
     for c in cache_list:
-        if isinstance(c, IsoQuantKVCache):
-            c.finish_prefill()
+        finish = getattr(c, "finish_prefill", None)
+        if finish is not None:
+            finish()
 
 
 def cache_nbytes(cache_list) -> int:
-    """Bytes held by all caches of a prompt cache (IsoQuant and mlx-lm's own)."""
+    """Bytes held by all caches of a prompt cache (every mode's and mlx-lm's own)."""
     total = 0
     for c in cache_list:
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 
-from .cache import IsoQuantKVCache
+from .isoquant.cache import IsoQuantKVCache
 
 FILE_FORMAT = "rotaryquant-prompt-cache"
 FILE_VERSION = 1

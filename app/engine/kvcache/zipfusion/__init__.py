@@ -26,6 +26,7 @@ __all__ = [
     "ZipStore",
     "available",
     "install_attention",
+    "make_cache",
     "make_zipfusion_cache",
     "make_zipfusion_store",
     "model_kv_shape",
@@ -91,3 +92,9 @@ def make_zipfusion_cache(
     store.single_sequence()
     install_attention(model)
     return [ZipFusionCache(store, i) for i in range(n_layers)]
+
+
+def make_cache(model, max_tokens: int | None = None, **_) -> list[ZipFusionCache]:
+    """The modes table's factory (kvcache/modes.py): ZipFusion has no per-request knobs, so other
+    modes' options (IsoQuant's window) are ignored."""
+    return make_zipfusion_cache(model, max_tokens=max_tokens or 32768)

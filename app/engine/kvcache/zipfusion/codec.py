@@ -8,7 +8,7 @@ value i's sign in bit 7 and d = (e-b)>>1 in bits 0-2, value i+4's sign in bit 6 
 Values inside a page are stored in *fragment order*: the order in which the fused kernel's lanes
 feed them to `mma.m16n8k16` (K as the B operand of Q·Kᵀ, V as the B operand of P·V), so a lane's
 8 values are contiguous and decode straight into MMA registers. Everything here runs on any
-backend and is bit-exact; the CUDA kernels in `app/engine/cuda_kernels/zipfusion.py` must match it.
+backend and is bit-exact; the CUDA kernels in `kernels.py` beside it must match it.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ...cuda_kernels import zipfusion as kernels
-from . import codec
+from . import codec, kernels
 from .memory import OutOfPages, PoolGeometry, ZipMemory
 
 ROW_VALUES = codec.GRANULE // 2  # uint16 per pool row

@@ -1,4 +1,4 @@
-"""CUDA prologue of the IsoQuant attention kernels (bodies: kvcache_kernels/isoquant_body.h and
+"""CUDA prologue of the IsoQuant attention kernels (bodies: isoquant_body.h and
 the tensor-core twin isoquant_tc.cuh).
 
 Defines the body's macro contract with CUDA qualifiers and warp shuffles, names the thread and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import jit
+from .. import jit
 
 HEADER = r"""
 #define IQ_FN __device__ __forceinline__

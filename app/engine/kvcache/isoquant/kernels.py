@@ -2,7 +2,7 @@
 launchers and public functions (STYLE "Kernels").
 
 Kernels (bodies in isoquant_body.h, shared by Metal and CUDA; prologues in
-metal_kernels/isoquant.py and cuda_kernels/isoquant.py):
+metal_prologue.py and cuda_prologue.py):
   A iq_qk_dot          packed K -> scores (query rotated in the kernel)
   B iq_softmax         scores -> probabilities (lengths, causal float segment, sinks)
   C iq_value_word      probabilities x packed V -> õ, word-parallel (T < 512)
@@ -30,12 +30,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..cuda_kernels import isoquant as cuda_prologue
-from ..kvcache.codebook import kv_codebook
-from ..kvcache.isoquant_attention import IsoQuantTensor, isoquant_attention_reference
-from ..kvcache.packing import unpack_codes
-from ..kvcache.rotation import Rotation
-from ..metal_kernels import isoquant as metal_prologue
+from . import cuda_prologue, metal_prologue
+from .attention import IsoQuantTensor, isoquant_attention_reference
+from .codebook import kv_codebook
+from .packing import unpack_codes
+from .rotation import Rotation
 
 # -- source factory ------------------------------------------------------------------------
 
@@ -1016,8 +1015,8 @@ def random_problem(
     the cache's quantizer on Gaussian K/V; False draws random code bytes and norms directly
     (every byte pattern is a valid code stream: fast for benchmark-sized caches). v_layout:
     the V codes' layout (packing.py; "tc16" repacks the same codes)."""
-    from ..kvcache.packing import pack_v_codes, unpack_codes
-    from ..kvcache.quantizer import Quantizer, encode
+    from .packing import pack_v_codes, unpack_codes
+    from .quantizer import Quantizer, encode
 
     mx.random.seed(seed)
     rot = Rotation.make(kind, dim, hkv, seed=seed, layer=1)

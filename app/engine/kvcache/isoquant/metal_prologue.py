@@ -1,4 +1,4 @@
-"""Metal prologue of the IsoQuant attention kernels (bodies: kvcache_kernels/isoquant_body.h).
+"""Metal prologue of the IsoQuant attention kernels (bodies: isoquant_body.h).
 
 Defines the body's macro contract with Metal's qualifiers and simdgroup built-ins, names the
 thread/threadgroup indices in every body (MLX adds an attribute to the signature only when its

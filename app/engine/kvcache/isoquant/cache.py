@@ -19,7 +19,7 @@ import os
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .isoquant_attention import IsoQuantTensor
+from .attention import IsoQuantTensor
 from .packing import (
     FORMAT_VERSION,
     TC16_CHUNK,
@@ -58,7 +58,7 @@ def compile_encoders() -> bool:
     return os.environ.get(COMPILE_ENV) == "1"
 
 
-# The fused encoder (kvcache_kernels registers isoquant.encode_pair where the backend has
+# The fused encoder (kernel_path.install registers kernels.encode_pair where the backend has
 # kernels): (keys, values, rotation, kq, vq) -> (kc, kn, vc, vn), or None for inputs it does
 # not take. One launch per compression instead of ~100 small MLX ops, each of which costs host
 # time on every decode step that compresses.

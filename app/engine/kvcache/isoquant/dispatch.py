@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from .isoquant_attention import IsoQuantTensor, isoquant_attention
+from .attention import IsoQuantTensor, isoquant_attention
 
 _ATTR = "scaled_dot_product_attention"
 

@@ -1,20 +1,19 @@
-"""Fused IsoQuant attention kernels (Metal and CUDA) and the switch between them and the
-MLX-ops reference (kvcache/isoquant_attention.py). Kernel module: isoquant.py.
+"""The switch between IsoQuant's fused kernels (kernels.py, Metal and CUDA) and the MLX-ops
+reference (attention.py).
 
 The cache's attention calls the kernels whenever the backend has them, the reference otherwise;
 the setting ROTARYQUANT_ISOQUANT_ATTENTION = auto | kernel | reference (or `use_kernel=`)
-forces either. Importing this package registers the kernel path with the cache
-(kvcache.register_kernel) when the backend has kernels and the setting allows it.
+forces either. `install()` registers the kernel path with the cache; the modes table's factory
+(factory.make_cache) calls it when it builds caches, nothing is registered at import.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..kvcache.cache import register_encoder, register_tc16_packer
-from ..kvcache.isoquant_attention import register_kernel
-from ..kvcache.packing import register_v_layout
-from .isoquant import (
+from .attention import register_kernel
+from .cache import register_encoder, register_tc16_packer
+from .kernels import (
     BACKEND,
     Problem,
     Unsupported,
@@ -27,6 +26,7 @@ from .isoquant import (
     unfused_attention,
     v_layout,
 )
+from .packing import register_v_layout
 
 SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
 SETTINGS = ("auto", "kernel", "reference")
@@ -79,7 +79,7 @@ def isoquant_attention(
 
 
 def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
-    # The signature kvcache.isoquant_attention calls a registered kernel with.
+    # The signature attention.isoquant_attention calls a registered kernel with.
     return isoquant_attention(queries, keys, values, scale, mask, sinks, use_kernel=None)
 
 
@@ -95,8 +95,6 @@ def install() -> bool:
     register_tc16_packer(pack_tc16 if on else None)
     return on
 
-
-install()
 
 __all__ = [
     "BACKEND",

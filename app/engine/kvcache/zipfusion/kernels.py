@@ -30,8 +30,8 @@ import os
 
 import mlx.core as mx
 
-from ..kvcache.zipfusion import codec
-from . import jit
+from .. import jit
+from . import codec
 
 # -- sources -------------------------------------------------------------------------------
 
