@@ -454,7 +454,7 @@ class IsoQuantKVCache(_BaseCache):
                 # the last chunk's dead rows become zero codes again, as a fresh cache has them
                 self._write_v_tc16(r, r, None)
         # as after a single-token step at this offset (the float copies allowing)
-        self.compressed = min(self.compressed, max(self.fp_start, self.offset - self.window))
+        self.compressed = max(self.fp_start, min(self.encoded, self.offset - self.window))
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
@@ -507,7 +507,7 @@ class IsoQuantKVCache(_BaseCache):
         """(k_codes, k_norms, v_codes, v_norms, fp_k, fp_v, sink_k, sink_v, meta_state): the
         live arrays and, last, the JSON meta (so mlx-lm's save/load_prompt_cache round-trip)."""
         if self.rotation is None and self._float is None:
-            return ()
+            return (None,) * 8 + (self.meta_state,)  # a cache never used: its settings only
         if self._float is not None:
             f = self._float
             k = v = None
@@ -533,7 +533,7 @@ class IsoQuantKVCache(_BaseCache):
     def state(self, v):
         self.k_dec = self.v_dec = None
         self._views = None
-        if not v:
+        if not v or all(a is None for a in list(v)[:8]):
             self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
             self.fp_keys = self.fp_values = self.sink_keys = self.sink_values = None
             self.offset = self.compressed = self.encoded = self.fp_start = 0
@@ -544,7 +544,7 @@ class IsoQuantKVCache(_BaseCache):
         if meta.get("float_fallback"):
             self._fall_back(meta["float_fallback"])
             if v[4] is not None:
-                self._float.state = (v[4], v[5])
+                self._float.state = (v[4], v[5], v[4].shape[2])
             self.offset = self._float.offset
             return
         self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys, self.fp_values = v[:6]
