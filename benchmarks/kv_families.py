@@ -75,7 +75,7 @@ def family(model_type: str, kv_mode: str) -> dict:
         kinds = sorted({type(c).__name__ for c in cache})
         res = {"result": "float_fallback",
                "reason": "; ".join(why) or f"no growing full-attention KV cache ({', '.join(kinds)})"}
-    agree = sum(a == b for a, b in zip(ref, got)) / len(ref)
+    agree = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
     return {**out, **res, "top1_agree_decode": agree, "coded_layers": len(coded), "caches": len(cache)}
 
 
@@ -125,6 +125,9 @@ def main() -> None:
     ap.add_argument("--mode", default="isoquant3")
     ap.add_argument("--only", default="")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--part", default="", help="i/n: the i-th of n slices of the families, "
+                    "written to kv_families_part<i>.json (--merge joins them)")
+    ap.add_argument("--merge", type=int, default=0, help="join n part files into kv_families.json")
     a = ap.parse_args()
     if a.one:
         signal.signal(signal.SIGALRM, _alarm)
@@ -138,7 +141,13 @@ def main() -> None:
             signal.alarm(0)
             print(json.dumps(r), flush=True)
         return
+    if a.merge:
+        return merge(a.merge)
     types = a.only.split(",") if a.only else tiny_families.model_types()
+    name = "kv_families"
+    if a.part:
+        i, n = map(int, a.part.split("/"))
+        types, name = types[i - 1 :: n], f"kv_families_part{i}"
     rows, skipped = [], []
     t0 = time.time()
     for r in isolated(types, a.mode):
@@ -146,14 +155,30 @@ def main() -> None:
         (skipped if r.get("built") is False else rows).append(r)
         mark = r.get("result", "not built")
         print(f"{mt:24s} {mark:15s} {r.get('reason', '')[:90]}", flush=True)
+        write(name, rows, skipped)  # after every family: an interrupted run keeps what it has
     counts = {k: sum(r["result"] == k for r in rows) for k in ("compressed", "float_fallback", "crash")}
     print(f"\n{len(rows)} families run in {time.time() - t0:.0f} s: {counts}; {len(skipped)} not built")
-    write_result("kv_families", {
+
+
+def write(name: str, rows: list, skipped: list) -> None:
+    counts = {k: sum(r["result"] == k for r in rows) for k in ("compressed", "float_fallback", "crash")}
+    write_result(name, {
         "protocol": f"tiny random float32 models from each ModelArgs; {PROMPT}-token prompt in "
                     f"chunks of {CHUNK}, {DECODE} greedy decode steps; mlx-lm "
                     f"{__import__('mlx_lm').__version__}",
         "counts": counts, "families": rows, "not_built": skipped,
     })
+
+
+def merge(n: int) -> None:
+    from record import RESULTS
+
+    parts = [json.loads((RESULTS / f"kv_families_part{i}.json").read_text()) for i in range(1, n + 1)]
+    rows = sorted((r for p in parts for r in p["families"]), key=lambda r: r["model_type"])
+    skipped = sorted((r for p in parts for r in p["not_built"]), key=lambda r: r["model_type"])
+    write("kv_families", rows, skipped)
+    for i in range(1, n + 1):
+        (RESULTS / f"kv_families_part{i}.json").unlink()
 
 
 if __name__ == "__main__":

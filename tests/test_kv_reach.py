@@ -162,12 +162,12 @@ def test_trim_prompt_cache_and_copies_with_generate(family):
     prompt = _ids(80)
     last, _ = next(generate_step(prompt, model, prompt_cache=cache))
     last = mx.array([last])
-    first = [t for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache))]
+    first = [t for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache), strict=False)]
     off = cache[0].offset
     snapshot = copy.deepcopy(cache)
     assert trim_prompt_cache(cache, 3) == 3
     assert snapshot[0].offset == off and cache[0].offset == off - 3
-    again = [t for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache))]
+    again = [t for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache), strict=False)]
     assert again == first
     assert snapshot[0].k_codes is not cache[0].k_codes
 
@@ -228,7 +228,7 @@ def test_model_runs_with_our_cache_in_each_dtype_and_copies(family, model_type):
     moe = model_type in ("nemotron_h", "gpt_oss")  # MLX's CPU gather_mm takes float32 only
     for t in (mx.float32,) if moe and mx.default_device() == mx.cpu else (mx.float32, mx.float16):
         model.update(
-            tree_map(lambda p: p.astype(t) if mx.issubdtype(p.dtype, mx.floating) else p,
+            tree_map(lambda p, t=t: p.astype(t) if mx.issubdtype(p.dtype, mx.floating) else p,
                      model.parameters())
         )
         cache = kvcache.make_cache(model, "isoquant3", window=2)

@@ -79,12 +79,11 @@ def _bad_uses(names: set[str], stmts: list[ast.stmt]) -> list[str]:
     return bad
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def class_reason(cls: type) -> str | None:
     """Why attention class `cls` cannot take a compressed K/V (None: it can)."""
-    call = getattr(cls, "__call__", None)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
     except (OSError, TypeError, SyntaxError):
         return f"{cls.__name__}'s source is not readable, so its use of the cache is unknown"
     fn = tree.body[0]
@@ -98,7 +97,7 @@ def class_reason(cls: type) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_fetch(cls: type) -> bool:
     try:
         return _FETCH in inspect.getsource(cls.__call__)

@@ -18,7 +18,6 @@ rows, since below 8 rows MLX CUDA switches to its matrix-vector kernel (other ro
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass
 
 import mlx.core as mx
