@@ -256,13 +256,13 @@ def test_zipfusion_on_a_hybrid_model_has_one_cache_per_state(family):
 
 
 def test_top1_agrees_with_float_on_smollm2_with_chunked_prefill(smollm2_path):
-    """Lossy where equality means nothing: SmolLM2's next-token choice over a 600-token text
+    """Lossy where equality means nothing: SmolLM2's next-token choice over a 384-token text
     prefilled in chunks of 64 (compressed as it goes) agrees with the float cache >= 95%."""
     from app.engine.loader import load
 
     lm = load(smollm2_path)
     text = "To be, or not to be, that is the question: whether 'tis nobler in the mind " * 40
-    ids = mx.array(lm.tokenizer.encode(text)[:600])
+    ids = mx.array(lm.tokenizer.encode(text)[:384])
     picks = {}
     for mode in ("fp16", "isoquant3"):
         cache = kvcache.make_cache(lm.model, mode)
@@ -270,5 +270,5 @@ def test_top1_agrees_with_float_on_smollm2_with_chunked_prefill(smollm2_path):
                for i in range(0, ids.size, 64)]
         picks[mode] = np.array(mx.concatenate(out))
         if mode == "isoquant3":
-            assert all(c.compressed > 400 for c in cache)
+            assert all(c.compressed > 250 for c in cache)
     assert (picks["fp16"] == picks["isoquant3"]).mean() >= 0.95

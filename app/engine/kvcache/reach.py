@@ -69,6 +69,9 @@ def _bad_uses(names: set[str], stmts: list[ast.stmt]) -> list[str]:
                     allowed |= {id(k.value) for k in node.keywords}
             if isinstance(node, ast.Attribute) and node.attr in _HARMLESS_ATTRS:
                 allowed.add(id(node.value))
+            if isinstance(node, ast.Return) and node.value is not None:
+                # handed on as they are (gemma4's KV sharing: a later layer's attention reads them)
+                allowed |= {id(n) for n in ast.walk(node.value) if isinstance(n, ast.Name)}
     bad = []
     for stmt in stmts:
         for node in ast.walk(stmt):

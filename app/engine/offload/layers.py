@@ -17,7 +17,6 @@ rows, since below 8 rows MLX CUDA switches to its matrix-vector kernel (other ro
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -93,16 +92,6 @@ class _PagedSwitch(nn.Module):
         if p.bias:
             x = x + mx.expand_dims(arrays[f"{name}.bias"][idx], -2)
         return x
-
-    def __deepcopy__(self, memo):
-        # The pager (open files, slot pool) is shared, never copied: a copy's finalizer would
-        # close the file descriptors the live pager reads with.
-        memo[id(self._pager)] = self._pager
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.update(copy.deepcopy(dict(self), memo))  # nn.Module's children and arrays
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
 
     def __call__(self, x, indices) -> mx.array:
         dtype = x.dtype  # the slots keep their stored dtype; the output follows the model's
