@@ -74,13 +74,19 @@ def test_bad_settings_and_requests(smol_engine):
         list(Engine().generate("hi"))
 
 
-def test_kv_stats_count_fp16_equivalent(smol_engine):
+def test_kv_stats_count_the_float_cache_at_its_real_dtype(smol_engine):
+    from app.engine.backend import detect
+
     smol_engine.generate_text("The weather today is", GenerationSettings(max_tokens=4, kv_mode="fp16"))
     kv = smol_engine.kv_stats()
-    # SmolLM2: 30 layers x 3 KV heads x head dim 64, K and V, 2 bytes each
+    # SmolLM2: 30 layers x 3 KV heads x head dim 64, K and V; float32 on the CPU backend (its
+    # dense weights are dequantized to float32 at load), the model's fp16 elsewhere
+    itemsize = 4 if detect().name == "cpu" else 2
     assert kv["mode"] == "fp16" and kv["tokens"] > 4
-    assert kv["fp16_bytes"] == 30 * 3 * 64 * 2 * 2 * kv["tokens"]
-    assert kv["bytes"] >= kv["used_bytes"] >= kv["fp16_bytes"]  # steps of 256 tokens; fp32 or fp16
+    assert kv["float_bytes"] == 30 * 3 * 64 * 2 * itemsize * kv["tokens"]
+    assert kv["bytes"] == kv["used_bytes"] == kv["float_bytes"]  # held tokens, not capacity
+    assert kv["capacity_bytes"] == 30 * 3 * 64 * 2 * itemsize * 256  # mlx-lm's steps of 256
+    assert kv["fallbacks"] == []
 
 
 def test_isoquant_mode_saves_kv_bytes(smol_engine):
@@ -88,7 +94,14 @@ def test_isoquant_mode_saves_kv_bytes(smol_engine):
     smol_engine.generate_text(ids, GenerationSettings(max_tokens=3, kv_mode="isoquant3", kv_window=0))
     kv = smol_engine.kv_stats()
     assert kv["mode"] == "isoquant3" and kv["tokens"] >= len(ids)
-    assert kv["used_bytes"] * 4 < kv["fp16_bytes"]  # 3-bit codes + norms vs 16-bit values
+    assert kv["used_bytes"] * 4 < kv["float_bytes"]  # 3-bit codes + norms vs float values
+    # bits per value as held: codes, norms and the float32 tail (the trim reserve and up to one
+    # growth step of released copies), nothing spare
+    from app.engine.kvcache.isoquant.cache import FP_STEP, TRIM_EXACT
+
+    values = 30 * 3 * 64 * 2 * kv["tokens"]
+    tail = (TRIM_EXACT + FP_STEP) * 32 / kv["tokens"]
+    assert 3.0 < kv["used_bytes"] * 8 / values < 3.0 + 0.25 + tail
 
 
 def test_cpu_float_dense_weights_match_quantized(smollm2_path):

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from app.engine import kvcache
 from app.engine.kvcache.isoquant import FORMAT_VERSION, IsoQuantKVCache, IsoQuantTensor, install
+from app.engine.kvcache.isoquant.cache import FP_STEP, TRIM_EXACT
 from app.engine.kvcache.isoquant.quantizer import decode
 from app.engine.testing.random_models import TINY_CONFIGS
 
@@ -85,14 +86,17 @@ def test_nbytes_is_exact(kb, vb, d):
     k, v = _kv(1, 2, 300, d, 2)
     _feed(c, k, v, prefill=290)
     mx.eval(*_held_arrays(c))
-    assert c.nbytes == sum(a.nbytes for a in _held_arrays(c))
-    # 292 compressed tokens × 2 heads × (codes K + codes V + two fp16 norms) + 8 float32 tokens
+    assert c.capacity_nbytes == sum(a.nbytes for a in _held_arrays(c))
+    # nbytes: what is held, not capacity. 292 compressed tokens × 2 heads × (codes K + codes V +
+    # two fp16 norms) + the float32 tail: the window (8) and the trim reserve behind it
     per_tok = d * kb // 8 + d * vb // 8 + 4
-    assert c.used_nbytes == 2 * (292 * per_tok + 8 * d * 4 * 2)
+    n_float = c.offset - c.fp_start
+    assert c.compressed == 292 and 8 + TRIM_EXACT <= n_float < 8 + TRIM_EXACT + FP_STEP
+    assert c.nbytes == c.used_nbytes == 2 * (292 * per_tok + n_float * d * 4 * 2)
     if (kb, vb, d) == (3, 3, 128):
         assert per_tok == 100  # 48 + 48 bytes of codes + 2 + 2 bytes of norms
     # the prompt's float buffer was released after the bulk compression
-    assert c.fp_keys.shape[2] == c.step
+    assert c.fp_keys.shape[2] <= 2 * FP_STEP
     assert kvcache.cache_nbytes([c, KVCache()]) == c.nbytes
 
 
@@ -127,49 +131,50 @@ def test_state_round_trip_with_format_version(tmp_path):
         IsoQuantKVCache.from_state(c.state, bad)
 
 
-def test_code_views_are_reused_until_the_codes_change():
-    """Between compressions the cache hands attention the same code/norm views (no new slice
-    ops each step); a compression, a trim into the codes or a new state rebuilds them, and
-    what they show is always the codes buffer's current rows."""
+def test_code_views_follow_the_window_and_encoding_runs_in_batches():
+    """Attention reads exactly the rows before the window; codes are written ahead in batches
+    of compress_every, so most steps only move the split; a trim into the codes or a new state
+    rebuilds the views, and what they show is always the codes buffer's current rows."""
     c = IsoQuantKVCache("v3", 3, 3, window=4, compress_every=8)
     mx.random.seed(2)
     c.update_and_fetch(*(mx.random.normal((1, 2, 12, 64)) for _ in "kv"))
     c.finish_prefill()
-    k1, _ = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
-    k2, v2 = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
-    assert k2.codes is k1.codes and k2.norms is k1.norms and k2.fp is not k1.fp
-    for _ in range(6):  # the 8th float token past the window triggers a compression
+    assert (c.compressed, c.encoded) == (8, 9)  # the prefill encoded what step 13 reads
+    encoded = []
+    for _ in range(8):
         k3, v3 = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
-    assert c.compressed == 16 and k3.codes is not k2.codes and k3.codes.shape[2] == 16
+        assert k3.fp_len == 4 and k3.compressed_len == c.compressed == c.offset - 4
+        encoded.append(c.encoded)
+    assert encoded == [9, 14, 14, 14, 14, 14, 19, 19]  # ahead, as far as the tokens held
     assert mx.array_equal(k3.codes, c.k_codes[:, :, :16]).item()
     assert mx.array_equal(v3.norms, c.v_norms[:, :, :16]).item()
-    assert mx.array_equal(k3.codes[:, :, :8], k2.codes).item()  # old rows kept
     c.trim(12)  # back into the codes: offset 8, rows 0..7 stay
     k4, _ = c.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
-    assert k4.codes.shape[2] == c._n_rows == 8
+    assert k4.codes.shape[2] == c._n_rows == 5 and k4.fp_len == 4
     c2 = IsoQuantKVCache("v3", 3, 3, window=4, compress_every=8)
     c2.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
     c2.state = c.state
     k5, _ = c2.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)) for _ in "kv"))
-    assert mx.array_equal(k5.codes, k4.codes).item()
+    assert mx.array_equal(k5.codes[:, :, :5], k4.codes).item() and k5.fp_len == 4
 
 
-def test_trim():
+def test_trim_is_exact_within_the_reserve():
+    """Speculative decoding trims rejected drafts: up to TRIM_EXACT tokens the cache is then
+    exactly the cache that never saw them (same split, codes and float tail)."""
     c = IsoQuantKVCache(window=4)
     k, v = _kv(1, 1, 50, 64, 5)
     _feed(c, k, v, prefill=40)
     assert (c.offset, c.compressed) == (50, 46)
-    assert c.trim(3) == 3 and (c.offset, c.compressed) == (47, 46)
-    assert c.trim(10) == 10 and (c.offset, c.compressed) == (37, 37)
-    out_k, _ = c.update_and_fetch(k[:, :, 37:38], v[:, :, 37:38])
-    # codes are never decompressed: the float tail refills from the re-fed tokens on
-    assert c.offset == 38 and out_k.compressed_len == 37 and out_k.fp_len == 1
-    assert mx.array_equal(out_k.fp, k[:, :, 37:38])
-    # the surviving compressed rows are the same codes a fresh cache makes for those tokens
-    ref = IsoQuantKVCache(window=0)
-    ref.update_and_fetch(k[:, :, :37], v[:, :, :37])
-    ref.finish_prefill()
-    assert mx.array_equal(ref._fetch()[0].codes, out_k.codes)
+    assert c.trim(3) == 3 and c.offset == 47
+    assert c.trim(10) == 10 and c.offset == 37
+    out_k, out_v = c.update_and_fetch(k[:, :, 37:38], v[:, :, 37:38])
+    fresh = IsoQuantKVCache(window=4)
+    ref_k, ref_v = _feed(fresh, k[:, :, :38], v[:, :, :38], prefill=30)
+    assert c.offset == 38 and out_k.compressed_len == ref_k.compressed_len == 34
+    for x, y in ((out_k, ref_k), (out_v, ref_v)):
+        assert mx.array_equal(x.fp, y.fp) and mx.array_equal(x.codes, y.codes)
+        assert mx.array_equal(x.norms, y.norms)
+    assert mx.array_equal(out_k.fp, k[:, :, 34:38])
     assert c.trim(100) == 38 and c.empty()
 
 
@@ -326,9 +331,10 @@ def test_sink_prefix_stays_float():
     ref.finish_prefill()
     assert mx.array_equal(ref._fetch()[0].codes, out_k.codes)
     per_row = 24 + 24 + 4
-    assert c.used_nbytes == 2 * (33 * per_row + 7 * 64 * 4 * 2)
+    n_float = c.offset - c.fp_start + 4  # the tail with its trim reserve, and the sink
+    assert c.used_nbytes == 2 * (33 * per_row + n_float * 64 * 4 * 2)
     mx.eval(*c._arrays())
-    assert c.nbytes == sum(a.nbytes for a in c._arrays())
+    assert c.capacity_nbytes == sum(a.nbytes for a in c._arrays())
     # state round trip keeps the sink; trimming into the sink shrinks it
     c2 = IsoQuantKVCache.from_state(c.state, c.meta_state)
     assert c2.sink == 4 and mx.array_equal(c2._fetch()[0].prefix, out_k.prefix)
@@ -375,23 +381,25 @@ def test_compiled_encoders_are_bit_identical(monkeypatch):
         assert mx.array_equal(x, y).item(), name
 
 
-def test_decode_compresses_in_batches_with_the_same_codes():
-    """With compress_every=8 the float tail grows to window + 7 tokens, then 8 tokens are
-    compressed at once, to exactly the codes per-token compression writes."""
-    k, v = _kv(1, 2, 60, 64, 5)
-    a = IsoQuantKVCache(window=4, compress_every=1, v_layout="rows")  # (rows compared by index)
-    b = IsoQuantKVCache(window=4, compress_every=8, v_layout="rows")
+def test_decode_encodes_in_batches_with_the_same_codes_and_an_exact_window():
+    """With compress_every=8 the window stays exactly 12 float tokens every step; codes are
+    written 8 at a time ahead of it, exactly the codes per-token encoding writes."""
+    k, v = _kv(1, 2, 80, 64, 5)
+    a = IsoQuantKVCache(window=12, compress_every=1, v_layout="rows")  # (rows compared by index)
+    b = IsoQuantKVCache(window=12, compress_every=8, v_layout="rows")
     seen = []
     for c in (a, b):
         c.update_and_fetch(k[:, :, :20], v[:, :, :20])
-    for t in range(20, 60):
-        a.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    for t in range(20, 80):
+        ra, _ = a.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         out_k, _ = b.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        assert 4 <= out_k.fp_len < 4 + 8 and out_k.compressed_len == b.compressed
-        seen.append(b.compressed)
-    assert seen[0] == 17  # the prompt is compressed in bulk at the first decode step
-    assert sorted(set(seen)) == [17, 25, 33, 41, 49]  # then 8 tokens at a time
-    n = b.compressed
+        assert out_k.fp_len == ra.fp_len == 12 and out_k.compressed_len == b.compressed
+        assert mx.array_equal(out_k.codes, ra.codes).item()
+        seen.append(b.encoded)
+    assert seen[0] == 9  # the prompt was encoded in bulk up to the first step's split
+    assert sorted(set(seen)) == [9, 17, 25, 33, 41, 49, 57, 65, 73]  # then 8 tokens at a time
+    n = a.encoded
+    assert n == 68 and b.encoded == 73
     for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
         assert mx.array_equal(getattr(a, name)[:, :, :n], getattr(b, name)[:, :, :n]).item()
     with pytest.raises(ValueError, match="compress_every"):

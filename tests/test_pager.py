@@ -316,3 +316,20 @@ def test_groups_with_slot_windows_are_bit_identical(converted, monkeypatch):
     lm = load_paged(folder, 5 * slot + slot // 2)
     _assert_same(lm.model, toks, lps, n=12)
     assert lm.model.rq_pager.stats()["split_calls"] > 0
+
+
+def test_paged_model_survives_deepcopy_and_follows_dtype_casts(converted):
+    """A deep copy is refused cleanly (nothing copied, so the live pager's files stay open), and
+    a dtype cast of the model reaches the paged layers' outputs."""
+    import copy
+    import gc
+
+    folder, toks, lps = converted("qwen3_moe")
+    lm = load_paged(folder, expert_bytes(folder) // 2)
+    with pytest.raises(TypeError, match="paged experts cannot be deep-copied"):
+        copy.deepcopy(lm.model)
+    gc.collect()
+    _assert_same(lm.model, toks, lps, n=20)  # its files are still open: no EBADF
+    lm.model.set_dtype(mx.float16)
+    out = lm.model(PROMPT[None, :8])
+    assert out.dtype == mx.float16 and bool(mx.isfinite(out).all())

@@ -71,7 +71,7 @@ def test_kv_saved_from_the_worker_or_from_the_sizes():
     h.kv_fp16 = lambda tokens: tokens * 100_000
     h.context_tokens = 400
     assert h.add(stats(kv=8 * MiB)).kv_saved == 400 * 100_000 - 8 * MiB
-    s = h.add(stats(kv=8 * MiB, extra={"kv": {"fp16_bytes": 50 * MiB}}))  # the worker's count wins
+    s = h.add(stats(kv=8 * MiB, extra={"kv": {"float_bytes": 50 * MiB}}))  # the worker's count wins
     assert s.kv_saved == 42 * MiB
 
 

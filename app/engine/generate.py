@@ -349,25 +349,17 @@ class Engine:
         return kvcache.cache_nbytes(cache) if cache else 0
 
     def kv_stats(self) -> dict:
-        """The last request's KV cache: mode, tokens held, bytes held, and what the same tokens
-        would take in fp16 (for "KV saved" in the memory panel)."""
+        """The last request's KV cache: mode, tokens held, bytes held for them (not spare
+        capacity), the buffers' capacity, what the same tokens take in a float cache at the
+        dtype the cache keeps float K/V in (for "KV saved" in the memory panel), and the layers
+        a compressed mode keeps float, with why."""
         cache = self.last_cache or []
-        tokens = fp16 = used = 0
-        for c in cache:
-            n = int(getattr(c, "offset", 0) or 0)
-            used_c = getattr(c, "used_nbytes", None)  # compressed caches: bytes the tokens need
-            arr = getattr(c, "fp_keys", None)  # IsoQuant keeps its float segment's shape
-            if arr is None:
-                arr = getattr(c, "keys", None)
-            if n <= 0 or arr is None or not hasattr(arr, "shape") or len(arr.shape) != 4:
-                continue  # SSM state or an empty cache: no per-token KV
-            b, h, _, d = arr.shape
-            n = min(n, getattr(c, "max_size", n) or n)  # rotating caches hold a window
-            tokens = max(tokens, n)
-            fp16 += 2 * b * h * n * d * 2  # K and V, two bytes per value
-            used += int(used_c) if used_c is not None else 2 * b * h * n * d * arr.itemsize
-        return {"mode": self.last_kv_mode, "tokens": tokens, "bytes": self.cache_nbytes(cache),
-                "used_bytes": used, "fp16_bytes": fp16}
+        tokens = max((int(getattr(c, "offset", 0) or 0) for c in cache), default=0)
+        used = kvcache.cache_nbytes(cache)
+        base = sum(kvcache.float_baseline_nbytes(c) for c in cache)
+        return {"mode": self.last_kv_mode, "tokens": tokens, "bytes": used, "used_bytes": used,
+                "capacity_bytes": kvcache.cache_capacity_nbytes(cache), "float_bytes": base,
+                "fallbacks": kvcache.fallbacks(cache)}
 
     # -- generation ------------------------------------------------------------------------
     def generate(

@@ -143,8 +143,8 @@ class MemoryHistory:
 
     def kv_saved(self, s: M.Stats) -> float:
         kv = s.extra.get("kv") if isinstance(s.extra.get("kv"), dict) else None
-        if kv and "fp16_bytes" in kv:  # the worker's own count, when it reports one
-            return max(0.0, float(kv["fp16_bytes"]) - float(s.kv_bytes))
+        if kv and "float_bytes" in kv:  # the worker's count: a float cache at the real dtype
+            return max(0.0, float(kv["float_bytes"]) - float(s.kv_bytes))
         if self.kv_mode == "fp16" or not s.kv_bytes:
             return 0.0
         if self.kv_fp16 is None or not self.context_tokens:

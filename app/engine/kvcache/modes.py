@@ -159,15 +159,32 @@ def unavailable_reason(name: str, backend: str) -> str | None:
 
 def make_cache(model, kv_mode: str = FLOAT, **options) -> list:
     """The model's prompt cache in `kv_mode`. Options go to the mode's factory: IsoQuant takes
-    window, sink, seed, decoded_shadow; every factory takes max_tokens (the request's bound)."""
+    window, sink, seed, decoded_shadow; every factory takes max_tokens (the request's bound) and
+    max_kv_size (mlx-lm's rotating bound: fp16 honours it, compressed modes refuse it)."""
     return mode(kv_mode).make_cache(model, **options)
 
 
-def float_cache(model, max_tokens: int | None = None, **_) -> list:
-    """mlx-lm's own caches; the float mode has no knobs, so other modes' options are ignored."""
-    from mlx_lm.models.cache import make_prompt_cache
+def float_cache(model, max_tokens: int | None = None, max_kv_size: int | None = None, **_) -> list:
+    """mlx-lm's own caches (rotating ones of max_kv_size tokens where mlx-lm makes them); the
+    float mode has no other knobs, so other modes' options are ignored."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    return make_prompt_cache(model)
+    caches = make_prompt_cache(model, max_kv_size=max_kv_size)
+    if max_kv_size is None:
+        return caches
+    # models with their own make_cache ignore the bound: their growing caches rotate as
+    # mlx-lm's default ones do (keeping the first 4 tokens)
+    return [RotatingKVCache(max_kv_size, keep=4) if type(c) is KVCache else c for c in caches]
+
+
+def fallbacks(cache_list) -> list[dict]:
+    """[{"layer", "reason"}]: the layers a compressed mode keeps in a float cache, and why."""
+    out = []
+    for i, c in enumerate(cache_list):
+        reason = getattr(c, "fallback_reason", None)
+        if reason:
+            out.append({"layer": i, "reason": reason})
+    return out
 
 
 def finish_prefill(cache_list) -> None:
@@ -179,12 +196,61 @@ def finish_prefill(cache_list) -> None:
             finish()
 
 
+def _float_geometry(c):
+    """(keys array, tokens held) of a cache's float K/V, or None (no per-token float KV)."""
+    inner = getattr(c, "_float", None)  # an IsoQuant layer running as a float cache
+    if inner is not None:
+        c = inner
+    arr = getattr(c, "fp_keys", None)
+    if arr is None:
+        arr = getattr(c, "keys", None)
+    n = int(getattr(c, "offset", 0) or 0)
+    if n <= 0 or arr is None or not hasattr(arr, "shape") or len(arr.shape) != 4:
+        return None
+    vals = getattr(c, "fp_values", None)
+    vals = getattr(c, "values", None) if vals is None else vals
+    dv = vals.shape[-1] if vals is not None and hasattr(vals, "shape") else arr.shape[-1]
+    n = min(n, getattr(c, "max_size", n) or n)  # rotating caches hold a window
+    return arr, n, dv
+
+
+def layer_used_nbytes(c) -> int:
+    """Bytes a cache holds for its tokens, without spare capacity: compressed caches count
+    themselves (nbytes); mlx-lm's float caches hold tokens × K and V at their dtype."""
+    if getattr(c, "used_nbytes", None) is not None:
+        return int(c.used_nbytes)
+    g = _float_geometry(c)
+    if g is not None and type(c).__name__ in ("KVCache", "RotatingKVCache", "ChunkedKVCache"):
+        arr, n, dv = g
+        return arr.shape[0] * arr.shape[1] * n * (arr.shape[-1] + dv) * arr.itemsize
+    try:
+        return int(c.nbytes)
+    except (NotImplementedError, AttributeError):
+        return 0  # a cache type that cannot count itself holds no KV we manage
+
+
+def float_baseline_nbytes(c) -> int:
+    """What the same tokens would take in mlx-lm's float cache at the dtype this cache keeps
+    its float K/V in (float32 on MLX's CPU backend, the model's dtype elsewhere)."""
+    g = _float_geometry(c)
+    if g is None:
+        return layer_used_nbytes(c)  # SSM state and the like: the same in every mode
+    arr, n, dv = g
+    return arr.shape[0] * arr.shape[1] * n * (arr.shape[-1] + dv) * arr.itemsize
+
+
 def cache_nbytes(cache_list) -> int:
-    """Bytes held by all caches of a prompt cache (every mode's and mlx-lm's own)."""
+    """Bytes held by all caches of a prompt cache (every mode's and mlx-lm's own), counted as
+    what they hold for their tokens, not their spare capacity."""
+    return sum(layer_used_nbytes(c) for c in cache_list)
+
+
+def cache_capacity_nbytes(cache_list) -> int:
+    """Bytes of the buffers all caches have allocated (spare capacity included)."""
     total = 0
     for c in cache_list:
         try:
-            total += int(c.nbytes)
+            total += int(getattr(c, "capacity_nbytes", None) or c.nbytes)
         except (NotImplementedError, AttributeError):
-            continue  # a cache type that cannot count itself holds no KV we manage
+            continue
     return total

@@ -94,6 +94,11 @@ class _PagedSwitch(nn.Module):
         return x
 
     def __call__(self, x, indices) -> mx.array:
+        dtype = x.dtype  # the slots keep their stored dtype; the output follows the model's
+        out = self._call(x, indices)
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    def _call(self, x, indices) -> mx.array:
         pager = self._pager
         route = pager.route(self._layer, indices)
         if route.slot_idx is None:

@@ -401,6 +401,14 @@ class ExpertPager:
             os.close(fd)
         self._fds.clear()
 
+    def __deepcopy__(self, memo):
+        # Refused before anything is copied: a copy would close the live pager's files when
+        # collected (its finalizer closes the descriptors it holds).
+        raise TypeError(
+            "a model with paged experts cannot be deep-copied: its experts are read from open "
+            "files by the live pager; load the model again for a second copy"
+        )
+
     def __del__(self):
         try:
             self.close()

@@ -1,23 +1,33 @@
 """IsoQuantKVCache: mlx-lm's cache protocol over a compressed prefix and a float tail.
 
-Tokens [sink, compressed) are stored as packed codes + fp16 norms (packing.py); tokens
-[compressed, offset) — and the first `sink` tokens, if asked — in the model's dtype. Deferred prefill: multi-token updates (the prompt)
-only append float K/V, so the prompt attends to itself exactly as with mlx-lm's KVCache; the
-first single-token update (or finish_prefill()) compresses all but the last `window` tokens in
-bulk, and from then on each decoded token pushes the oldest float token into the codes.
+Attention reads tokens [0, compressed) compressed (the first `sink` of them from a float sink
+buffer, the rest as packed codes + fp16 norms, packing.py) and tokens [compressed, offset) in
+the model's dtype. The window is exact: every update's first query sees exactly `window` float
+tokens (itself included); the queries of a multi-token update (a prefill chunk, a speculative
+verify) also see each other in float. Codes are written ahead in batches of `compress_every`
+tokens (`encoded` >= `compressed`), so the window stays exact while the encoder runs once a
+batch. Multi-token updates encode what the next step reads compressed and release the float
+copies, so a chunked prefill holds the prompt compressed as it goes. The float copies of the
+last TRIM_EXACT compressed tokens are kept, so a speculative trim of up to that many tokens
+leaves exactly the cache that never saw them.
 
 V codes are stored in the layout `v_layout` ("rows" or "tc16", packing.py), chosen once per
 cache (packing.preferred_v_layout unless given) and kept through state round trips; K codes are
-always "rows". A tc16 cache rewrites whole 16-token chunks of V codes when it compresses.
+always "rows". A tc16 cache rewrites whole 16-token chunks of V codes when it encodes.
+
+A layer IsoQuant cannot code (unequal K/V head dims as in MLA models, head dims the codebook
+does not take) runs as mlx-lm's float KVCache inside this cache, with `fallback_reason` set.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+import mlx_lm.models.cache as _mlx_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .attention import IsoQuantTensor
 from .packing import (
@@ -40,10 +50,16 @@ def _round_up(n: int, step: int) -> int:
     return (n + step - 1) // step * step
 
 
-# Decode-time compression batch (tokens): measured on the H200 (benchmarks/results/
-# isoquant_step_profile*.json), one compression is ~30 small kernels, ~250 µs per layer when it
+log = logging.getLogger(__name__)
+
+# Decode-time encoding batch (tokens): measured on the H200 (benchmarks/results/
+# isoquant_step_profile*.json), one encoding is ~30 small kernels, ~250 µs per layer when it
 # ran for every token; in batches of 16 it costs a sixteenth of that per token.
 COMPRESS_EVERY = 16
+# Float copies kept behind the window: a trim of up to this many tokens (speculative decoding's
+# rejected drafts) restores exactly the cache that never saw them.
+TRIM_EXACT = 16
+FP_STEP = 32  # float tail capacity step: small, since on CPU a float token is ~10 coded ones
 _COMPILED_MAX_TOKENS = 64  # appends up to this many tokens use the compiled encoder
 COMPILE_ENV = "ROTARYQUANT_KV_COMPILE"  # 1 turns the compiled per-token encoders on
 
@@ -87,7 +103,7 @@ def _compiled_encoder(rotation: Rotation, quantizer: Quantizer):
 
 
 class IsoQuantKVCache(_BaseCache):
-    step = 256  # grow buffers in steps so decode doesn't reallocate each token
+    step = 256  # grow code buffers in steps so decode doesn't reallocate each token
 
     def __init__(
         self,
@@ -119,9 +135,7 @@ class IsoQuantKVCache(_BaseCache):
         # `bits` attribute as its own QuantizedKVCache.
         self.rotation_kind, self.key_bits, self.value_bits = rotation_kind, key_bits, value_bits
         self.window, self.seed, self.layer = window, seed, layer
-        # Decode compresses aged-out tokens in batches of `compress_every`: the float tail holds
-        # window .. window + compress_every - 1 tokens, and the ~30 small kernels of one
-        # compression run once per batch instead of once per token.
+        # Codes are written `compress_every` tokens at a time, ahead of the window's edge.
         self.compress_every = compress_every
         # Layout of the V codes (packing.py): given, or preferred_v_layout's at _setup.
         self.v_layout = v_layout
@@ -132,19 +146,23 @@ class IsoQuantKVCache(_BaseCache):
         self.decoded_shadow = decoded_shadow
         self.k_dec = self.v_dec = None  # [B, Hkv, cap_c, D] float32
         self.offset = 0
-        self.compressed = 0
+        self.compressed = 0  # tokens attention reads compressed (sink buffer, then codes)
+        self.encoded = 0  # tokens written to the sink buffer / codes (>= compressed)
         self.rotation: Rotation | None = None  # built on first update (needs Hkv and D)
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
-        # tokens [0, compressed) left the float tail: positions < sink are in sink_keys, code
-        # row r is position sink + r; code capacity grows by `step`
+        # positions < sink are in sink_keys, code row r is position sink + r; capacity grows
+        # by `step`
         self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
         # (rows, the four code/norm views, the decoded views) handed to attention: rebuilt
-        # only when the codes change (a compression, growth, a new state), not every step
+        # only when the rows attention reads change, not every step
         self._views = None
-        # float tokens: fp_keys[:, :, i] is absolute position fp_start + i
+        # float tokens: fp_keys[:, :, i] is absolute position fp_start + i (fp_start <= encoded)
         self.fp_keys = self.fp_values = None
         self.fp_start = 0
+        # a layer IsoQuant cannot code runs as mlx-lm's float cache (why: fallback_reason)
+        self.fallback_reason: str | None = None
+        self._float: KVCache | None = None
 
     # ---- setup -------------------------------------------------------------------------
     def _setup(self, n_heads: int, head_dim: int, v_head_dim: int) -> None:
@@ -163,39 +181,99 @@ class IsoQuantKVCache(_BaseCache):
             self._enc_k = _compiled_encoder(self.rotation, self.kq)
             self._enc_v = _compiled_encoder(self.rotation, self.vq)
 
+    def _unsupported(self, n_heads: int, head_dim: int, v_head_dim: int) -> str | None:
+        """Why this layer's K/V cannot be coded (None: they can)."""
+        if v_head_dim != head_dim:
+            return f"K and V head dims differ ({head_dim}/{v_head_dim}, an MLA-style cache)"
+        try:
+            Rotation.make(self.rotation_kind, head_dim, 1, self.seed, self.layer)
+            Quantizer.make(head_dim, max(self.key_bits, self.value_bits))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _fall_back(self, reason: str) -> None:
+        self.rotation = self.kq = self.vq = None
+        self.fallback_reason = reason
+        self._float = KVCache()
+        log.warning("KV layer %d keeps a float cache: %s", self.layer, reason)
+
     # ---- protocol ----------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         # keys, values: [B, Hkv, L, D]
         b, h, n, d = keys.shape
-        if self.rotation is None:
-            self._setup(h, d, values.shape[-1])
-        self._append_fp(keys, values)
-        if n == 1 and self.offset - self.window - self.compressed >= self.compress_every:
-            self._compress_to(self.offset - self.window)
-        return self._fetch()
+        if self.rotation is None and self._float is None:
+            reason = self._unsupported(h, d, values.shape[-1])
+            if reason:
+                self._fall_back(reason)
+            else:
+                self._setup(h, d, values.shape[-1])
+        if self._float is not None:
+            out = self._float.update_and_fetch(keys, values)
+            self.offset = self._float.offset
+            return out
+        before = self.offset
+        # the first query sees `window` float tokens, itself included; a multi-token update's
+        # queries see each other in float (deferred prefill within a chunk)
+        first = before + 1 - self.window
+        split = max(0, first if n == 1 else min(before, first))
+        self._append_fp(keys, values, split)
+        split = max(split, self.fp_start)  # float copies gone after a deep trim stay compressed
+        if split > self.encoded:
+            # tc16 views must show zero codes past the split (the kernel reads whole chunks)
+            ahead = 1 if self._tc16 else self.compress_every
+            self._encode_to(min(self.offset, max(split, self.encoded + ahead)))
+        self.compressed = split
+        out = self._fetch()
+        if n > 1:
+            # what the next step reads compressed is encoded now and its float released, so a
+            # chunked prefill never holds the whole prompt in float
+            self._encode_to(min(self.offset, self.offset + 1 - self.window))
+            self._release_fp(self.offset + 1 - self.window)
+        return out
 
     def finish_prefill(self) -> None:
-        """Compress all but the recent window now (the engine calls it after the prompt)."""
-        self._compress_to(self.offset - self.window)
+        """Compress all but the recent window now (the prompt's KV in bulk) and release its
+        float copies."""
+        if self._float is not None or self.fp_keys is None:
+            return
+        split = max(self.compressed, self.offset - self.window)
+        self._encode_to(split)
+        self.compressed = split
+        self._release_fp(split)
 
-    def _append_fp(self, keys: mx.array, values: mx.array) -> None:
+    def _keep_from(self, split: int) -> int:
+        """First position whose float copy is kept when attention's next split is `split`."""
+        return max(self.fp_start, min(self.encoded, split - TRIM_EXACT))
+
+    def _append_fp(self, keys: mx.array, values: mx.array, split: int) -> None:
         n = keys.shape[2]
         end = self.offset + n - self.fp_start  # buffer index one past the new tokens
         if self.fp_keys is None or end > self.fp_keys.shape[2]:
-            # Reallocate from `compressed` on: drops float tokens that have been compressed.
-            lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
-            cap = _round_up(self.offset - self.compressed + n, self.step)
-            b, h, _, d = keys.shape
-            new_k = mx.zeros((b, h, cap, d), keys.dtype)
-            new_v = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
-            if self.fp_keys is not None and hi > lo:
-                new_k[:, :, : hi - lo] = self.fp_keys[:, :, lo:hi]
-                new_v[:, :, : hi - lo] = self.fp_values[:, :, lo:hi]
-            self.fp_keys, self.fp_values, self.fp_start = new_k, new_v, self.compressed
+            self._realloc_fp(self._keep_from(split), n, keys, values)
             end = self.offset + n - self.fp_start
         self.fp_keys[:, :, end - n : end] = keys
         self.fp_values[:, :, end - n : end] = values
         self.offset += n
+
+    def _realloc_fp(self, keep: int, extra: int, keys=None, values=None) -> None:
+        """A float buffer holding positions [keep, offset) with room for `extra` more."""
+        ref_k = self.fp_keys if keys is None else keys
+        ref_v = self.fp_values if values is None else values
+        lo, hi = keep - self.fp_start, self.offset - self.fp_start
+        cap = _round_up(max(hi - lo + extra, 1), FP_STEP)
+        b, h = ref_k.shape[:2]
+        new_k = mx.zeros((b, h, cap, ref_k.shape[-1]), ref_k.dtype)
+        new_v = mx.zeros((b, h, cap, ref_v.shape[-1]), ref_v.dtype)
+        if self.fp_keys is not None and hi > lo:
+            new_k[:, :, : hi - lo] = self.fp_keys[:, :, lo:hi]
+            new_v[:, :, : hi - lo] = self.fp_values[:, :, lo:hi]
+        self.fp_keys, self.fp_values, self.fp_start = new_k, new_v, keep
+
+    def _release_fp(self, split: int) -> None:
+        keep = self._keep_from(split)
+        if keep - self.fp_start >= FP_STEP:
+            self._realloc_fp(keep, 0)
 
     @property
     def _n_sink(self) -> int:
@@ -203,7 +281,13 @@ class IsoQuantKVCache(_BaseCache):
 
     @property
     def _n_rows(self) -> int:
+        """Code rows attention reads."""
         return self.compressed - self._n_sink
+
+    @property
+    def _enc_rows(self) -> int:
+        """Code rows written."""
+        return self.encoded - min(self.sink, self.encoded)
 
     @property
     def _tc16(self) -> bool:
@@ -220,7 +304,7 @@ class IsoQuantKVCache(_BaseCache):
         if needed <= k_cap and self._v_rows(needed) <= v_cap:
             return
         new_cap = self._v_rows(_round_up(needed, self.step))
-        rows = self._n_rows
+        rows = self._enc_rows
         self._views = None
 
         def grow(a, shape_tail, dtype, n=rows):
@@ -238,9 +322,10 @@ class IsoQuantKVCache(_BaseCache):
             self.k_dec = grow(self.k_dec, (self.kq.dim,), mx.float32)
             self.v_dec = grow(self.v_dec, (self.vq.dim,), mx.float32)
 
-    def _compress_to(self, upto: int) -> None:
-        """Move float tokens [compressed, upto) out of the tail: into the sink, then codes."""
-        start = c = self.compressed
+    def _encode_to(self, upto: int) -> None:
+        """Write float tokens [encoded, upto) into the sink buffer, then codes (their float
+        copies stay until released)."""
+        c = self.encoded
         if upto <= c:
             return
         if c < self.sink:
@@ -271,10 +356,7 @@ class IsoQuantKVCache(_BaseCache):
             if self.decoded_shadow:  # decoded from the packed bytes, as attention would
                 self.k_dec[:, :, r0:r1] = self.kq.levels[unpack_codes(kc, self.kq.bits)]
                 self.v_dec[:, :, r0:r1] = self.vq.levels[unpack_codes(vc, self.vq.bits)]
-        self.compressed = upto
-        if upto - start > self.step:
-            # A bulk compression (end of prefill): release the prompt's float buffer now.
-            self._shrink_fp()
+        self.encoded = upto
 
     def encode_rows(self, fk: mx.array, fv: mx.array):
         """Float K/V [B, Hkv, n, D] -> (K codes, K norms, V codes, V norms), V codes in "rows"
@@ -318,17 +400,6 @@ class IsoQuantKVCache(_BaseCache):
             parts.append(mx.zeros((b, h, c1 - r1, self.vq.dim), mx.uint8))
         codes = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
         self.v_codes[:, :, c0:c1] = pack_codes_tc16(codes, bits)
-
-    def _shrink_fp(self) -> None:
-        lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
-        b, h, _, d = self.fp_keys.shape
-        cap = _round_up(max(hi - lo, 1), self.step)
-        new_k = mx.zeros((b, h, cap, d), self.fp_keys.dtype)
-        new_v = mx.zeros((b, h, cap, self.fp_values.shape[-1]), self.fp_values.dtype)
-        if hi > lo:
-            new_k[:, :, : hi - lo] = self.fp_keys[:, :, lo:hi]
-            new_v[:, :, : hi - lo] = self.fp_values[:, :, lo:hi]
-        self.fp_keys, self.fp_values, self.fp_start = new_k, new_v, self.compressed
 
     def _fp_view(self):
         lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
@@ -375,17 +446,33 @@ class IsoQuantKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        if self._float is not None:
+            n = self._float.trim(n)
+            self.offset = self._float.offset
+            return n
         n = min(self.offset, n)
         self.offset -= n
-        if self.compressed > self.offset:
-            # Codes past offset are dead; the (empty) float segment restarts at offset.
-            self.compressed = self.fp_start = self.offset
-            r = self._n_rows
+        # Codes and float copies past offset are dead; the next update recomputes the split
+        # (exactly, while the float copies of the window are still held: TRIM_EXACT).
+        self.fp_start = min(self.fp_start, self.offset)
+        keep = self.offset - self.window if self._tc16 else self.offset
+        if self.encoded > max(keep, self.fp_start):
+            self.encoded = max(keep, self.fp_start)
+            self._views = None
+            r = self._enc_rows
             if self._tc16 and r % TC16_CHUNK:
                 # the last chunk's dead rows become zero codes again, as a fresh cache has them
-                self._views = None
                 self._write_v_tc16(r, r, None)
+        # as after a single-token step at this offset (the float copies allowing)
+        self.compressed = max(self.fp_start, min(self.encoded, self.offset - self.window))
         return n
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's kv_bits path: refused, IsoQuant's codes are already quantized."""
+        raise ValueError(
+            f"this KV cache is IsoQuant {self.key_bits}/{self.value_bits}-bit already; mlx-lm's "
+            f"kv_bits={bits} does not apply to it (pick the KV mode instead)"
+        )
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -396,48 +483,80 @@ class IsoQuantKVCache(_BaseCache):
         return [a for a in arrays if a is not None]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of every KV buffer this cache holds (capacity included), exactly."""
+    def capacity_nbytes(self) -> int:
+        """Bytes of every buffer this cache has allocated, spare capacity included."""
+        if self._float is not None:
+            return self._float.nbytes
         return sum(a.nbytes for a in self._arrays())
 
     @property
-    def used_nbytes(self) -> int:
-        """Bytes the cached tokens need (no spare capacity): what bits-per-value counts."""
+    def nbytes(self) -> int:
+        """Bytes of what the cache holds (no spare capacity), at the dtypes it is stored in:
+        codes and norms of the encoded tokens, the float tail (with its trim reserve) and
+        sink, and the decoded shadow if kept."""
+        if self._float is not None:
+            f = self._float
+            return 0 if f.keys is None else (f.keys[..., : f.offset, :].nbytes * 2)
         if self.rotation is None or self.fp_keys is None:
             return 0
-        b, h, _, d = self.fp_keys.shape
+        b, h = self.fp_keys.shape[:2]
+        kd, vd = self.fp_keys.shape[-1], self.fp_values.shape[-1]
         per_row = self.kq.row_bytes + 2 * 2  # K codes + two fp16 norms
-        fp_tok = d * (self.fp_keys.itemsize + self.fp_values.itemsize)
-        n_float = self.offset - self.compressed + self._n_sink
-        r = self._n_rows
+        r = self._enc_rows
         v_codes = self._v_rows(r) * self.vq.row_bytes  # tc16: whole chunks
-        return b * h * (r * per_row + v_codes + n_float * fp_tok)
+        fp_tok = kd * self.fp_keys.itemsize + vd * self.fp_values.itemsize
+        n_float = self.offset - self.fp_start + min(self.sink, self.encoded)
+        shadow = r * (self.kq.dim + self.vq.dim) * 4 if self.decoded_shadow else 0
+        return b * h * (r * per_row + v_codes + n_float * fp_tok + shadow)
+
+    used_nbytes = nbytes  # the name the engine's statistics read
 
     # ---- persistence -------------------------------------------------------------------
     @property
     def state(self):
-        """Live arrays: (k_codes, k_norms, v_codes, v_norms, fp_k, fp_v, sink_k, sink_v)."""
-        if self.rotation is None:
-            return ()
-        r = self._n_rows
-        fk, fv = self._fp_view()
-        pk, pv = self._sink_view()
+        """(k_codes, k_norms, v_codes, v_norms, fp_k, fp_v, sink_k, sink_v, meta_state): the
+        live arrays and, last, the JSON meta (so mlx-lm's save/load_prompt_cache round-trip)."""
+        if self.rotation is None and self._float is None:
+            return (None,) * 8 + (self.meta_state,)  # a cache never used: its settings only
+        if self._float is not None:
+            f = self._float
+            k = v = None
+            if f.keys is not None and f.offset:
+                k, v = f.keys[..., : f.offset, :], f.values[..., : f.offset, :]
+            return (None, None, None, None, k, v, None, None, self.meta_state)
+        r = self._enc_rows
+        lo, hi = 0, self.offset - self.fp_start
+        fk = fv = None
+        if hi > lo:
+            fk, fv = self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
+        ns = min(self.sink, self.encoded)
+        pk = pv = None
+        if ns:
+            pk, pv = self.sink_keys[:, :, :ns], self.sink_values[:, :, :ns]
         if r == 0:
-            return (None, None, None, None, fk, fv, pk, pv)
+            return (None, None, None, None, fk, fv, pk, pv, self.meta_state)
         kc, kn, vn = (a[:, :, :r] for a in (self.k_codes, self.k_norms, self.v_norms))
         vc = self.v_codes[:, :, : self._v_rows(r)]  # tc16: whole chunks (meta_state says so)
-        return (kc, kn, vc, vn, fk, fv, pk, pv)
+        return (kc, kn, vc, vn, fk, fv, pk, pv, self.meta_state)
 
     @state.setter
     def state(self, v):
         self.k_dec = self.v_dec = None
         self._views = None
-        if not v:
+        if not v or all(a is None for a in list(v)[:8]):
             self.k_codes = self.k_norms = self.v_codes = self.v_norms = None
             self.fp_keys = self.fp_values = self.sink_keys = self.sink_values = None
-            self.offset = self.compressed = self.fp_start = 0
+            self.offset = self.compressed = self.encoded = self.fp_start = 0
             return
-        v = tuple(v) + (None, None) * (len(v) == 6)  # states saved before the sink prefix
+        v = list(v)
+        meta = json.loads(v[8]) if len(v) > 8 and isinstance(v[8], str) else {}
+        v = v[:8] + [None] * (8 - len(v[:8]))  # states saved before the sink prefix had 6
+        if meta.get("float_fallback"):
+            self._fall_back(meta["float_fallback"])
+            if v[4] is not None:
+                self._float.state = (v[4], v[5], v[4].shape[2])
+            self.offset = self._float.offset
+            return
         self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys, self.fp_values = v[:6]
         pk, pv = v[6:8]
         ns = 0 if pk is None else pk.shape[2]
@@ -453,16 +572,18 @@ class IsoQuantKVCache(_BaseCache):
                     f"tokens: not the {self.v_layout!r} layout of this cache"
                 )
         self.sink_keys = self.sink_values = None
-        if ns:  # full-size sink buffers, so compression can keep filling them
+        if ns:  # full-size sink buffers, so encoding can keep filling them
             b, h, _, d = pk.shape
             self.sink_keys = mx.zeros((b, h, self.sink, d), pk.dtype)
             self.sink_values = mx.zeros((b, h, self.sink, d), pv.dtype)
             self.sink_keys[:, :, :ns] = pk
             self.sink_values[:, :, :ns] = pv
-        self.compressed = ns + rows
-        self.fp_start = self.compressed
+        self.encoded = ns + rows
         n_fp = 0 if self.fp_keys is None else self.fp_keys.shape[2]
-        self.offset = self.compressed + n_fp
+        # states saved before the encode-ahead: the float tail starts where the codes end
+        self.fp_start = meta.get("fp_start", self.encoded)
+        self.compressed = meta.get("compressed", self.encoded)
+        self.offset = self.fp_start + n_fp
         if self.decoded_shadow and rows:
             self.k_dec = self.kq.levels[unpack_codes(self.k_codes, self.kq.bits)]
             v = unpack_v_codes(self.v_codes, self.vq.bits, self.v_layout)
@@ -487,12 +608,22 @@ class IsoQuantKVCache(_BaseCache):
                 "heads_dim": shape,
                 "offset": self.offset,
                 "compressed": self.compressed,
+                "encoded": self.encoded,
+                "fp_start": self.fp_start,
                 "v_layout": self.v_layout,  # None: not chosen yet (a cache never set up)
+                "float_fallback": self.fallback_reason,
             }
         )
 
     @classmethod
-    def from_state(cls, state, meta_state: str):
+    def from_state(cls, state, meta_state: str | None = None):
+        """meta_state: given, or the JSON the state carries last (mlx-lm's load_prompt_cache
+        calls from_state(state) alone)."""
+        state = list(state)
+        if meta_state is None:
+            if len(state) < 9 or not isinstance(state[8], str):
+                raise ValueError("IsoQuant cache state carries no meta_state")
+            meta_state = state[8]
         meta = json.loads(meta_state)
         if meta.get("format") != "isoquant-kv" or meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(
@@ -511,7 +642,10 @@ class IsoQuantKVCache(_BaseCache):
             # states saved before the tc16 layout hold "rows" V codes
             v_layout=meta.get("v_layout", None if meta["heads_dim"] is None else "rows"),
         )
-        if meta["heads_dim"] is not None:
+        state = state[:8] + [meta_state]
+        if meta.get("float_fallback"):
+            obj.state = state
+        elif meta["heads_dim"] is not None:
             h, d = meta["heads_dim"]
             obj._setup(h, d, d)
             obj.state = state
@@ -537,7 +671,11 @@ class IsoQuantKVCache(_BaseCache):
         if self.v_codes is not None:  # (to tc16: the capacity in whole chunks)
             codes = unpack_v_codes(self.v_codes, self.vq.bits, self.v_layout)
             # rows past the held ones (dead after a trim) as zero codes, as tc16 keeps them
-            live = mx.arange(codes.shape[2]) < self._n_rows
+            live = mx.arange(codes.shape[2]) < self._enc_rows
             codes = mx.where(live[:, None], codes, mx.zeros((), mx.uint8))
             self.v_codes = pack_v_codes(codes, self.vq.bits, layout)
         self.v_layout = layout
+
+
+# mlx-lm's load_prompt_cache finds cache classes by name in its cache module.
+setattr(_mlx_cache, IsoQuantKVCache.__name__, IsoQuantKVCache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from .. import reach
 from ..modes import DEFAULT_SINK, DEFAULT_WINDOW
 from . import dispatch
 from .cache import IsoQuantKVCache
@@ -20,21 +21,35 @@ def make_cache(
     seed: int = 0,
     decoded_shadow: bool = False,
     max_tokens: int | None = None,
+    max_kv_size: int | None = None,
 ) -> list:
     """The model's prompt cache with every growing full-attention KVCache replaced by an
-    IsoQuantKVCache (layer i seeded with (seed, i)); sliding-window and SSM caches are kept.
+    IsoQuantKVCache (layer i seeded with (seed, i)) where the layer's attention module passes
+    the fetched K/V straight to attention (reach.py); the others keep mlx-lm's float cache
+    with `fallback_reason` set. Sliding-window and SSM caches are kept.
     window: recent tokens kept in float; sink: first tokens kept in float; decoded_shadow:
     also keep levels[codes] in float32 (CPU benchmarks only: same numbers, more memory).
     Installs the attention dispatch in the model's modules and the kernel path (kernels where
-    the backend has them). max_tokens: unused, the cache grows as it goes."""
+    the backend has them). max_tokens: unused, the cache grows as it goes. max_kv_size (mlx-lm's
+    rotating bound) is refused: a compressed cache keeps every token."""
+    if max_kv_size is not None:
+        raise ValueError(
+            f"max_kv_size={max_kv_size}: IsoQuant caches keep every token (compressed) and "
+            "cannot drop old ones; use the fp16 KV mode for a bounded rotating cache"
+        )
     from . import kernel_path  # builds the kernels on first use, not when the package is imported
 
     dispatch.install(model)
     kernel_path.install()
+    base = make_prompt_cache(model)
     # type() is exact on purpose: subclasses of KVCache may not be growing full-attention KV.
-    return [
-        IsoQuantKVCache(rotation, key_bits, value_bits, window, seed, i, decoded_shadow, sink)
-        if type(c) is KVCache
-        else c
-        for i, c in enumerate(make_prompt_cache(model))
-    ]
+    reasons = reach.layer_reasons(model, base, lambda c: type(c) is KVCache)
+    out = []
+    for i, c in enumerate(base):
+        if i in reasons and reasons[i] is None:
+            c = IsoQuantKVCache(rotation, key_bits, value_bits, window, seed, i, decoded_shadow, sink)
+        elif reasons.get(i):
+            c.fallback_reason = reasons[i]
+        out.append(c)
+    reach.log_fallbacks(reasons, f"IsoQuant {key_bits}/{value_bits}-bit")
+    return out

@@ -83,6 +83,15 @@ def _check(dim: int, bits: int) -> None:
         raise ValueError(f"head dim {dim} is not a multiple of 8: IsoQuant cannot pack it")
 
 
+# Shift tables built once: every decode step unpacks the codes, and building an array from
+# Python costs host time on each call.
+_NIBBLES = mx.arange(8, dtype=mx.uint32) * 4  # nibble k of a word: bits 4k..4k+3
+_TRIPLETS = mx.arange(8, dtype=mx.uint32) * 3  # code k of a 24-bit group: bits 3k..3k+2
+_TOP_BITS = mx.arange(3, dtype=mx.uint32)[:, None]  # bit j of codes 24..31 in word j
+_BYTES4 = mx.array([0, 8, 16, 24], dtype=mx.uint32)
+_BYTES3 = mx.array([0, 8, 16], dtype=mx.uint32)
+
+
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
     """codes: [..., D] uint8 in [0, 2**bits) -> [..., D*bits/8] uint8 (layout above)."""
     dim = codes.shape[-1]
@@ -95,16 +104,15 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     if dim % 32 == 0:
         c = c.reshape(*lead, dim // 32, 32)
         low = c[..., :24].reshape(*lead, dim // 32, 3, 8)  # [.., block, word j, nibble k]
-        top = c[..., None, 24:] >> mx.arange(3, dtype=mx.uint32)[:, None]  # bit j of code 24+k
+        top = c[..., None, 24:] >> _TOP_BITS  # bit j of code 24+k
         nib = (low & 7) | ((top & 1) << 3)
-        w = mx.sum(nib << (mx.arange(8, dtype=mx.uint32) * 4), axis=-1)  # [.., block, 3]
-        b = (w[..., None] >> mx.array([0, 8, 16, 24], dtype=mx.uint32)) & 0xFF
+        w = mx.sum(nib << _NIBBLES, axis=-1)  # [.., block, 3]
+        b = (w[..., None] >> _BYTES4) & 0xFF
         return b.astype(mx.uint8).reshape(*lead, dim * 3 // 8)
     c = c.reshape(*lead, dim // 8, 8)
     # w: [..., D/8] uint32 holding 8 codes in its low 24 bits
-    w = mx.sum(c << (mx.arange(8, dtype=mx.uint32) * 3), axis=-1)
-    shifts = mx.array([0, 8, 16], dtype=mx.uint32)
-    b = (w[..., None] >> shifts) & 0xFF  # [..., D/8, 3]
+    w = mx.sum(c << _TRIPLETS, axis=-1)
+    b = (w[..., None] >> _BYTES3) & 0xFF  # [..., D/8, 3]
     return b.astype(mx.uint8).reshape(*lead, dim * 3 // 8)
 
 
@@ -121,13 +129,13 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     if dim % 32 == 0:
         p = p.reshape(*lead, dim // 32, 3, 4)
         w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16) | (p[..., 3] << 24)  # [.., block, 3]
-        nib = (w[..., None] >> (mx.arange(8, dtype=mx.uint32) * 4)) & 0xF  # [.., block, 3, 8]
+        nib = (w[..., None] >> _NIBBLES) & 0xF  # [.., block, 3, 8]
         low = (nib & 7).reshape(*lead, dim // 32, 24)
-        top = mx.sum((nib >> 3) << mx.arange(3, dtype=mx.uint32)[:, None], axis=-2)  # [.., 8]
+        top = mx.sum((nib >> 3) << _TOP_BITS, axis=-2)  # [.., 8]
         return mx.concatenate([low, top], axis=-1).reshape(*lead, dim).astype(mx.uint8)
     p = p.reshape(*lead, dim // 8, 3)
     w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # [..., D/8]
-    codes = (w[..., None] >> (mx.arange(8, dtype=mx.uint32) * 3)) & 0x7  # [..., D/8, 8]
+    codes = (w[..., None] >> _TRIPLETS) & 0x7  # [..., D/8, 8]
     return codes.reshape(*lead, dim).astype(mx.uint8)
 
 

@@ -62,7 +62,17 @@ def model_kv_shape(model) -> tuple[int, int, int]:
         raise ValueError(
             f"ZipFusion supports full-attention layers only, this model has {sorted(kinds)}"
         )
-    return len(layers), int(n_kv), int(head_dim)
+    return len(_kv_positions(model)), int(n_kv), int(head_dim)
+
+
+def _kv_positions(model) -> list[int]:
+    """Indices of mlx-lm's prompt cache that hold growing full-attention KV (hybrid models such
+    as nemotron_h interleave SSM layers, whose caches stay as they are)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    if not hasattr(model, "make_cache"):
+        return list(range(len(model.layers)))
+    return [i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache]
 
 
 def make_zipfusion_store(model, budget_bytes: int, **kw) -> ZipStore:
@@ -91,10 +101,24 @@ def make_zipfusion_cache(
     )
     store.single_sequence()
     install_attention(model)
-    return [ZipFusionCache(store, i) for i in range(n_layers)]
+    if not hasattr(model, "make_cache"):
+        return [ZipFusionCache(store, i) for i in range(n_layers)]
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    for j, i in enumerate(_kv_positions(model)):
+        caches[i] = ZipFusionCache(store, j)
+    return caches
 
 
-def make_cache(model, max_tokens: int | None = None, **_) -> list[ZipFusionCache]:
+def make_cache(
+    model, max_tokens: int | None = None, max_kv_size: int | None = None, **_
+) -> list[ZipFusionCache]:
     """The modes table's factory (kvcache/modes.py): ZipFusion has no per-request knobs, so other
-    modes' options (IsoQuant's window) are ignored."""
+    modes' options (IsoQuant's window) are ignored; max_kv_size is refused (no rotating pages)."""
+    if max_kv_size is not None:
+        raise ValueError(
+            f"max_kv_size={max_kv_size}: ZipFusion keeps every token; use the fp16 KV mode for a "
+            "bounded rotating cache"
+        )
     return make_zipfusion_cache(model, max_tokens=max_tokens or 32768)
