@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 import mlx.core as mx  # noqa: E402
 from record import write_result  # noqa: E402
 
-from app.engine import kvcache, tiny_families  # noqa: E402
+from app.engine import kvcache  # noqa: E402
 from app.engine.kvcache.isoquant import IsoQuantKVCache  # noqa: E402
+from app.engine.testing import tiny_families  # noqa: E402
 
 PROMPT, CHUNK, DECODE = 100, 32, 4
 LIMIT_S = 40  # one family's budget in the child (some default configs build huge tensors)

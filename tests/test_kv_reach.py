@@ -22,9 +22,10 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from app.engine import kvcache, tiny_families
+from app.engine import kvcache
 from app.engine.kvcache.isoquant import IsoQuantKVCache, IsoQuantTensor
 from app.engine.kvcache.isoquant.cache import FP_STEP, TRIM_EXACT
+from app.engine.testing import tiny_families
 
 
 def _kv(t, seed, d=64, h=2):
