@@ -54,14 +54,21 @@ def _config(c) -> dict:
 def _row_of_single(c: IsoQuantKVCache) -> _Row:
     if c.sink or c.decoded_shadow:
         raise ValueError("batched IsoQuant caches keep no float sink and no decoded shadow")
+    if getattr(c, "_float", None) is not None:
+        raise ValueError(f"a layer fell back to a float cache ({c.fallback_reason})")
     if c.rotation is None or c.offset == 0:
         return _Row(None, None, None)
-    kc, kn, vc, vn, fk, fv, _, _ = c.state
+    kc, kn, vc, vn, fk, fv = c.state[:6]
+    # the single cache may hold codes ahead of what attention reads compressed, and float
+    # copies behind it (exact trims): a row is codes [0, compressed) and float after that
+    n = c.compressed
     codes = None
-    if kc is not None:
-        rows = kn.shape[2]
-        v = unpack_v_codes(vc, c.vq.bits, c.v_layout)[:, :, :rows]
-        codes = (kc, kn, pack_codes(v, c.vq.bits), vn)
+    if kc is not None and n:
+        v = unpack_v_codes(vc, c.vq.bits, c.v_layout)[:, :, :n]
+        codes = (kc[:, :, :n], kn[:, :, :n], pack_codes(v, c.vq.bits), vn[:, :, :n])
+    if fk is not None:
+        lo = n - c.fp_start
+        fk, fv = (fk[:, :, lo:], fv[:, :, lo:]) if lo < fk.shape[2] else (None, None)
     return _Row(codes, fk, fv)
 
 
