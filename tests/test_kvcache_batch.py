@@ -160,3 +160,31 @@ def test_mlx_lm_batch_generate_runs_with_our_caches(tiny, mode):
         assert isinstance(cache[0], IsoQuantKVCache)
         assert cache[0].compressed > 0  # decode compressed the aged-out tokens
         assert cache[0].offset == len(p) + len(ids)  # the prompt and every sampled token
+
+
+def test_codes_pack_and_unpack_on_a_thread_other_than_the_importing_one():
+    """The API server decodes on its own thread: nothing the codec builds at import may be a
+    lazy array bound to the importing thread's stream (a fresh interpreter, so no earlier test
+    has evaluated it on this one)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import threading, mlx.core as mx\n"
+        "from app.engine.kvcache.isoquant import packing\n"
+        "err = []\n"
+        "def f():\n"
+        "    try:\n"
+        "        c = mx.random.randint(0, 8, (1, 2, 5, 64)).astype(mx.uint8)\n"
+        "        for bits in (3, 4):\n"
+        "            assert (packing.unpack_codes(packing.pack_codes(c, bits), bits) == c).all().item()\n"
+        "    except Exception as e:\n"
+        "        err.append(repr(e))\n"
+        "t = threading.Thread(target=f); t.start(); t.join()\n"
+        "assert not err, err\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHONPATH": root}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

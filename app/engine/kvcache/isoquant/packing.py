@@ -84,10 +84,12 @@ def _check(dim: int, bits: int) -> None:
 
 
 # Shift tables built once: every decode step unpacks the codes, and building an array from
-# Python costs host time on each call.
-_NIBBLES = mx.arange(8, dtype=mx.uint32) * 4  # nibble k of a word: bits 4k..4k+3
-_TRIPLETS = mx.arange(8, dtype=mx.uint32) * 3  # code k of a 24-bit group: bits 3k..3k+2
-_TOP_BITS = mx.arange(3, dtype=mx.uint32)[:, None]  # bit j of codes 24..31 in word j
+# Python costs host time on each call. Made from lists, so they hold data, not a graph: a lazy
+# array made at import would be evaluated on the importing thread's stream, which another
+# thread (the API server's batcher) cannot use.
+_NIBBLES = mx.array([4 * k for k in range(8)], dtype=mx.uint32)  # nibble k: bits 4k..4k+3
+_TRIPLETS = mx.array([3 * k for k in range(8)], dtype=mx.uint32)  # code k of 24 bits: 3k..3k+2
+_TOP_BITS = mx.array([[0], [1], [2]], dtype=mx.uint32)  # bit j of codes 24..31 in word j
 _BYTES4 = mx.array([0, 8, 16, 24], dtype=mx.uint32)
 _BYTES3 = mx.array([0, 8, 16], dtype=mx.uint32)
 
