@@ -92,7 +92,6 @@ def reference(models):
             if run["ref_budget"]
             else load_converted(run["model"])
         )
-        kv.install(lm.model)
         toks, lps = run_greedy(lm.model, PROMPT, kv.make_cache(lm.model, run["kv_mode"]), GEN)
         ref[(run["arch"], run["kv_mode"], bool(run["ref_budget"]))] = (
             toks,

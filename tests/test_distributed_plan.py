@@ -62,8 +62,9 @@ def test_super_on_one_32gb_mac_pages(tmp_path):
     st = plan.stages[0]
     ref = make_plan(sizes_for(SUPER), Machine.simulate(32 * GiB, "metal"))
     assert ref.paging
-    # the same budget as the single-machine planner (within its rounding of the parts)
-    assert abs(st.expert_budget - ref.expert_budget) < 0.05 * ref.expert_budget
+    # all the memory left for experts: at least what the single-machine planner keeps (it stops
+    # where more resident experts no longer buy 1% of speed), within its rounding of the parts
+    assert st.expert_budget >= 0.95 * ref.expert_budget
     assert 0.40 < st.expert_budget / st.expert_bytes < 0.55  # README: 46% of experts resident
     assert st.miss_per_token > 0
     two = plan_hosts(SUPER, load_hosts(_hosts(tmp_path, 2)))

@@ -151,7 +151,7 @@ def test_param_plan_bytes_match_mlx_quantize():
 def test_widths_parse():
     w = RoleWidths.parse("dense=4, routed=3/32, shared=float")
     assert (w.routed.bits, w.routed.group_size, w.shared.bits, w.dense.bits) == (3, 32, None, 4)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown role 'experts'"):
         RoleWidths.parse("experts=2")
 
 
