@@ -77,9 +77,13 @@ class RemoteLayer(nn.Module):
     """A layer that runs on another rank: no weights, the hidden state passes through."""
 
     def __init__(self, like: nn.Module):
+        from ..kvcache.reach import attention_class
+
         super().__init__()
         for k, v in _plain_attrs(like).items():
             object.__setattr__(self, k, v)
+        # the KV modes judge a layer by its attention, which runs on the layer's own rank
+        object.__setattr__(self, "rq_attention_class", attention_class(like))
 
     def __call__(self, x, *args, **kwargs):
         return x

@@ -115,15 +115,24 @@ def attention_module(layer):
     return (inner or found or [None])[0]
 
 
+def attention_class(layer):
+    """The class of `layer`'s attention module (None: it has none). A layer that runs on another
+    rank (distributed/stage.py) keeps its original attention's class as `rq_attention_class`."""
+    if hasattr(layer, "rq_attention_class"):
+        return layer.rq_attention_class
+    m = attention_module(layer)
+    return None if m is None else type(m)
+
+
 def layer_reasons(model, caches: list, compressible) -> dict[int, str | None]:
     """{cache index: why that cache stays float (None: it can be compressed)} for the caches
     `compressible(c)` selects, each matched to its layer's attention module."""
     idx = [i for i, c in enumerate(caches) if compressible(c)]
     layers = list(getattr(model, "layers", []) or [])
     if len(caches) == len(layers):
-        mods = {i: attention_module(layers[i]) for i in idx}
+        mods = {i: attention_class(layers[i]) for i in idx}
     else:  # hybrid models (caches only where a layer has state): attention layers in order
-        attn = [m for m in map(attention_module, layers) if m is not None]
+        attn = [m for m in map(attention_class, layers) if m is not None]
         if len(attn) != len(idx):
             why = f"{len(idx)} KV caches for {len(attn)} attention layers: cannot match them"
             return {i: why for i in idx}
@@ -131,7 +140,7 @@ def layer_reasons(model, caches: list, compressible) -> dict[int, str | None]:
     out = {}
     for i in idx:
         m = mods[i]
-        out[i] = "no attention module found in its layer" if m is None else class_reason(type(m))
+        out[i] = "no attention module found in its layer" if m is None else class_reason(m)
     return out
 
 
