@@ -38,6 +38,7 @@ test: setup
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check app tests benchmarks scripts packaging
+	$(PY) -m ruff format --check app tests benchmarks scripts packaging
 
 bench: setup
 	$(RUNENV) $(PY) benchmarks/generate.py

@@ -1,2 +1,3 @@
 """RotaryQuant: huge MoE models on a laptop."""
+
 __version__ = "0.1.0"

@@ -58,10 +58,16 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--kv-mode", default="auto",
-                   help="auto (the plan's, else fp16) | a KV mode: " + ", ".join(kvcache.names()))
-    p.add_argument("--plan", action="store_true",
-                   help="apply the auto-planner's choices for this machine (paging, KV mode)")
+    p.add_argument(
+        "--kv-mode",
+        default="auto",
+        help="auto (the plan's, else fp16) | a KV mode: " + ", ".join(kvcache.names()),
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="apply the auto-planner's choices for this machine (paging, KV mode)",
+    )
     p.add_argument("--expert-budget", help="page routed experts within this many bytes, e.g. 4GB")
 
 
@@ -100,9 +106,12 @@ def cmd_generate(args) -> int:
                     done = m
         print()
         if args.verbose and done:
-            print(f"[{done.prompt_tokens} prompt tokens at {done.prompt_tps:.1f} tok/s, "
-                  f"{done.generated_tokens} generated at {done.decode_tps:.1f} tok/s, "
-                  f"peak {done.peak_memory / 2**20:.0f} MiB]", file=sys.stderr)
+            print(
+                f"[{done.prompt_tokens} prompt tokens at {done.prompt_tps:.1f} tok/s, "
+                f"{done.generated_tokens} generated at {done.decode_tps:.1f} tok/s, "
+                f"peak {done.peak_memory / 2**20:.0f} MiB]",
+                file=sys.stderr,
+            )
         return 0
     from .engine.generate import Engine, Finished, GenerationSettings, TokenEvent
 
@@ -116,10 +125,12 @@ def cmd_generate(args) -> int:
             fin = ev
     print()
     if args.verbose and fin:
-        print(f"[{fin.prompt_tokens} prompt tokens at {fin.prompt_tps:.1f} tok/s, "
-              f"{fin.generated_tokens} generated at {fin.decode_tps:.1f} tok/s, "
-              f"peak {fin.peak_memory / 2**20:.0f} MiB, KV {fin.kv_bytes / 2**20:.1f} MiB]",
-              file=sys.stderr)
+        print(
+            f"[{fin.prompt_tokens} prompt tokens at {fin.prompt_tps:.1f} tok/s, "
+            f"{fin.generated_tokens} generated at {fin.decode_tps:.1f} tok/s, "
+            f"peak {fin.peak_memory / 2**20:.0f} MiB, KV {fin.kv_bytes / 2**20:.1f} MiB]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -136,8 +147,10 @@ def cmd_chat(args) -> int:
         history.append({"role": "system", "content": args.system})
     with WorkerClient() as c:
         info = c.load(_model_path(args.model), _load_options(args))
-        print(f"{info['name']} ({info['architecture']}, {info['backend']}). "
-              "Empty line or /quit to leave, /reset to forget the conversation.")
+        print(
+            f"{info['name']} ({info['architecture']}, {info['backend']}). "
+            "Empty line or /quit to leave, /reset to forget the conversation."
+        )
         while True:
             try:
                 line = input("> ").strip()
@@ -173,7 +186,9 @@ def cmd_models(args) -> int:
         except Exception as e:  # a damaged folder is listed, not fatal
             rows.append((d.name, "broken", str(e)))
             continue
-        rows.append((d.name, m.architecture if m else "?", f"{(m.total_bytes if m else 0) / 2**20:.0f} MiB"))
+        rows.append(
+            (d.name, m.architecture if m else "?", f"{(m.total_bytes if m else 0) / 2**20:.0f} MiB")
+        )
     for r in rows:
         print("\t".join(r))
     return 0
@@ -191,21 +206,30 @@ def cmd_bench(args) -> int:
     info = eng.load(_model_path(args.model), _load_options(args))
 
     def progress(i: int, n: int) -> None:
-        say(f"warm-up run ({args.prompt_tokens} prompt tokens, {args.gen_tokens} generated)…"
-            if i == 0 else f"trial {i} of {n}…")
+        say(
+            f"warm-up run ({args.prompt_tokens} prompt tokens, {args.gen_tokens} generated)…"
+            if i == 0
+            else f"trial {i} of {n}…"
+        )
 
-    res = bench_generate(eng, args.prompt_tokens, args.gen_tokens, args.trials, args.kv_mode, progress)
+    res = bench_generate(
+        eng, args.prompt_tokens, args.gen_tokens, args.trials, args.kv_mode, progress
+    )
     res = {"model": info.name, "machine": machine(), **res}
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     m = res["machine"]
-    print(f"{res['model']} on {m['device']} ({m['backend']}), KV {res['kv_mode']}, "
-          f"median of {res['trials']} trials")
-    rows = (("prompt", f"{res['prompt_tokens']} tokens", f"{res['prompt_tps']:.1f} tok/s"),
-            ("decode", f"{res['generated_tokens']:g} tokens", f"{res['decode_tps']:.1f} tok/s"),
-            ("peak memory", "", size(res["peak_memory_bytes"], 2)),
-            ("KV cache", "", size(res["kv_bytes"], 2)))
+    print(
+        f"{res['model']} on {m['device']} ({m['backend']}), KV {res['kv_mode']}, "
+        f"median of {res['trials']} trials"
+    )
+    rows = (
+        ("prompt", f"{res['prompt_tokens']} tokens", f"{res['prompt_tps']:.1f} tok/s"),
+        ("decode", f"{res['generated_tokens']:g} tokens", f"{res['decode_tps']:.1f} tok/s"),
+        ("peak memory", "", size(res["peak_memory_bytes"], 2)),
+        ("KV cache", "", size(res["kv_bytes"], 2)),
+    )
     for name, n, v in rows:
         print(f"  {name:12s} {n:>12s} {v:>12s}")
     return 0
@@ -242,8 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     if sp:
         _add_gen_args(sp)
         sp.add_argument("--system", help="system prompt")
-        sp.add_argument("--hosts", help="hosts.json: run the model split over these machines "
-                        "(mlx.launch's hostfile; see docs/distributed.md)")
+        sp.add_argument(
+            "--hosts",
+            help="hosts.json: run the model split over these machines "
+            "(mlx.launch's hostfile; see docs/distributed.md)",
+        )
     add("models", cmd_models, "list local models")
     sp = add("bench", cmd_bench, "prompt/decode tok/s and peak memory")
     if sp:

@@ -37,8 +37,6 @@ def private_file(p: Path) -> Path:
     return p
 
 
-
-
 def location_file() -> Path:
     """Where a data folder chosen in the settings is remembered (outside the data folder)."""
     root = os.environ.get("ROTARYQUANT_HOME")
@@ -48,7 +46,9 @@ def location_file() -> Path:
 
 def default_data_dir() -> Path:
     root = os.environ.get("ROTARYQUANT_HOME")
-    return Path(root) / "data" if root else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+    return (
+        Path(root) / "data" if root else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+    )
 
 
 def data_dir() -> Path:
@@ -78,7 +78,11 @@ def models_dir() -> Path:
 
 def cache_dir() -> Path:
     root = os.environ.get("ROTARYQUANT_HOME")
-    p = Path(root) / "cache" if root else Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+    p = (
+        Path(root) / "cache"
+        if root
+        else Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+    )
     return private_dir(p)
 
 

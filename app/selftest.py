@@ -66,13 +66,23 @@ class SelfTestReport:
         mb = 1024 * 1024
         rows = [
             ("build", f"{'frozen' if self.frozen else 'source'} · {self.executable}"),
-            ("platform", self.platform + (f" · preload {self.blas_preload}" if self.blas_preload else "")),
-            ("bundle", f"download stack ok · {self.catalog_configs} catalog configs · "
-                       f"{self.tokenizer_classes}/{len(TOKENIZER_CLASSES)} tokenizer classes"),
+            (
+                "platform",
+                self.platform + (f" · preload {self.blas_preload}" if self.blas_preload else ""),
+            ),
+            (
+                "bundle",
+                f"download stack ok · {self.catalog_configs} catalog configs · "
+                f"{self.tokenizer_classes}/{len(TOKENIZER_CLASSES)} tokenizer classes",
+            ),
             ("worker", f"pid {self.worker_pid} · {self.backend} · {self.device}"),
             ("worker start", f"{self.worker_start_s:.2f} s"),
             ("model", f"{self.model} · {self.weight_bytes / mb:.1f} MiB weights"),
-            ("load", f"{self.load_s:.2f} s" + (" (converted on first use)" if self.converted_now else "")),
+            (
+                "load",
+                f"{self.load_s:.2f} s"
+                + (" (converted on first use)" if self.converted_now else ""),
+            ),
             ("KV modes", ", ".join(self.kv_modes)),
             ("prompt", f"{self.prompt_tokens} tokens · {self.prompt_tps:.1f} tok/s"),
             ("decode", f"{self.generated_tokens} tokens · {self.decode_tps:.1f} tok/s"),

@@ -309,9 +309,7 @@ def main() -> None:
             prefetch=not iq.TC_PREFETCH
         ),
         "isoquant_fused_qk_" + ("fp16" if iq.TC_KI8 else "int8"): with_opts(ki8=not iq.TC_KI8),
-        "isoquant_fused_pv_" + ("subnormal" if iq.TC_PV8 else "int8"): with_opts(
-            pv8=not iq.TC_PV8
-        ),
+        "isoquant_fused_pv_" + ("subnormal" if iq.TC_PV8 else "int8"): with_opts(pv8=not iq.TC_PV8),
         "isoquant_fused_pv_" + ("fp16_table" if iq.TC_VSN else "subnormal_vsn"): with_opts(
             vsn=not iq.TC_VSN, pv8=False
         ),

@@ -33,22 +33,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 QWEN3_30B_SHAPE = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "moe_intermediate_size": 768, "rms_norm_eps": 1e-6, "vocab_size": 151936,
-    "rope_theta": 1e6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-    "norm_topk_prob": True, "torch_dtype": "bfloat16",
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "norm_topk_prob": True,
+    "torch_dtype": "bfloat16",
 }
-SMALL_SHAPE = {**QWEN3_30B_SHAPE, "hidden_size": 512, "num_attention_heads": 8,
-               "num_key_value_heads": 2, "head_dim": 64, "num_experts": 64,
-               "moe_intermediate_size": 256, "vocab_size": 32768}
+SMALL_SHAPE = {
+    **QWEN3_30B_SHAPE,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 64,
+    "moe_intermediate_size": 256,
+    "vocab_size": 32768,
+}
 HEADROOM = 64 << 20
 FACTOR = 6
 
 
-def make_synthetic_checkpoint(folder: Path, config: dict, shard_bytes: int = 1 << 30,
-                              seed: int = 0) -> int:
+def make_synthetic_checkpoint(
+    folder: Path, config: dict, shard_bytes: int = 1 << 30, seed: int = 0
+) -> int:
     """Write a random BF16 HF checkpoint for `config`, a block of rows at a time (never the
     whole model in memory). Returns its size in bytes."""
     import mlx.core as mx
@@ -66,8 +86,9 @@ def make_synthetic_checkpoint(folder: Path, config: dict, shard_bytes: int = 1 <
             pre, proj = name.split(".switch_mlp.")
             proj = proj.rsplit(".", 1)[0]
             for e in range(p.shape[0]):
-                plan.append(OutTensor(f"{pre}.experts.{e}.{proj}.weight", "bfloat16",
-                                      tuple(p.shape[1:])))
+                plan.append(
+                    OutTensor(f"{pre}.experts.{e}.{proj}.weight", "bfloat16", tuple(p.shape[1:]))
+                )
         else:
             plan.append(OutTensor(name, "bfloat16", tuple(p.shape)))
     folder.mkdir(parents=True, exist_ok=True)
@@ -117,16 +138,31 @@ def _child(src: str, dst: str, chunk_bytes: int) -> None:
     stop.set()
     th.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
-    print(json.dumps({"baseline_rss": baseline, "peak_rss": peak[0], "seconds": secs,
-                      "converter_peak_rss": man.extra["conversion"]["peak_rss_bytes"],
-                      "output_bytes": man.total_bytes, "roles": man.roles}))
+    print(
+        json.dumps(
+            {
+                "baseline_rss": baseline,
+                "peak_rss": peak[0],
+                "seconds": secs,
+                "converter_peak_rss": man.extra["conversion"]["peak_rss_bytes"],
+                "output_bytes": man.total_bytes,
+                "roles": man.roles,
+            }
+        )
+    )
 
 
 def bound_for(config: dict, chunk_bytes: int) -> dict:
     expert = 3 * config["moe_intermediate_size"] * config["hidden_size"] * 2  # bf16 source
     group = max(chunk_bytes, expert, 0)  # qwen3_moe's sanitize transforms no dense tensor
-    return {"chunk_bytes": chunk_bytes, "expert_bytes": expert, "group_bytes": group,
-            "factor": FACTOR, "headroom": HEADROOM, "above_baseline": FACTOR * group + HEADROOM}
+    return {
+        "chunk_bytes": chunk_bytes,
+        "expert_bytes": expert,
+        "group_bytes": group,
+        "factor": FACTOR,
+        "headroom": HEADROOM,
+        "above_baseline": FACTOR * group + HEADROOM,
+    }
 
 
 def run(config: dict, layers: int, trials: int, chunk_bytes: int, workdir: Path) -> dict:
@@ -142,7 +178,11 @@ def run(config: dict, layers: int, trials: int, chunk_bytes: int, workdir: Path)
         dst = workdir / f"dst{t}"
         out = subprocess.run(
             [sys.executable, __file__, "--child", str(src), str(dst), str(chunk_bytes)],
-            capture_output=True, text=True, env=env, check=False)
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if out.returncode:
             raise RuntimeError(out.stderr[-3000:])
         r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -153,12 +193,19 @@ def run(config: dict, layers: int, trials: int, chunk_bytes: int, workdir: Path)
     import psutil
 
     return {
-        "machine": {"platform": platform.platform(), "cpu": platform.processor() or
-                    platform.machine(), "cores": os.cpu_count(),
-                    "ram_bytes": psutil.virtual_memory().total},
-        "checkpoint": {"shape": "Qwen3-30B-A3B dims" if config["hidden_size"] == 2048 else
-                       "small", "layers": layers, "bytes": size, "dtype": "bfloat16",
-                       "generate_seconds": round(gen_s, 1)},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "ram_bytes": psutil.virtual_memory().total,
+        },
+        "checkpoint": {
+            "shape": "Qwen3-30B-A3B dims" if config["hidden_size"] == 2048 else "small",
+            "layers": layers,
+            "bytes": size,
+            "dtype": "bfloat16",
+            "generate_seconds": round(gen_s, 1),
+        },
         "bound": bound,
         "trials": [{k: v for k, v in r.items() if k != "roles"} for r in res],
         "roles": res[0]["roles"],
@@ -182,22 +229,31 @@ def main(argv=None) -> int:
         return 0
     work = Path(a.workdir or tempfile.mkdtemp(prefix="rq-convmem-"))
     try:
-        r = run(SMALL_SHAPE if a.small else QWEN3_30B_SHAPE, a.layers, a.trials,
-                a.chunk_mib << 20, work)
+        r = run(
+            SMALL_SHAPE if a.small else QWEN3_30B_SHAPE, a.layers, a.trials, a.chunk_mib << 20, work
+        )
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     mib = 2**20
-    print(f"checkpoint {r['checkpoint']['bytes'] / 2**30:.2f} GiB ({r['checkpoint']['shape']}, "
-          f"{r['checkpoint']['layers']} layers, bf16) on {r['machine']['cores']} cores")
-    print(f"bound above baseline: {r['bound']['above_baseline'] / mib:.0f} MiB "
-          f"({FACTOR} x {r['bound']['group_bytes'] / mib:.0f} MiB + {HEADROOM // mib} MiB)")
-    print(f"{'trial':>5s} {'baseline MiB':>12s} {'peak MiB':>9s} {'above MiB':>9s} "
-          f"{'seconds':>8s} {'ok':>3s}")
+    print(
+        f"checkpoint {r['checkpoint']['bytes'] / 2**30:.2f} GiB ({r['checkpoint']['shape']}, "
+        f"{r['checkpoint']['layers']} layers, bf16) on {r['machine']['cores']} cores"
+    )
+    print(
+        f"bound above baseline: {r['bound']['above_baseline'] / mib:.0f} MiB "
+        f"({FACTOR} x {r['bound']['group_bytes'] / mib:.0f} MiB + {HEADROOM // mib} MiB)"
+    )
+    print(
+        f"{'trial':>5s} {'baseline MiB':>12s} {'peak MiB':>9s} {'above MiB':>9s} "
+        f"{'seconds':>8s} {'ok':>3s}"
+    )
     for i, t in enumerate(r["trials"]):
-        print(f"{i:5d} {t['baseline_rss'] / mib:12.0f} {t['peak_rss'] / mib:9.0f} "
-              f"{t['above_baseline'] / mib:9.0f} {t['seconds']:8.1f} "
-              f"{'yes' if t['within_bound'] else 'NO':>3s}")
+        print(
+            f"{i:5d} {t['baseline_rss'] / mib:12.0f} {t['peak_rss'] / mib:9.0f} "
+            f"{t['above_baseline'] / mib:9.0f} {t['seconds']:8.1f} "
+            f"{'yes' if t['within_bound'] else 'NO':>3s}"
+        )
     from record import write_result  # benchmarks/ is the script's folder, first on sys.path
 
     write_result("convert_memory", r, r.pop("machine"), Path(a.json))

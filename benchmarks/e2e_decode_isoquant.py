@@ -241,7 +241,9 @@ def main() -> None:
         info = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:  # older MLX: the device name is optional
         pass
-    machine = dict(platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__)
+    machine = dict(
+        platform=platform.platform(), device=info.get("device_name", "?"), mlx=mx.__version__
+    )
     out = dict(
         model="Llama-3.1-8B shapes, random weights, 4-bit g64; batch 1; greedy decode",
         method=f"{args.steps} timed steps after {args.warmup} warm-up steps; caches pre-filled with random KV; "

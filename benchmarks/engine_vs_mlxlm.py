@@ -42,15 +42,31 @@ from app.engine.planner import prefill_chunk_for  # noqa: E402
 
 # Qwen/Qwen3-30B-A3B's config.json (the fields mlx-lm reads)
 QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
-    "intermediate_size": 6144, "num_attention_heads": 32, "num_key_value_heads": 4,
-    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "moe_intermediate_size": 768, "rms_norm_eps": 1e-6,
-    "vocab_size": 151936, "rope_theta": 1e6, "tie_word_embeddings": False,
-    "max_position_embeddings": 40960, "norm_topk_prob": True,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "norm_topk_prob": True,
 }
-TINY = {"hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256,
-        "vocab_size": 1000}
+TINY = {
+    "hidden_size": 128,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+    "vocab_size": 1000,
+}
 CONFIGS = ("stock", "fp16", "isoquant3")
 WARM_STEPS = 8  # decode steps before a round's timing starts
 
@@ -59,7 +75,13 @@ class Runner:
     """One config: its model, its cache at the current context, its step and stream."""
 
     def __init__(self, name: str, model, stock: bool, kv_mode: str, chunk: int):
-        self.name, self.model, self.stock, self.kv_mode, self.chunk = name, model, stock, kv_mode, chunk
+        self.name, self.model, self.stock, self.kv_mode, self.chunk = (
+            name,
+            model,
+            stock,
+            kv_mode,
+            chunk,
+        )
         self.cache = None
         self.last = 1
 
@@ -76,10 +98,13 @@ class Runner:
         if self.stock:
             from mlx_lm.generate import generate_step
 
-            return (int(t) for t, _ in generate_step(mx.array(ids), self.model,
-                                                      max_tokens=max_tokens, prompt_cache=cache))
-        return token_stream(self.model, ids, cache, max_tokens=max_tokens,
-                            prefill_chunk=self.chunk)
+            return (
+                int(t)
+                for t, _ in generate_step(
+                    mx.array(ids), self.model, max_tokens=max_tokens, prompt_cache=cache
+                )
+            )
+        return token_stream(self.model, ids, cache, max_tokens=max_tokens, prefill_chunk=self.chunk)
 
     def step(self, tok):
         """One decode step's graph, as each loop builds it (lazy)."""
@@ -130,8 +155,11 @@ def prefill(r: Runner, ids: list[int], keep: bool) -> tuple[float, int]:
     """Prefill into a fresh cache up to the first token: (tok/s, peak bytes of this config)."""
     mx.synchronize()
     mx.clear_cache()
-    others = mx.get_active_memory() - weight_bytes(r.model) - (
-        sum(c.nbytes for c in r.cache) if r.cache else 0)
+    others = (
+        mx.get_active_memory()
+        - weight_bytes(r.model)
+        - (sum(c.nbytes for c in r.cache) if r.cache else 0)
+    )
     cache = r.new_cache()
     mx.reset_peak_memory()
     t = time.perf_counter()
@@ -292,7 +320,8 @@ def breakdown(r: Runner, steps: int = 16) -> dict:
     r.last = int(tok.item())
     parts = {k: round(v / steps * 1e3, 3) for k, v in t.excl.items()}
     parts["rest (embedding, residuals, head, sampler)"] = round(
-        (total - sum(t.excl.values())) / steps * 1e3, 3)
+        (total - sum(t.excl.values())) / steps * 1e3, 3
+    )
     parts["total (with timers)"] = round(total / steps * 1e3, 3)
     return parts
 
@@ -308,8 +337,11 @@ def main() -> None:
     ap.add_argument("--prefill-rounds", type=int, default=5, help="at most, time budget allowing")
     ap.add_argument("--budget-s", type=float, default=480, help="extra prefill rounds stop here")
     ap.add_argument("--tiny", action="store_true", help="tiny widths (CPU): host time")
-    ap.add_argument("--before", action="store_true",
-                    help="also our configs with uncompiled blocks (decode and host time)")
+    ap.add_argument(
+        "--before",
+        action="store_true",
+        help="also our configs with uncompiled blocks (decode and host time)",
+    )
     ap.add_argument("--breakdown", action="store_true", help="host ms per step by part")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -317,18 +349,26 @@ def main() -> None:
     config = dict(QWEN3_30B_A3B, **(TINY if args.tiny else {}))
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    model_name = "Qwen3-30B-A3B shapes" + (" (tiny widths: hidden 128, experts 64 wide, float32)"
-                                           if args.tiny else "") + ", random weights, batch 1"
+    model_name = (
+        "Qwen3-30B-A3B shapes"
+        + (" (tiny widths: hidden 128, experts 64 wide, float32)" if args.tiny else "")
+        + ", random weights, batch 1"
+    )
     dtype = "float32" if args.tiny else "bfloat16"
     stock_model = build(config, True, 0, dtype)
     ours = build(config, False, 0, dtype)
-    print(f"built in {time.perf_counter() - t_start:.0f} s: stock {weight_bytes(stock_model) / 1e9:.2f} GB, "
-          f"ours {weight_bytes(ours) / 1e9:.2f} GB", flush=True)
+    print(
+        f"built in {time.perf_counter() - t_start:.0f} s: stock {weight_bytes(stock_model) / 1e9:.2f} GB, "
+        f"ours {weight_bytes(ours) / 1e9:.2f} GB",
+        flush=True,
+    )
     chunk, why = prefill_chunk_for(config, context=max(args.contexts) + 1024)
     print(f"our prefill chunk: {chunk} ({why})")
-    runners = {"stock": Runner("stock", stock_model, True, "fp16", 2048),
-               "fp16": Runner("fp16", ours, False, "fp16", chunk),
-               "isoquant3": Runner("isoquant3", ours, False, "isoquant3", chunk)}
+    runners = {
+        "stock": Runner("stock", stock_model, True, "fp16", 2048),
+        "fp16": Runner("fp16", ours, False, "fp16", chunk),
+        "isoquant3": Runner("isoquant3", ours, False, "isoquant3", chunk),
+    }
     variants = [c for c in CONFIGS]
     if args.before:
         variants += ["fp16_uncompiled", "isoquant3_uncompiled"]
@@ -353,7 +393,10 @@ def main() -> None:
             tps, peak = prefill(runners[name], ids, keep=True)
             res[name]["prefill"].append(tps)
             res[name]["peak"] = peak
-            print(f"ctx {ctx} {name:10s} prefill {tps:8.1f} tok/s  peak {peak / 1e9:6.2f} GB", flush=True)
+            print(
+                f"ctx {ctx} {name:10s} prefill {tps:8.1f} tok/s  peak {peak / 1e9:6.2f} GB",
+                flush=True,
+            )
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]
             for v in order:
@@ -364,13 +407,18 @@ def main() -> None:
                 res[v]["decode"].append(decode_round(r, args.steps, args.warm))
                 if uncompiled:
                     compiled.compile_blocks(r.model)
-                print(f"ctx {ctx} round {rnd} {v:22s} decode {res[v]['decode'][-1]:8.1f} tok/s",
-                      flush=True)
+                print(
+                    f"ctx {ctx} round {rnd} {v:22s} decode {res[v]['decode'][-1]:8.1f} tok/s",
+                    flush=True,
+                )
         for v, (cpu, wall) in host_ms(runners, host_variants, args.host_steps).items():
             res.setdefault(v, {"decode": [], "prefill": []})
             res[v]["host"], res[v]["wall"] = cpu, wall
-            print(f"ctx {ctx} {v:22s} host {statistics.median(cpu):7.3f} ms/step (thread CPU; "
-                  f"wall {statistics.median(wall):7.3f})", flush=True)
+            print(
+                f"ctx {ctx} {v:22s} host {statistics.median(cpu):7.3f} ms/step (thread CPU; "
+                f"wall {statistics.median(wall):7.3f})",
+                flush=True,
+            )
         first = sum(ctx / res[n]["prefill"][0] for n in CONFIGS)
         for rnd in range(1, args.prefill_rounds):
             if time.perf_counter() - t_start + first > args.budget_s:
@@ -379,19 +427,27 @@ def main() -> None:
                 res[name]["prefill"].append(prefill(runners[name], ids, keep=False)[0])
         for v in host_variants:
             base = v.split("_")[0]
-            rows.append({
-                "machine": "", "model": model_name, "context": ctx, "config": v,
-                "prefill_tps": round(statistics.median(res[base]["prefill"]), 1),
-                "prefill_rounds": [round(x, 1) for x in res[base]["prefill"]],
-                "decode_tps": round(statistics.median(res[v]["decode"]), 2) if res[v]["decode"]
-                else None,
-                "rounds": [round(x, 2) for x in res[v]["decode"]],
-                "peak_gb": round(res[base]["peak"] / 1e9, 2),
-                "host_ms_per_step": round(statistics.median(res[v]["host"]), 3),
-                "host_ms_quartiles": [round(x, 3) for x in statistics.quantiles(res[v]["host"], n=4)],
-                "host_wall_ms_per_step": round(statistics.median(res[v]["wall"]), 3),
-                "prefill_chunk": runners[base].chunk,
-            })
+            rows.append(
+                {
+                    "machine": "",
+                    "model": model_name,
+                    "context": ctx,
+                    "config": v,
+                    "prefill_tps": round(statistics.median(res[base]["prefill"]), 1),
+                    "prefill_rounds": [round(x, 1) for x in res[base]["prefill"]],
+                    "decode_tps": round(statistics.median(res[v]["decode"]), 2)
+                    if res[v]["decode"]
+                    else None,
+                    "rounds": [round(x, 2) for x in res[v]["decode"]],
+                    "peak_gb": round(res[base]["peak"] / 1e9, 2),
+                    "host_ms_per_step": round(statistics.median(res[v]["host"]), 3),
+                    "host_ms_quartiles": [
+                        round(x, 3) for x in statistics.quantiles(res[v]["host"], n=4)
+                    ],
+                    "host_wall_ms_per_step": round(statistics.median(res[v]["wall"]), 3),
+                    "prefill_chunk": runners[base].chunk,
+                }
+            )
     parts = {}
     if args.breakdown:
         for v in host_variants:  # the stubbed variant last: its stubs leave zeros in the cache
@@ -405,8 +461,10 @@ def main() -> None:
                 parts[v] = breakdown(r)
             compiled.compile_blocks(r.model)
         names = list(dict.fromkeys(k for p in parts.values() for k in p))
-        print(f"\nhost ms per decode step by part (thread CPU time, mean of 16 steps)\n{'part':46s}"
-              + "".join(f"{v:>22s}" for v in parts))
+        print(
+            f"\nhost ms per decode step by part (thread CPU time, mean of 16 steps)\n{'part':46s}"
+            + "".join(f"{v:>22s}" for v in parts)
+        )
         for k in names:
             print(f"{k:46s}" + "".join(f"{p.get(k, 0.0):22.3f}" for p in parts.values()))
     report(rows, args, parts)
@@ -423,26 +481,38 @@ def report(rows: list[dict], args, parts: dict) -> None:
     print(f"\n{'ctx':>6} {'config':22s} {'prefill':>9} {'decode':>8} {'peak GB':>8} {'host ms':>8}")
     by = {(r["context"], r["config"]): r for r in rows}
     for r in rows:
-        print(f"{r['context']:6d} {r['config']:22s} {r['prefill_tps']:9.1f} {r['decode_tps'] or 0:8.2f} "
-              f"{r['peak_gb']:8.2f} {r['host_ms_per_step']:8.3f}")
+        print(
+            f"{r['context']:6d} {r['config']:22s} {r['prefill_tps']:9.1f} {r['decode_tps'] or 0:8.2f} "
+            f"{r['peak_gb']:8.2f} {r['host_ms_per_step']:8.3f}"
+        )
     for ctx in args.contexts:
         s = by[(ctx, "stock")]
         for c in ("fp16", "isoquant3"):
             o = by[(ctx, c)]
-            print(f"ctx {ctx} {c}/stock: prefill {o['prefill_tps'] / s['prefill_tps']:.2f}x, decode "
-                  f"{o['decode_tps'] / s['decode_tps']:.2f}x, host {o['host_ms_per_step'] / s['host_ms_per_step']:.2f}x")
+            print(
+                f"ctx {ctx} {c}/stock: prefill {o['prefill_tps'] / s['prefill_tps']:.2f}x, decode "
+                f"{o['decode_tps'] / s['decode_tps']:.2f}x, host {o['host_ms_per_step'] / s['host_ms_per_step']:.2f}x"
+            )
     if args.no_write:
         return
     path = RESULTS / "engine_vs_mlxlm.json"
     kept = []
     if path.exists():  # one current run per machine kind: keep the other machines' runs
-        kept = [r for r in json.loads(path.read_text()).get("runs", [])
-                if not r["machine"].startswith(m["backend"] + ":")]
-    write_result("engine_vs_mlxlm", {
-        "method": "one process, both models resident; per context each config prefills a fresh "
-                  "cache, decode rounds alternate configs (median), host_ms_per_step: median "
-                  "thread CPU time to build one decode step's graph (nothing evaluated meanwhile)",
-        "runs": kept + rows, **({"host_breakdown_ms": parts} if parts else {})})
+        kept = [
+            r
+            for r in json.loads(path.read_text()).get("runs", [])
+            if not r["machine"].startswith(m["backend"] + ":")
+        ]
+    write_result(
+        "engine_vs_mlxlm",
+        {
+            "method": "one process, both models resident; per context each config prefills a fresh "
+            "cache, decode rounds alternate configs (median), host_ms_per_step: median "
+            "thread CPU time to build one decode step's graph (nothing evaluated meanwhile)",
+            "runs": kept + rows,
+            **({"host_breakdown_ms": parts} if parts else {}),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,12 @@ BITS = (2, 3, 4, 8)
 def layer(bits: int, experts: int, hidden: int, inter: int, dtype):
     """Random quantized gate/up/down weights of one layer: {name: (w, scales, biases)}."""
     out = {}
-    for name, (o, i) in {"gate": (inter, hidden), "up": (inter, hidden),
-                         "down": (hidden, inter)}.items():
-        w = (mx.random.normal((experts, o, i)) * i ** -0.5).astype(dtype)
+    for name, (o, i) in {
+        "gate": (inter, hidden),
+        "up": (inter, hidden),
+        "down": (hidden, inter),
+    }.items():
+        w = (mx.random.normal((experts, o, i)) * i**-0.5).astype(dtype)
         out[name] = mx.quantize(w, group_size=64, bits=bits)
         mx.eval(out[name])
     return out
@@ -43,8 +46,17 @@ def layer(bits: int, experts: int, hidden: int, inter: int, dtype):
 def run(weights, x, idx, bits: int, sort: bool):
     def proj(name, v):
         w, s, b = weights[name]
-        return mx.gather_qmm(v, w, s, b, rhs_indices=idx, transpose=True, group_size=64,
-                             bits=bits, sorted_indices=sort)
+        return mx.gather_qmm(
+            v,
+            w,
+            s,
+            b,
+            rhs_indices=idx,
+            transpose=True,
+            group_size=64,
+            bits=bits,
+            sorted_indices=sort,
+        )
 
     g = proj("gate", x)
     h = mx.sigmoid(g) * g * proj("up", x)
@@ -57,7 +69,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10, help="calls per timing")
     args = ap.parse_args()
-    experts, hidden, inter, tokens, k = (8, 128, 64, 64, 2) if args.tiny else (128, 2048, 768, 2048, 8)
+    experts, hidden, inter, tokens, k = (
+        (8, 128, 64, 64, 2) if args.tiny else (128, 2048, 768, 2048, 8)
+    )
     dtype = mx.float32 if args.tiny else mx.bfloat16
     mx.random.seed(0)
     weights = {b: layer(b, experts, hidden, inter, dtype) for b in BITS}
@@ -88,16 +102,32 @@ def main() -> None:
         ref = statistics.median(times[(c, 4)])
         for b in BITS:
             ms = statistics.median(times[(c, b)])
-            rows.append({"case": c, "bits": b, "ms_per_layer": round(ms, 4),
-                         "rounds": [round(t, 4) for t in times[(c, b)]],
-                         "vs_4bit": round(ms / ref, 3)})
+            rows.append(
+                {
+                    "case": c,
+                    "bits": b,
+                    "ms_per_layer": round(ms, 4),
+                    "rounds": [round(t, 4) for t in times[(c, b)]],
+                    "vs_4bit": round(ms / ref, 3),
+                }
+            )
             print(f"{c:8s} {b:4d} {ms:11.4f} {ms / ref:9.2f}")
-    write_result("gather_qmm_bits" + ("_tiny" if args.tiny else ""), {
-        "shapes": {"experts": experts, "hidden": hidden, "intermediate": inter,
-                   "prefill_tokens": tokens, "top_k": k, "dtype": str(dtype)},
-        "method": "gate, up and down gathered quantized matmuls (group 64) as SwitchGLU runs them, "
-                  f"median of {args.rounds} alternating rounds of {args.reps} calls",
-        "runs": rows})
+    write_result(
+        "gather_qmm_bits" + ("_tiny" if args.tiny else ""),
+        {
+            "shapes": {
+                "experts": experts,
+                "hidden": hidden,
+                "intermediate": inter,
+                "prefill_tokens": tokens,
+                "top_k": k,
+                "dtype": str(dtype),
+            },
+            "method": "gate, up and down gathered quantized matmuls (group 64) as SwitchGLU runs them, "
+            f"median of {args.rounds} alternating rounds of {args.reps} calls",
+            "runs": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

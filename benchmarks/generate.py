@@ -28,7 +28,10 @@ def main() -> None:
     # measure that against the quantized weights side by side. Elsewhere only one variant exists.
     variants = [("as loaded", {})]
     if machine()["backend"] == "cpu":
-        variants = [("float32 dense (CPU default)", {}), ("4-bit quantized", {"cpu_float_weights": False})]
+        variants = [
+            ("float32 dense (CPU default)", {}),
+            ("4-bit quantized", {"cpu_float_weights": False}),
+        ]
     for label, opts in variants:
         eng = Engine()
         info = eng.load(ensure_default_model(), opts)
@@ -37,10 +40,14 @@ def main() -> None:
             r.update(weights=label, weight_bytes=info.weight_bytes)
             records.append(r)
     print(f"{info.name} on {machine()['device']} ({machine()['backend']}), batch 1, float KV")
-    print(f"{'weights':>28} {'prompt':>7} {'gen':>5} {'prompt tok/s':>13} {'decode tok/s':>13} {'peak MiB':>9}")
+    print(
+        f"{'weights':>28} {'prompt':>7} {'gen':>5} {'prompt tok/s':>13} {'decode tok/s':>13} {'peak MiB':>9}"
+    )
     for r in records:
-        print(f"{r['weights']:>28} {r['prompt_tokens']:>7} {r['generated_tokens']:>5} {r['prompt_tps']:>13.1f} "
-              f"{r['decode_tps']:>13.1f} {r['peak_memory_bytes'] / 2**20:>9.0f}")
+        print(
+            f"{r['weights']:>28} {r['prompt_tokens']:>7} {r['generated_tokens']:>5} {r['prompt_tps']:>13.1f} "
+            f"{r['decode_tps']:>13.1f} {r['peak_memory_bytes'] / 2**20:>9.0f}"
+        )
     from record import write_result  # benchmarks/ is the script's folder, first on sys.path
 
     write_result("generate", {"model": info.name, "records": records}, machine(), OUT)

@@ -52,13 +52,20 @@ def family(model_type: str, kv_mode: str) -> dict:
     try:
         model, _ = tiny_families.build(model_type)
     except Exception as e:
-        return {"model_type": model_type, "built": False, "reason": f"tiny config: {type(e).__name__}: {e}"[:200]}
+        return {
+            "model_type": model_type,
+            "built": False,
+            "reason": f"tiny config: {type(e).__name__}: {e}"[:200],
+        }
     print(STAGE, model_type, "float", flush=True)
     try:
         ref = run(model, kvcache.make_cache(model, "fp16"))
     except Exception as e:
-        return {"model_type": model_type, "built": False,
-                "reason": f"float model on token ids: {type(e).__name__}: {e}"[:200]}
+        return {
+            "model_type": model_type,
+            "built": False,
+            "reason": f"float model on token ids: {type(e).__name__}: {e}"[:200],
+        }
     out = {"model_type": model_type, "kv_mode": kv_mode}
     print(STAGE, model_type, "compressed", flush=True)
     try:
@@ -70,14 +77,24 @@ def family(model_type: str, kv_mode: str) -> dict:
     falls = kvcache.fallbacks(cache)
     why = sorted({f["reason"] for f in falls})
     if any(c.compressed > 0 for c in coded):
-        reason = "; ".join(f"{len([f for f in falls if f['reason'] == r])} layer(s) float: {r}" for r in why)
+        reason = "; ".join(
+            f"{len([f for f in falls if f['reason'] == r])} layer(s) float: {r}" for r in why
+        )
         res = {"result": "compressed", "reason": reason}
     else:
         kinds = sorted({type(c).__name__ for c in cache})
-        res = {"result": "float_fallback",
-               "reason": "; ".join(why) or f"no growing full-attention KV cache ({', '.join(kinds)})"}
+        res = {
+            "result": "float_fallback",
+            "reason": "; ".join(why) or f"no growing full-attention KV cache ({', '.join(kinds)})",
+        }
     agree = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
-    return {**out, **res, "top1_agree_decode": agree, "coded_layers": len(coded), "caches": len(cache)}
+    return {
+        **out,
+        **res,
+        "top1_agree_decode": agree,
+        "coded_layers": len(coded),
+        "caches": len(cache),
+    }
 
 
 class FamilyTimeout(BaseException):  # not an Exception: family()'s handlers must not take it
@@ -126,8 +143,12 @@ def main() -> None:
     ap.add_argument("--mode", default="isoquant3")
     ap.add_argument("--only", default="")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--part", default="", help="i/n: the i-th of n slices of the families, "
-                    "written to kv_families_part<i>.json (--merge joins them)")
+    ap.add_argument(
+        "--part",
+        default="",
+        help="i/n: the i-th of n slices of the families, "
+        "written to kv_families_part<i>.json (--merge joins them)",
+    )
     ap.add_argument("--merge", type=int, default=0, help="join n part files into kv_families.json")
     a = ap.parse_args()
     if a.one:
@@ -157,24 +178,37 @@ def main() -> None:
         mark = r.get("result", "not built")
         print(f"{mt:24s} {mark:15s} {r.get('reason', '')[:90]}", flush=True)
         write(name, rows, skipped)  # after every family: an interrupted run keeps what it has
-    counts = {k: sum(r["result"] == k for r in rows) for k in ("compressed", "float_fallback", "crash")}
-    print(f"\n{len(rows)} families run in {time.time() - t0:.0f} s: {counts}; {len(skipped)} not built")
+    counts = {
+        k: sum(r["result"] == k for r in rows) for k in ("compressed", "float_fallback", "crash")
+    }
+    print(
+        f"\n{len(rows)} families run in {time.time() - t0:.0f} s: {counts}; {len(skipped)} not built"
+    )
 
 
 def write(name: str, rows: list, skipped: list) -> None:
-    counts = {k: sum(r["result"] == k for r in rows) for k in ("compressed", "float_fallback", "crash")}
-    write_result(name, {
-        "protocol": f"tiny random float32 models from each ModelArgs; {PROMPT}-token prompt in "
-                    f"chunks of {CHUNK}, {DECODE} greedy decode steps; mlx-lm "
-                    f"{__import__('mlx_lm').__version__}",
-        "counts": counts, "families": rows, "not_built": skipped,
-    })
+    counts = {
+        k: sum(r["result"] == k for r in rows) for k in ("compressed", "float_fallback", "crash")
+    }
+    write_result(
+        name,
+        {
+            "protocol": f"tiny random float32 models from each ModelArgs; {PROMPT}-token prompt in "
+            f"chunks of {CHUNK}, {DECODE} greedy decode steps; mlx-lm "
+            f"{__import__('mlx_lm').__version__}",
+            "counts": counts,
+            "families": rows,
+            "not_built": skipped,
+        },
+    )
 
 
 def merge(n: int) -> None:
     from record import RESULTS
 
-    parts = [json.loads((RESULTS / f"kv_families_part{i}.json").read_text()) for i in range(1, n + 1)]
+    parts = [
+        json.loads((RESULTS / f"kv_families_part{i}.json").read_text()) for i in range(1, n + 1)
+    ]
     rows = sorted((r for p in parts for r in p["families"]), key=lambda r: r["model_type"])
     skipped = sorted((r for p in parts for r in p["not_built"]), key=lambda r: r["model_type"])
     write("kv_families", rows, skipped)

@@ -28,12 +28,22 @@ MODES = ("fp16", "isoquant3")
 
 
 def model_for(layers: int):
-    args = qwen3.ModelArgs.from_dict({
-        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": layers,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "rms_norm_eps": 1e-6, "vocab_size": 256, "tie_word_embeddings": True,
-        "rope_theta": 1e6, "max_position_embeddings": 40960,
-    })
+    args = qwen3.ModelArgs.from_dict(
+        {
+            "model_type": "qwen3",
+            "hidden_size": 64,
+            "num_hidden_layers": layers,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 256,
+            "tie_word_embeddings": True,
+            "rope_theta": 1e6,
+            "max_position_embeddings": 40960,
+        }
+    )
     m = qwen3.Model(args)
     mx.eval(m.parameters())
     return m
@@ -72,17 +82,27 @@ def main() -> None:
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             runs.append({**one(model, mode, a.context, a.steps), "round": r})
             x = runs[-1]
-            print(f"round {r} {mode:10s} host {x['host_ms']:7.2f} ms/step  eval {x['eval_ms']:7.2f} ms",
-                  flush=True)
+            print(
+                f"round {r} {mode:10s} host {x['host_ms']:7.2f} ms/step  eval {x['eval_ms']:7.2f} ms",
+                flush=True,
+            )
     med = {m: statistics.median(x["host_ms"] for x in runs if x["mode"] == m) for m in MODES}
     per_layer = (med["isoquant3"] - med["fp16"]) / a.layers * 1e3
-    print(f"\nhost ms/step: fp16 {med['fp16']:.2f}, isoquant3 {med['isoquant3']:.2f} "
-          f"(x{med['isoquant3'] / med['fp16']:.2f}; IsoQuant's extra {per_layer:.0f} µs a layer)")
-    write_result(a.name, {
-        "model": f"random qwen3, {a.layers} layers, hidden 64, 2 KV heads x 64, float32",
-        "context": a.context, "steps": a.steps, "runs": runs, "median_host_ms": med,
-        "isoquant_extra_us_per_layer": per_layer,
-    })
+    print(
+        f"\nhost ms/step: fp16 {med['fp16']:.2f}, isoquant3 {med['isoquant3']:.2f} "
+        f"(x{med['isoquant3'] / med['fp16']:.2f}; IsoQuant's extra {per_layer:.0f} µs a layer)"
+    )
+    write_result(
+        a.name,
+        {
+            "model": f"random qwen3, {a.layers} layers, hidden 64, 2 KV heads x 64, float32",
+            "context": a.context,
+            "steps": a.steps,
+            "runs": runs,
+            "median_host_ms": med,
+            "isoquant_extra_us_per_layer": per_layer,
+        },
+    )
 
 
 if __name__ == "__main__":

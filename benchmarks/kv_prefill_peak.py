@@ -28,11 +28,20 @@ MODES = ("fp16", "isoquant3")
 
 
 def model_for(layers: int, dtype):
-    args = llama.ModelArgs.from_dict({
-        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": layers,
-        "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "head_dim": 32, "rms_norm_eps": 1e-5, "vocab_size": 512, "tie_word_embeddings": True,
-    })
+    args = llama.ModelArgs.from_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": 256,
+            "num_hidden_layers": layers,
+            "intermediate_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 32,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 512,
+            "tie_word_embeddings": True,
+        }
+    )
     m = llama.Model(args)
     m.set_dtype(dtype)
     mx.eval(m.parameters())
@@ -45,12 +54,18 @@ def one(model, mode: str, tokens: int, chunk: int) -> dict:
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    tok, _ = next(generate_step(prompt, model, max_tokens=1, prompt_cache=cache,
-                                prefill_step_size=chunk))
+    tok, _ = next(
+        generate_step(prompt, model, max_tokens=1, prompt_cache=cache, prefill_step_size=chunk)
+    )
     mx.eval(*[a for c in cache for a in c.state if isinstance(a, mx.array)])
     peak = mx.get_peak_memory() - base
-    return {"mode": mode, "peak_mb": peak / 2**20, "kv_held_mb": kvcache.cache_nbytes(cache) / 2**20,
-            "kv_capacity_mb": kvcache.cache_capacity_nbytes(cache) / 2**20, "token": int(tok)}
+    return {
+        "mode": mode,
+        "peak_mb": peak / 2**20,
+        "kv_held_mb": kvcache.cache_nbytes(cache) / 2**20,
+        "kv_capacity_mb": kvcache.cache_capacity_nbytes(cache) / 2**20,
+        "token": int(tok),
+    }
 
 
 def main() -> None:
@@ -67,15 +82,26 @@ def main() -> None:
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             runs.append({**one(model, mode, a.tokens, a.chunk), "round": r})
             x = runs[-1]
-            print(f"round {r} {mode:10s} peak {x['peak_mb']:8.1f} MB  KV held {x['kv_held_mb']:7.1f} MB"
-                  f"  KV buffers {x['kv_capacity_mb']:7.1f} MB", flush=True)
+            print(
+                f"round {r} {mode:10s} peak {x['peak_mb']:8.1f} MB  KV held {x['kv_held_mb']:7.1f} MB"
+                f"  KV buffers {x['kv_capacity_mb']:7.1f} MB",
+                flush=True,
+            )
     best = {m: min(x["peak_mb"] for x in runs if x["mode"] == m) for m in MODES}
-    print(f"\npeak isoquant3 / fp16 = {best['isoquant3'] / best['fp16']:.2f} "
-          f"({best['fp16'] - best['isoquant3']:.0f} MB lower)")
-    write_result("kv_prefill_peak", {
-        "model": f"random llama, {a.layers} layers, 8 KV heads x 32, hidden 256, {a.dtype}",
-        "context": a.tokens, "prefill_chunk": a.chunk, "runs": runs, "min_peak_mb": best,
-    })
+    print(
+        f"\npeak isoquant3 / fp16 = {best['isoquant3'] / best['fp16']:.2f} "
+        f"({best['fp16'] - best['isoquant3']:.0f} MB lower)"
+    )
+    write_result(
+        "kv_prefill_peak",
+        {
+            "model": f"random llama, {a.layers} layers, 8 KV heads x 32, hidden 256, {a.dtype}",
+            "context": a.tokens,
+            "prefill_chunk": a.chunk,
+            "runs": runs,
+            "min_peak_mb": best,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -45,11 +45,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 QWEN3_30B_SHAPE = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "moe_intermediate_size": 768, "rms_norm_eps": 1e-6, "vocab_size": 151936,
-    "rope_theta": 1e6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
     "norm_topk_prob": True,
 }
 FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.1)
@@ -64,10 +75,14 @@ def machine() -> dict:
     import mlx.core as mx
     import psutil
 
-    return {"platform": platform.platform(), "cpu": platform.machine(),
-            "cores": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "mlx": mx.__version__, "backend": "cpu" if not (
-                mx.metal.is_available() or mx.cuda.is_available()) else "gpu"}
+    return {
+        "platform": platform.platform(),
+        "cpu": platform.machine(),
+        "cores": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "mlx": mx.__version__,
+        "backend": "cpu" if not (mx.metal.is_available() or mx.cuda.is_available()) else "gpu",
+    }
 
 
 def config(layers: int, vocab: int) -> dict:
@@ -83,8 +98,7 @@ def build(folder: Path, cfg: dict, widths: str, dtype: str):
     want = {"config": cfg, "widths": widths, "dtype": dtype}
     if man is None or man.extra.get("bench_config") != want:
         t = time.perf_counter()
-        man = write_random_converted(cfg, folder, RoleWidths.parse(widths), seed=0,
-                                     dtype=dtype)
+        man = write_random_converted(cfg, folder, RoleWidths.parse(widths), seed=0, dtype=dtype)
         man.extra["bench_config"] = want
         man.extra["build_seconds"] = round(time.perf_counter() - t, 1)
         man.save(folder)
@@ -176,20 +190,32 @@ def child(folder: Path, frac: float, n: int, cold: bool) -> dict:
         rss_loaded = psutil.Process().memory_info().rss
         toks, secs = decode(lm.model, n)
     s = lm.model.rq_pager.stats()
-    dense = sum(v.nbytes for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(
-        lm.model.parameters()))
+    dense = sum(
+        v.nbytes
+        for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(lm.model.parameters())
+    )
     return {
-        "fraction": frac, "cold": cold, "tokens": toks, "decode_tps": n / secs,
+        "fraction": frac,
+        "cold": cold,
+        "tokens": toks,
+        "decode_tps": n / secs,
         "ms_per_token": 1000 * secs / n,
-        "hit_rate": s["hit_rate"], "bytes_read_per_token": s["bytes_read"] / n,
+        "hit_rate": s["hit_rate"],
+        "bytes_read_per_token": s["bytes_read"] / n,
         "reads_per_token": s["reads"] / n,
         "read_ms_per_token": 1000 * s["read_s"] / n,
         "readback_ms_per_token": 1000 * s["readback_s"] / n,
         "read_GBps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
-        "readbacks_per_token": s["readbacks"] / n, "evictions_per_token": s["evictions"] / n,
-        "slots": s["slots"], "pool_bytes": s["pool_bytes"], "budget_bytes": s["budget_bytes"],
-        "dense_bytes": dense, "load_s": load_s, "base_rss": base_rss,
-        "rss_after_load": rss_loaded, "peak_rss": peak.peak,
+        "readbacks_per_token": s["readbacks"] / n,
+        "evictions_per_token": s["evictions"] / n,
+        "slots": s["slots"],
+        "pool_bytes": s["pool_bytes"],
+        "budget_bytes": s["budget_bytes"],
+        "dense_bytes": dense,
+        "load_s": load_s,
+        "base_rss": base_rss,
+        "rss_after_load": rss_loaded,
+        "peak_rss": peak.peak,
         "overhead_rss": peak.peak - base_rss - dense - s["pool_bytes"],
         "mlx_peak": mx.get_peak_memory(),
     }
@@ -204,8 +230,11 @@ def side_by_side(folder: Path, n: int, trials: int) -> dict:
     plain, paged = load(folder).model, load_paged(folder, eb).model
     opts = paged.rq_pager.options
     # one paged model, its read-back switched per run (the pool is full either way)
-    models = {"plain": (plain, None), "paged_full": (paged, False),
-              "paged_full_readback": (paged, True)}
+    models = {
+        "plain": (plain, None),
+        "paged_full": (paged, False),
+        "paged_full_readback": (paged, True),
+    }
 
     def run(k, count):
         m, readback = models[k]
@@ -237,22 +266,37 @@ def main():
     global WARMUP, ROUTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32768,
-                    help="smaller than Qwen3's 151,936: the lm_head is not what is measured")
-    ap.add_argument("--widths", default="", help="role widths, e.g. routed=float (default: "
-                    "the app's: dense 4, routed 2, shared 8)")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=32768,
+        help="smaller than Qwen3's 151,936: the lm_head is not what is measured",
+    )
+    ap.add_argument(
+        "--widths",
+        default="",
+        help="role widths, e.g. routed=float (default: the app's: dense 4, routed 2, shared 8)",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="float dtype (float32: CPU BLAS)")
-    ap.add_argument("--part", choices=("all", "side", "sweep"), default="all",
-                    help="side by side only / sweep only (merged into an existing --out)")
+    ap.add_argument(
+        "--part",
+        choices=("all", "side", "sweep"),
+        default="all",
+        help="side by side only / sweep only (merged into an existing --out)",
+    )
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=WARMUP)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-bench"))
     ap.add_argument("--child", type=float, default=None)
     ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--routing", choices=("model", "trace", "random"), default="model",
-                    help="model: the random model's own router on random tokens; trace / "
-                    "random: forced expert choices (benchmarks/pager_routing.py)")
+    ap.add_argument(
+        "--routing",
+        choices=("model", "trace", "random"),
+        default="model",
+        help="model: the random model's own router on random tokens; trace / "
+        "random: forced expert choices (benchmarks/pager_routing.py)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pager.json"))
     a = ap.parse_args()
     WARMUP, ROUTING = a.warmup, a.routing
@@ -268,50 +312,93 @@ def main():
     t = time.perf_counter()
     man = build(folder, cfg, a.widths, a.dtype)
     EXPERTS.append(man.experts)
-    print(f"model: {folder} ({man.total_bytes / 1e9:.2f} GB, experts "
-          f"{expert_bytes(folder) / 1e9:.2f} GB; built in {time.perf_counter() - t:.0f} s)")
-    prev = json.loads(Path(a.out).read_text()) if a.part != "all" and Path(
-        a.out).exists() else {}
+    print(
+        f"model: {folder} ({man.total_bytes / 1e9:.2f} GB, experts "
+        f"{expert_bytes(folder) / 1e9:.2f} GB; built in {time.perf_counter() - t:.0f} s)"
+    )
+    prev = json.loads(Path(a.out).read_text()) if a.part != "all" and Path(a.out).exists() else {}
     if a.part == "sweep":
         sbs = prev["side_by_side"]
     else:
         sbs = side_by_side(folder, a.tokens, a.trials)
-    print(f"side by side ({a.trials} trials, {a.tokens} tokens, best): " + ", ".join(
-        f"{k} {v:.1f} ms/tok" for k, v in sbs["best_ms_per_token"].items()))
-    print(f"overhead at 100% residency: {sbs['overhead_full_residency_pct']:+.2f}%  "
-          f"(with index read-back: {sbs['overhead_readback_pct']:+.2f}%)  "
-          f"identical tokens: {sbs['identical_tokens']}")
+    print(
+        f"side by side ({a.trials} trials, {a.tokens} tokens, best): "
+        + ", ".join(f"{k} {v:.1f} ms/tok" for k, v in sbs["best_ms_per_token"].items())
+    )
+    print(
+        f"overhead at 100% residency: {sbs['overhead_full_residency_pct']:+.2f}%  "
+        f"(with index read-back: {sbs['overhead_readback_pct']:+.2f}%)  "
+        f"identical tokens: {sbs['identical_tokens']}"
+    )
     runs = prev.get("fractions", []) if a.part == "side" else []
-    for frac, cold in [] if a.part == "side" else (
-            [(f, False) for f in FRACTIONS] + [(f, True) for f in COLD]):
-        cmd = [sys.executable, __file__, "--layers", str(a.layers), "--tokens", str(a.tokens),
-               "--vocab", str(a.vocab), "--widths", a.widths, "--workdir", a.workdir,
-               "--dtype", a.dtype, "--warmup", str(a.warmup), "--routing", a.routing,
-               "--child", str(frac)] + (["--cold"] if cold else [])
-        r = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                      text=True).stdout.strip().splitlines()[-1])
+    for frac, cold in (
+        [] if a.part == "side" else ([(f, False) for f in FRACTIONS] + [(f, True) for f in COLD])
+    ):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--layers",
+            str(a.layers),
+            "--tokens",
+            str(a.tokens),
+            "--vocab",
+            str(a.vocab),
+            "--widths",
+            a.widths,
+            "--workdir",
+            a.workdir,
+            "--dtype",
+            a.dtype,
+            "--warmup",
+            str(a.warmup),
+            "--routing",
+            a.routing,
+            "--child",
+            str(frac),
+        ] + (["--cold"] if cold else [])
+        r = json.loads(
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         r["identical_to_plain"] = r.pop("tokens") == sbs["plain_tokens"]
         runs.append(r)
-    hdr = (f"{'resident':>8} {'cold':>5} {'tok/s':>7} {'hit':>6} {'MB read/tok':>11} "
-           f"{'read ms/tok':>11} {'sync ms/tok':>11} {'GB/s':>6} {'peak RSS':>9} "
-           f"{'over':>8} {'same':>5}")
+    hdr = (
+        f"{'resident':>8} {'cold':>5} {'tok/s':>7} {'hit':>6} {'MB read/tok':>11} "
+        f"{'read ms/tok':>11} {'sync ms/tok':>11} {'GB/s':>6} {'peak RSS':>9} "
+        f"{'over':>8} {'same':>5}"
+    )
     print(hdr)
     for r in runs:
         gbps = f"{r['read_GBps']:.2f}" if r["read_GBps"] else "-"
-        print(f"{r['fraction']:>8.0%} {str(r['cold']):>5} {r['decode_tps']:>7.2f} "
-              f"{r['hit_rate']:>6.1%} {r['bytes_read_per_token'] / 1e6:>11.1f} "
-              f"{r['read_ms_per_token']:>11.1f} {r['readback_ms_per_token']:>11.1f} "
-              f"{gbps:>6} {r['peak_rss'] / 2**30:>8.2f}G "
-              f"{r['overhead_rss'] / 2**20:>7.0f}M {str(r['identical_to_plain']):>5}")
+        print(
+            f"{r['fraction']:>8.0%} {str(r['cold']):>5} {r['decode_tps']:>7.2f} "
+            f"{r['hit_rate']:>6.1%} {r['bytes_read_per_token'] / 1e6:>11.1f} "
+            f"{r['read_ms_per_token']:>11.1f} {r['readback_ms_per_token']:>11.1f} "
+            f"{gbps:>6} {r['peak_rss'] / 2**30:>8.2f}G "
+            f"{r['overhead_rss'] / 2**20:>7.0f}M {str(r['identical_to_plain']):>5}"
+        )
     result = {
         "machine": machine(),
-        "model": {"shape": "Qwen3-30B-A3B dims", "layers": a.layers, "vocab": a.vocab,
-                  "total_bytes": man.total_bytes, "expert_bytes": expert_bytes(folder),
-                  "widths": man.extra.get("widths"), "dtype": a.dtype,
-                  "weights": "random (synth)"},
-        "settings": {"prompt_tokens": PROMPT_LEN, "warmup_tokens": WARMUP, "routing": ROUTING,
-                     "timed_tokens": a.tokens, "trials": a.trials, "batch": 1,
-                     "driver": "teacher-forced random tokens, pipelined like generate_step"},
+        "model": {
+            "shape": "Qwen3-30B-A3B dims",
+            "layers": a.layers,
+            "vocab": a.vocab,
+            "total_bytes": man.total_bytes,
+            "expert_bytes": expert_bytes(folder),
+            "widths": man.extra.get("widths"),
+            "dtype": a.dtype,
+            "weights": "random (synth)",
+        },
+        "settings": {
+            "prompt_tokens": PROMPT_LEN,
+            "warmup_tokens": WARMUP,
+            "routing": ROUTING,
+            "timed_tokens": a.tokens,
+            "trials": a.trials,
+            "batch": 1,
+            "driver": "teacher-forced random tokens, pipelined like generate_step",
+        },
         "overhead_full_residency_pct": sbs["overhead_full_residency_pct"],
         "side_by_side": sbs,
         "fractions": runs,

@@ -48,9 +48,14 @@ PROMPT_LEN, GEN = 80, 200
 def machine() -> dict:
     import mlx.core as mx
 
-    d = {"platform": platform.platform(), "cores": os.cpu_count(), "mlx": mx.__version__,
-         "default_device": str(mx.default_device()), "cuda": bool(mx.cuda.is_available()),
-         "metal": bool(mx.metal.is_available())}
+    d = {
+        "platform": platform.platform(),
+        "cores": os.cpu_count(),
+        "mlx": mx.__version__,
+        "default_device": str(mx.default_device()),
+        "cuda": bool(mx.cuda.is_available()),
+        "metal": bool(mx.metal.is_available()),
+    }
     if d["cuda"] or d["metal"]:
         try:
             d["device"] = mx.device_info()
@@ -65,8 +70,11 @@ def _compare(y, ref) -> dict:
 
     y, ref = y.astype(mx.float32), ref.astype(mx.float32)
     rows = mx.all((y == ref).reshape(ref.shape[0], -1), axis=-1)
-    return {"rows_equal": int(rows.sum().item()), "rows": int(ref.shape[0]),
-            "max_abs_diff": float(mx.abs(y - ref).max().item())}
+    return {
+        "rows_equal": int(rows.sum().item()),
+        "rows": int(ref.shape[0]),
+        "max_abs_diff": float(mx.abs(y - ref).max().item()),
+    }
 
 
 def probe_bits(bits: int, big: bool) -> dict:
@@ -74,10 +82,17 @@ def probe_bits(bits: int, big: bool) -> dict:
 
     def qmm(x, w, idx, sorted_=False):
         # x: [n, 1, K]; idx: [n] -> [n, 1, N]
-        return mx.gather_qmm(x, *w, rhs_indices=idx, transpose=True, group_size=GROUP,
-                             bits=bits, sorted_indices=sorted_)
+        return mx.gather_qmm(
+            x,
+            *w,
+            rhs_indices=idx,
+            transpose=True,
+            group_size=GROUP,
+            bits=bits,
+            sorted_indices=sorted_,
+        )
 
-    wf = (mx.random.normal((E, N, K), key=mx.random.key(bits)) / K ** 0.5).astype(mx.bfloat16)
+    wf = (mx.random.normal((E, N, K), key=mx.random.key(bits)) / K**0.5).astype(mx.bfloat16)
     w = mx.quantize(wf, GROUP, bits)  # (packed [E, N, K*bits/32], scales, biases)
     del wf
     mx.eval(w)
@@ -104,11 +119,14 @@ def probe_bits(bits: int, big: bool) -> dict:
         parts = []
         uniq = np.unique(flat)
         for i in range(0, len(uniq), size):
-            rows = order[np.isin(flat[order], uniq[i:i + size])]
-            r = np.concatenate([rows, np.repeat(rows[-1:], 8 - len(rows))]) \
-                if pad and len(rows) < 8 else rows
+            rows = order[np.isin(flat[order], uniq[i : i + size])]
+            r = (
+                np.concatenate([rows, np.repeat(rows[-1:], 8 - len(rows))])
+                if pad and len(rows) < 8
+                else rows
+            )
             y = qmm(xr[mx.array(r)], w, mx.array(flat[r].astype(np.uint32)), True)
-            parts.append((rows, y[:len(rows)]))
+            parts.append((rows, y[: len(rows)]))
         return rows_of(parts), min(len(r) for r, _ in parts)
 
     y, least = per_groups(16)
@@ -133,7 +151,8 @@ def probe_bits(bits: int, big: bool) -> dict:
     perm = np.random.default_rng(7).permutation(256)[:E]
     pool = pool_case(256, perm)
     out["permuted_slots_of_256"] = _compare(
-        qmm(xr, pool, mx.array(perm[flat].astype(np.uint32))), ref)
+        qmm(xr, pool, mx.array(perm[flat].astype(np.uint32))), ref
+    )
     del pool
     if big:
         per_slot = N * K  # weight elements per expert
@@ -141,17 +160,24 @@ def probe_bits(bits: int, big: bool) -> dict:
         lo = slots - E - 4  # every expert's offset past 2^32 elements
         slot_of = lo + np.arange(E)
         pool = pool_case(slots, slot_of)
-        out["big_pool"] = {"slots": slots, "lowest_slot": lo,
-                           "weight_elements": slots * per_slot,
-                           "pool_bytes": sum(p.nbytes for p in pool)}
-        ok = all(mx.array_equal(p[mx.array(slot_of.astype(np.uint32))], a).item()
-                 for p, a in zip(pool, w, strict=True))
+        out["big_pool"] = {
+            "slots": slots,
+            "lowest_slot": lo,
+            "weight_elements": slots * per_slot,
+            "pool_bytes": sum(p.nbytes for p in pool),
+        }
+        ok = all(
+            mx.array_equal(p[mx.array(slot_of.astype(np.uint32))], a).item()
+            for p, a in zip(pool, w, strict=True)
+        )
         out["big_pool"]["scatter_wrote_right_slots"] = bool(ok)
         out["big_pool_top_slots"] = _compare(
-            qmm(xr, pool, mx.array(slot_of[flat].astype(np.uint32))), ref)
-        view = [p[lo:lo + E] for p in pool]
+            qmm(xr, pool, mx.array(slot_of[flat].astype(np.uint32))), ref
+        )
+        view = [p[lo : lo + E] for p in pool]
         out["big_pool_view_from_lowest_slot"] = _compare(
-            qmm(xr, view, mx.array(flat.astype(np.uint32))), ref)
+            qmm(xr, view, mx.array(flat.astype(np.uint32))), ref
+        )
         del pool, view
         mx.clear_cache()
     return out
@@ -185,14 +211,16 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
     from app.engine.quant.convert import convert
     from app.engine.testing.random_models import make_random_model
 
-    prompts = {"prompt_80": mx.array(np.random.default_rng(7).integers(3, 1000, PROMPT_LEN)
-                                      .tolist()),
-               "prompt_1": mx.array([17])}
+    prompts = {
+        "prompt_80": mx.array(np.random.default_rng(7).integers(3, 1000, PROMPT_LEN).tolist()),
+        "prompt_1": mx.array([17]),
+    }
     res = {} if res is None else res
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
-            src = make_random_model(arch, Path(tmp) / f"{arch}-src", seed=11, scale=0.5,
-                                    dtype=dtype)
+            src = make_random_model(
+                arch, Path(tmp) / f"{arch}-src", seed=11, scale=0.5, dtype=dtype
+            )
             folder = Path(tmp) / f"{arch}-rq"
             convert(src, folder)
             with ExpertStore(folder) as st:
@@ -202,9 +230,13 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
             ref_model = load(folder).model
             refs = {p: _generate(ref_model, prompts[p], gen) for p in prompts}
             del ref_model
-            cases = {"budget_100": (eb, None), "budget_50": (eb // 2, None),
-                     "budget_25": (eb // 4, None), "slots_2": (2 * slot + slot // 2, None),
-                     "budget_50_windows_of_3": (eb // 2, 3 * per + 1)}
+            cases = {
+                "budget_100": (eb, None),
+                "budget_50": (eb // 2, None),
+                "budget_25": (eb // 4, None),
+                "slots_2": (2 * slot + slot // 2, None),
+                "budget_50_windows_of_3": (eb // 2, 3 * per + 1),
+            }
             real_limit = layers._index_limit
             for case, (budget, limit) in cases.items():
                 if limit is not None:
@@ -222,10 +254,12 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
                         "first_mismatch": _first_mismatch(toks, rt),
                         "tokens": len(rt),
                         "first_logprobs_equal": bool(mx.array_equal(first, rf).item()),
-                        "first_logprobs_max_abs_diff": float(mx.abs(
-                            first.astype(mx.float32) - rf.astype(mx.float32)).max().item()),
+                        "first_logprobs_max_abs_diff": float(
+                            mx.abs(first.astype(mx.float32) - rf.astype(mx.float32)).max().item()
+                        ),
                         "slots": pager.stats()["slots"],
-                        "split_calls": pager.stats()["split_calls"]}
+                        "split_calls": pager.stats()["split_calls"],
+                    }
                     saved()
                 pager.close()
     return res
@@ -233,24 +267,45 @@ def tiny_models(dtype: str, gen: int, res: dict | None = None, saved=lambda: Non
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
-                                         "pager_gpu_identity.json"))
-    ap.add_argument("--big", action=argparse.BooleanOptionalAction, default=None,
-                    help="big-pool probes (~5 GB; default: on a GPU only)")
+    ap.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "results" / "pager_gpu_identity.json")
+    )
+    ap.add_argument(
+        "--big",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="big-pool probes (~5 GB; default: on a GPU only)",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="tiny models' dtype")
     ap.add_argument("--tokens", type=int, default=GEN)
     ap.add_argument("--skip-probes", action="store_true", help="only the tiny models (part b)")
     a = ap.parse_args()
     import mlx.core as mx
 
-    big = a.big if a.big is not None else bool(mx.cuda.is_available() or
-                                               mx.metal.is_available())
+    big = a.big if a.big is not None else bool(mx.cuda.is_available() or mx.metal.is_available())
     t0 = time.perf_counter()
-    result = {"machine": machine(), "settings": {
-        "probe": {"N": N, "K": K, "group_size": GROUP, "experts": E, "tokens": TOKENS,
-                  "top_k": TOPK, "x_dtype": "bfloat16", "big_pool": big},
-        "models": {"archs": ARCHS, "dtype": a.dtype, "prompt_tokens": [PROMPT_LEN, 1],
-                   "generated": a.tokens, "sampler": "greedy"}}}
+    result = {
+        "machine": machine(),
+        "settings": {
+            "probe": {
+                "N": N,
+                "K": K,
+                "group_size": GROUP,
+                "experts": E,
+                "tokens": TOKENS,
+                "top_k": TOPK,
+                "x_dtype": "bfloat16",
+                "big_pool": big,
+            },
+            "models": {
+                "archs": ARCHS,
+                "dtype": a.dtype,
+                "prompt_tokens": [PROMPT_LEN, 1],
+                "generated": a.tokens,
+                "sampler": "greedy",
+            },
+        },
+    }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -267,21 +322,27 @@ def main():
     for b, d in result["gather_qmm"].items():
         for case, v in d.items():
             if isinstance(v, dict) and "rows" in v:
-                print(f"{b + ' ' + case:40s} {v['rows_equal']:>5d} / {v['rows']:<5d} "
-                      f"{v['max_abs_diff']:11.3g}")
+                print(
+                    f"{b + ' ' + case:40s} {v['rows_equal']:>5d} / {v['rows']:<5d} "
+                    f"{v['max_abs_diff']:11.3g}"
+                )
         print(f"{b + ' reference max |y|':40s} {d['reference_max_abs']:>25.3g}")
     result["models"] = {}
     tiny_models(a.dtype, a.tokens, result["models"], save)
     result["models_seconds"] = time.perf_counter() - t0 - result["probe_seconds"]
     save()
-    print(f"\n{'model / budget / prompt':44s} {'first mismatch':>14s} {'step-0 logprobs':>16s} "
-          f"{'splits':>6s}")
+    print(
+        f"\n{'model / budget / prompt':44s} {'first mismatch':>14s} {'step-0 logprobs':>16s} "
+        f"{'splits':>6s}"
+    )
     for name, v in result["models"].items():
         fm = "none" if v["first_mismatch"] is None else str(v["first_mismatch"])
         eq = "equal" if v["first_logprobs_equal"] else f"{v['first_logprobs_max_abs_diff']:.2g}"
         print(f"{name:44s} {fm:>14s} {eq:>16s} {v['split_calls']:>6d}")
-    print(f"wrote {out} ({result['seconds']:.0f} s: probes {result['probe_seconds']:.0f} s, "
-          f"models {result['models_seconds']:.0f} s)")
+    print(
+        f"wrote {out} ({result['seconds']:.0f} s: probes {result['probe_seconds']:.0f} s, "
+        f"models {result['models_seconds']:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -54,11 +54,23 @@ def config(small: bool) -> dict:
     cfg, _, _ = load_config(CONFIG)
     cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "architectures")}
     if small:  # same kinds of layers, a few of each, 64 experts: runs on a laptop CPU
-        cfg.update(hybrid_override_pattern="MEM*EMEME", num_hidden_layers=9, hidden_size=512,
-                   n_routed_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
-                   moe_latent_size=128, moe_shared_expert_intermediate_size=512,
-                   intermediate_size=256, mamba_num_heads=16, mamba_head_dim=32,
-                   num_attention_heads=8, vocab_size=4096, n_groups=2, ssm_state_size=32)
+        cfg.update(
+            hybrid_override_pattern="MEM*EMEME",
+            num_hidden_layers=9,
+            hidden_size=512,
+            n_routed_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=256,
+            moe_latent_size=128,
+            moe_shared_expert_intermediate_size=512,
+            intermediate_size=256,
+            mamba_num_heads=16,
+            mamba_head_dim=32,
+            num_attention_heads=8,
+            vocab_size=4096,
+            n_groups=2,
+            ssm_state_size=32,
+        )
     return cfg
 
 
@@ -66,9 +78,14 @@ def machine() -> dict:
     import mlx.core as mx
     import psutil
 
-    d = {"platform": platform.platform(), "cores": os.cpu_count(),
-         "ram_bytes": psutil.virtual_memory().total, "mlx": mx.__version__,
-         "cuda": bool(mx.cuda.is_available()), "metal": bool(mx.metal.is_available())}
+    d = {
+        "platform": platform.platform(),
+        "cores": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "mlx": mx.__version__,
+        "cuda": bool(mx.cuda.is_available()),
+        "metal": bool(mx.metal.is_available()),
+    }
     if d["cuda"] or d["metal"]:
         try:
             d["device"] = mx.device_info()
@@ -117,20 +134,27 @@ def build(folder: Path, small: bool) -> dict:
         free = shutil.disk_usage(folder.parent if folder.parent.exists() else "/").free
         print(f"need {need / 1e9:.1f} GB on disk, {free / 1e9:.1f} GB free")
         if free < need * 1.02 + (1 << 30):
-            raise SystemExit(f"not enough disk at {folder.parent}: {free / 1e9:.1f} GB free, "
-                             f"{need / 1e9:.1f} GB needed")
+            raise SystemExit(
+                f"not enough disk at {folder.parent}: {free / 1e9:.1f} GB free, "
+                f"{need / 1e9:.1f} GB needed"
+            )
     folder.parent.mkdir(parents=True, exist_ok=True)
     fs = fstype(folder.parent.resolve())
-    print(f"workdir {folder.parent} on {fs}" + ("  (RAM-backed: the cold run reads no disk)"
-                                                 if fs == "tmpfs" else ""))
+    print(
+        f"workdir {folder.parent} on {fs}"
+        + ("  (RAM-backed: the cold run reads no disk)" if fs == "tmpfs" else "")
+    )
     t0, last = time.perf_counter(), [0.0]
 
     def progress(item, done, total):
         if done / total - last[0] >= 0.05 or done == total:
             last[0] = done / total
             el = time.perf_counter() - t0
-            print(f"  {done / 1e9:6.1f} / {total / 1e9:.1f} GB  {el:6.0f} s  "
-                  f"{done / max(el, 1e-9) / 1e9:.2f} GB/s  {item}", flush=True)
+            print(
+                f"  {done / 1e9:6.1f} / {total / 1e9:.1f} GB  {el:6.0f} s  "
+                f"{done / max(el, 1e-9) / 1e9:.2f} GB/s  {item}",
+                flush=True,
+            )
 
     man = write_random_converted(cfg, folder, seed=0, progress=progress)
     secs = time.perf_counter() - t0
@@ -164,20 +188,29 @@ def _decode(model, n: int) -> dict:
             t0 = time.perf_counter()
     secs = time.perf_counter() - t0
     mx.synchronize()
-    out = {"tokens": toks, "first_token_s": t_first, "decode_tps": n / secs,
-           "ms_per_token": 1000 * secs / n}
+    out = {
+        "tokens": toks,
+        "first_token_s": t_first,
+        "decode_tps": n / secs,
+        "ms_per_token": 1000 * secs / n,
+    }
     if pager is not None:
         s = pager.stats()
-        out.update(hit_rate=s["hit_rate"], bytes_read_per_token=s["bytes_read"] / n,
-                   reads_per_token=s["reads"] / n,
-                   read_ms_per_token=1000 * s["read_s"] / n,
-                   readback_ms_per_token=1000 * s["readback_s"] / n,
-                   read_GBps=s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
-                   evictions_per_token=s["evictions"] / n, slots=s["slots"],
-                   pool_bytes=s["pool_bytes"], budget_bytes=s["budget_bytes"],
-                   expert_bytes=s["expert_bytes"],
-                   prefill_bytes_read=prefill["bytes_read"] if prefill else None,
-                   prefill_read_s=prefill["read_s"] if prefill else None)
+        out.update(
+            hit_rate=s["hit_rate"],
+            bytes_read_per_token=s["bytes_read"] / n,
+            reads_per_token=s["reads"] / n,
+            read_ms_per_token=1000 * s["read_s"] / n,
+            readback_ms_per_token=1000 * s["readback_s"] / n,
+            read_GBps=s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
+            evictions_per_token=s["evictions"] / n,
+            slots=s["slots"],
+            pool_bytes=s["pool_bytes"],
+            budget_bytes=s["budget_bytes"],
+            expert_bytes=s["expert_bytes"],
+            prefill_bytes_read=prefill["bytes_read"] if prefill else None,
+            prefill_read_s=prefill["read_s"] if prefill else None,
+        )
     return out
 
 
@@ -221,24 +254,31 @@ def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None
             if cold:
                 _drop_cache(folder)
             t = time.perf_counter()
-            lm = load_paged(folder, budget_bytes, drop_page_cache=cold, read_threads=8,
-                            async_eval=async_eval)
+            lm = load_paged(
+                folder, budget_bytes, drop_page_cache=cold, read_threads=8, async_eval=async_eval
+            )
             load_s = time.perf_counter() - t
             d = _decode(lm.model, n)
             d["load_s"] = load_s
             lm.model.rq_pager.close()
             return d
+
         return go
 
-    for name, fn in (("paged_warm_cache", paged(False)), ("paged_cold", paged(True)),
-                     ("paged_warm_cache_async_eval", paged(False, async_eval=True))):
+    for name, fn in (
+        ("paged_warm_cache", paged(False)),
+        ("paged_cold", paged(True)),
+        ("paged_warm_cache_async_eval", paged(False, async_eval=True)),
+    ):
         res[name] = _measure(fn)
         r = res[name]
-        print(f"{name}: {r['decode_tps']:.2f} tok/s, hit {r['hit_rate']:.1%}, "
-              f"{r['bytes_read_per_token'] / 1e6:.0f} MB read/tok at "
-              f"{(r['read_GBps'] or 0):.2f} GB/s, read-back {r['readback_ms_per_token']:.1f} "
-              f"ms/tok, peak {r['peak_memory'] / 1e9:.1f} GB, load {r['load_s']:.0f} s",
-              flush=True)
+        print(
+            f"{name}: {r['decode_tps']:.2f} tok/s, hit {r['hit_rate']:.1%}, "
+            f"{r['bytes_read_per_token'] / 1e6:.0f} MB read/tok at "
+            f"{(r['read_GBps'] or 0):.2f} GB/s, read-back {r['readback_ms_per_token']:.1f} "
+            f"ms/tok, peak {r['peak_memory'] / 1e9:.1f} GB, load {r['load_s']:.0f} s",
+            flush=True,
+        )
         save(res)
 
     def resident():
@@ -251,14 +291,19 @@ def run(folder: Path, budget: float, n: int, small: bool, save=lambda part: None
 
     res["resident"] = _measure(resident)
     r = res["resident"]
-    print(f"resident: {r['decode_tps']:.2f} tok/s, peak {r['peak_memory'] / 1e9:.1f} GB, "
-          f"load {r['load_s']:.0f} s", flush=True)
+    print(
+        f"resident: {r['decode_tps']:.2f} tok/s, peak {r['peak_memory'] / 1e9:.1f} GB, "
+        f"load {r['load_s']:.0f} s",
+        flush=True,
+    )
     ref = res["resident"]["tokens"]
     for k in ("paged_warm_cache", "paged_cold", "paged_warm_cache_async_eval"):
         res[k].update(compare_tokens(res[k]["tokens"], ref))
         res[k]["speed_vs_resident"] = res[k]["decode_tps"] / r["decode_tps"]
-        print(f"{k}: first mismatch {res[k]['first_mismatch']}, "
-              f"{res[k]['tokens_matching']} / {len(ref)} tokens equal")
+        print(
+            f"{k}: first mismatch {res[k]['first_mismatch']}, "
+            f"{res[k]['tokens_matching']} / {len(ref)} tokens equal"
+        )
     return {"expert_bytes": eb, "budget_bytes": budget_bytes, **res}
 
 
@@ -268,8 +313,11 @@ def compare_tokens(got: list[int], ref: list[int]) -> dict:
     while n < min(len(got), len(ref)) and got[n] == ref[n]:
         n += 1
     same = n == len(got) == len(ref)
-    return {"identical_to_resident": same, "first_mismatch": None if same else n,
-            "tokens_matching": n}
+    return {
+        "identical_to_resident": same,
+        "first_mismatch": None if same else n,
+        "tokens_matching": n,
+    }
 
 
 def main():
@@ -282,10 +330,19 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     folder = Path(a.workdir) / ("nemotron-super-small" if a.small else "nemotron-super")
-    result = {"machine": machine(), "model": CONFIG + (" (small)" if a.small else ""),
-              "settings": {"prompt_tokens": PROMPT_LEN, "warmup_tokens": WARMUP,
-                           "timed_tokens": a.tokens, "budget_gb": a.budget_gb, "batch": 1,
-                           "sampler": "greedy", "widths": "dense 4, routed 2, shared 8"}}
+    result = {
+        "machine": machine(),
+        "model": CONFIG + (" (small)" if a.small else ""),
+        "settings": {
+            "prompt_tokens": PROMPT_LEN,
+            "warmup_tokens": WARMUP,
+            "timed_tokens": a.tokens,
+            "budget_gb": a.budget_gb,
+            "batch": 1,
+            "sampler": "greedy",
+            "widths": "dense 4, routed 2, shared 8",
+        },
+    }
     if a.phase in ("build", "all"):
         import mlx.core as mx
 
@@ -294,9 +351,20 @@ def main():
         result["build"] = build(folder, a.small)
     if a.phase in ("run", "all"):
         result["filesystem"] = fstype(folder.resolve())
-        out = Path(a.out) if a.out else (
-            ROOT / "benchmarks" / "results" / ("pager_nemotron_super_small.json" if a.small
-                                               else "pager_nemotron_super_h200.json"))
+        out = (
+            Path(a.out)
+            if a.out
+            else (
+                ROOT
+                / "benchmarks"
+                / "results"
+                / (
+                    "pager_nemotron_super_small.json"
+                    if a.small
+                    else "pager_nemotron_super_h200.json"
+                )
+            )
+        )
 
         def save(part, done=False):
             result["run"] = part if done else {"partial": True, **part}

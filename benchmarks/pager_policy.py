@@ -32,18 +32,36 @@ def measured_costs() -> dict:
     from record import RESULTS
 
     runs = json.loads((RESULTS / "pager_speed.json").read_text())["runs"]
-    rows = [r for r in runs if r["model"].endswith("-records") and r["cache"] == "warm"
-            and r.get("variant", "current") == "current"]
+    rows = [
+        r
+        for r in runs
+        if r["model"].endswith("-records")
+        and r["cache"] == "warm"
+        and r.get("variant", "current") == "current"
+    ]
     if not rows:
         raise SystemExit("run benchmarks/pager_speed.py first (its CPU rows)")
-    base = min(r["ms_per_token"]["compute"] + r["ms_per_token"]["host"]
-               + r["ms_per_token"]["readbacks"] for r in rows) / 1000
+    base = (
+        min(
+            r["ms_per_token"]["compute"]
+            + r["ms_per_token"]["host"]
+            + r["ms_per_token"]["readbacks"]
+            for r in rows
+        )
+        / 1000
+    )
     read = max(r["read_GBps"] for r in rows if r["read_GBps"]) * 1e9
     cold = [r for r in runs if r["model"].endswith("-records") and r["cache"] == "cold"]
     disk = max(r["read_GBps"] for r in cold) * 1e9 if cold else read / 4
     copy = max(r["pread_bound_GBps"] for r in rows) * 1e9
-    return {"base_s": base, "warm_read_Bps": read, "disk_Bps": disk, "copy_Bps": copy,
-            "machine": rows[0]["machine"], "layers_measured": rows[0].get("layers")}
+    return {
+        "base_s": base,
+        "warm_read_Bps": read,
+        "disk_Bps": disk,
+        "copy_Bps": copy,
+        "machine": rows[0]["machine"],
+        "layers_measured": rows[0].get("layers"),
+    }
 
 
 def main():
@@ -57,8 +75,10 @@ def main():
     rng = np.random.default_rng(0)
     traces = {
         "trace": model_traces(list(range(LAYERS)), EXPERTS, K, STEPS),
-        "random": {x: np.stack([rng.choice(EXPERTS, K, replace=False) for _ in range(STEPS)])
-                   for x in range(LAYERS)},
+        "random": {
+            x: np.stack([rng.choice(EXPERTS, K, replace=False) for _ in range(STEPS)])
+            for x in range(LAYERS)
+        },
     }
     # base scaled from the measured layers to these: the step's non-read part per layer
     base = costs["base_s"] * LAYERS / (costs["layers_measured"] or LAYERS)
@@ -71,28 +91,49 @@ def main():
                 r = simulate(pol, tr, slots, warmup=WARMUP)
                 warm = token_seconds(r, base, RECORD, costs["warm_read_Bps"], costs["copy_Bps"])
                 cold = token_seconds(r, base, RECORD, costs["disk_Bps"], costs["copy_Bps"])
-                rows.append({"routing": routing, "budget_fraction": frac, "policy": pol,
-                             "hit_rate": r.hit_rate, "misses_per_token": r.misses_per_token,
-                             "copies_per_token": r.copies_per_token,
-                             "expected_tps_warm": 1 / warm, "expected_tps_cold": 1 / cold})
-    print(f"{'routing':7} {'budget':>6} {'policy':5} {'hit':>6} {'tok/s warm':>10} "
-          f"{'tok/s cold':>10}")
+                rows.append(
+                    {
+                        "routing": routing,
+                        "budget_fraction": frac,
+                        "policy": pol,
+                        "hit_rate": r.hit_rate,
+                        "misses_per_token": r.misses_per_token,
+                        "copies_per_token": r.copies_per_token,
+                        "expected_tps_warm": 1 / warm,
+                        "expected_tps_cold": 1 / cold,
+                    }
+                )
+    print(
+        f"{'routing':7} {'budget':>6} {'policy':5} {'hit':>6} {'tok/s warm':>10} {'tok/s cold':>10}"
+    )
     for r in rows:
-        print(f"{r['routing']:7} {r['budget_fraction']:>6.0%} {r['policy']:5} "
-              f"{r['hit_rate']:>6.1%} {r['expected_tps_warm']:>10.2f} "
-              f"{r['expected_tps_cold']:>10.2f}")
+        print(
+            f"{r['routing']:7} {r['budget_fraction']:>6.0%} {r['policy']:5} "
+            f"{r['hit_rate']:>6.1%} {r['expected_tps_warm']:>10.2f} "
+            f"{r['expected_tps_cold']:>10.2f}"
+        )
     best = {}
     for r in rows:
         k = (r["routing"], r["budget_fraction"])
         if k not in best or r["expected_tps_cold"] > best[k]["expected_tps_cold"]:
             best[k] = r
-    write_result("pager_policy", {
-        "settings": {"layers": LAYERS, "experts": EXPERTS, "k": K, "steps": STEPS,
-                     "warmup": WARMUP, "record_bytes": RECORD,
-                     "sim_seconds": round(time.perf_counter() - t0, 1)},
-        "costs": costs, "rows": rows,
-        "best_by_cold_tps": {f"{k[0]} {k[1]:.0%}": v["policy"] for k, v in best.items()},
-    })
+    write_result(
+        "pager_policy",
+        {
+            "settings": {
+                "layers": LAYERS,
+                "experts": EXPERTS,
+                "k": K,
+                "steps": STEPS,
+                "warmup": WARMUP,
+                "record_bytes": RECORD,
+                "sim_seconds": round(time.perf_counter() - t0, 1),
+            },
+            "costs": costs,
+            "rows": rows,
+            "best_by_cold_tps": {f"{k[0]} {k[1]:.0%}": v["policy"] for k, v in best.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ class ForcedRouting(nn.Module):
         return self.inner(x, forced)
 
 
-def force_routing(model, experts_section: dict, mode: str, steps: int = 4096,
-                  seed: int = 0) -> int:
+def force_routing(model, experts_section: dict, mode: str, steps: int = 4096, seed: int = 0) -> int:
     """Route every layer in `experts_section` (the manifest's) by `mode` from the stream's
     start (again on every call: the same experts for every run); returns how many layers.
     `model` (or "off") hands routing back to the model's router."""
@@ -66,8 +65,13 @@ def force_routing(model, experts_section: dict, mode: str, steps: int = 4096,
     for key, lay in experts_section["layers"].items():
         path = lay["module"]
         mod = modules[path]
-        stream = None if mode in ("model", "off") else expert_stream(
-            mode, int(lay["num_experts"]), _top_k(model, path), steps, seed * 100003 + int(key))
+        stream = (
+            None
+            if mode in ("model", "off")
+            else expert_stream(
+                mode, int(lay["num_experts"]), _top_k(model, path), steps, seed * 100003 + int(key)
+            )
+        )
         if isinstance(mod, ForcedRouting):
             mod.restart(stream)
         else:

@@ -50,12 +50,24 @@ SUPER_RECORDS = {"fc1": (2688, 1024), "fc2": (1024, 2688)}  # (out, in): latent 
 SUPER_K, SUPER_EXPERTS, SUPER_MOE_LAYERS, SUPER_LAYERS = 22, 512, 40, 88
 SUPER_BUDGET = 17e9
 QWEN3 = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "moe_intermediate_size": 768, "rms_norm_eps": 1e-6, "vocab_size": 151936,
-    "rope_theta": 1e6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-    "norm_topk_prob": True, "num_hidden_layers": 48,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 48,
 }
 PROMPT = 4
 T0 = time.perf_counter()
@@ -109,8 +121,9 @@ def warm_page_cache(store) -> None:
         list(ex.map(read, store.layers))
 
 
-def pread_bound(store, cold: bool, records: int, threads=(1, 2, 4, 8, 16), seed: int = 5,
-                ring: int = 64) -> dict:
+def pread_bound(
+    store, cold: bool, records: int, threads=(1, 2, 4, 8, 16), seed: int = 5, ring: int = 64
+) -> dict:
     """GB/s of parallel preadv of whole random records of these files, no CRC: what the disk
     or page cache gives this process. Destinations rotate over `ring` records' worth of
     touched memory (like slots: one buffer reused would stay in the CPU cache)."""
@@ -122,8 +135,10 @@ def pread_bound(store, cold: bool, records: int, threads=(1, 2, 4, 8, 16), seed:
     layers = store.layers
     lays = {x: store.layout(x) for x in layers}
     fds = {x: os.open(store.folder / lays[x].file, os.O_RDONLY) for x in layers}
-    picks = [(int(rng.choice(layers)), int(rng.integers(lays[layers[0]].num_experts)))
-             for _ in range(records)]
+    picks = [
+        (int(rng.choice(layers)), int(rng.integers(lays[layers[0]].num_experts)))
+        for _ in range(records)
+    ]
     size = max(lay.record_size for lay in lays.values())
     dst = np.ones((max(ring, max(threads)), size), np.uint8)  # touched: no first-write faults
     views = [memoryview(d) for d in dst]
@@ -132,7 +147,7 @@ def pread_bound(store, cold: bool, records: int, threads=(1, 2, 4, 8, 16), seed:
     def read(i):
         x, e = picks[i]
         lay = lays[x]
-        os.preadv(fds[x], [views[i % len(views)][:lay.record_size]], lay.record_offset(e))
+        os.preadv(fds[x], [views[i % len(views)][: lay.record_size]], lay.record_offset(e))
         if cold:
             os.posix_fadvise(fds[x], lay.record_offset(e), lay.stride, os.POSIX_FADV_DONTNEED)
 
@@ -184,8 +199,7 @@ def records_decode(pager, streams: dict, n: int, warmup: int) -> dict:
             pager.reset_stats()
             wait, t0 = 0.0, time.perf_counter()
         for layer in layers:
-            idx = mx.array(streams[layer][t][None].astype("uint32")) + (h > 1e30).astype(
-                mx.uint32)
+            idx = mx.array(streams[layer][t][None].astype("uint32")) + (h > 1e30).astype(mx.uint32)
             r = pager.route(layer, idx)
             sc = pager.arrays(layer)["fc1.scales"][r.slot_idx]  # [1, k, 2688, 16]
             h = h + sc.astype(mx.float32).mean()
@@ -193,15 +207,23 @@ def records_decode(pager, streams: dict, n: int, warmup: int) -> dict:
         tw = time.perf_counter()
         mx.eval(h)
         wait += time.perf_counter() - tw
-    return {"seconds": time.perf_counter() - t0, "wait_s": wait, "n": n,
-            "stats": pager.stats(), "out": h.item(), "threads": pager.options.read_threads}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "wait_s": wait,
+        "n": n,
+        "stats": pager.stats(),
+        "out": h.item(),
+        "threads": pager.options.read_threads,
+    }
 
 
 def streams_for(store, mode: str, steps: int, seed: int = 0) -> dict:
     from pager_routing import expert_stream
 
-    return {x: expert_stream(mode, store.layout(x).num_experts, SUPER_K, steps, seed * 7 + x)
-            for x in store.layers}
+    return {
+        x: expert_stream(mode, store.layout(x).num_experts, SUPER_K, steps, seed * 7 + x)
+        for x in store.layers
+    }
 
 
 def breakdown(n: int, seconds: float, stats: dict, wait_s: float, compute_s: float) -> dict:
@@ -209,29 +231,57 @@ def breakdown(n: int, seconds: float, stats: dict, wait_s: float, compute_s: flo
     reads = stats["read_s"] / n
     blocked = (stats["readback_s"] + wait_s) / n
     c = compute_s / n
-    return {"reads": 1000 * reads, "readbacks": 1000 * max(0.0, blocked - c),
-            "host": 1000 * (seconds / n - reads - blocked), "compute": 1000 * c}
+    return {
+        "reads": 1000 * reads,
+        "readbacks": 1000 * max(0.0, blocked - c),
+        "host": 1000 * (seconds / n - reads - blocked),
+        "compute": 1000 * c,
+    }
 
 
-def row(machine: str, model: str, routing: str, frac: float, cache: str, paged: dict,
-        resident_tps: float | None, compute_s: float, bound: dict, **extra) -> dict:
+def row(
+    machine: str,
+    model: str,
+    routing: str,
+    frac: float,
+    cache: str,
+    paged: dict,
+    resident_tps: float | None,
+    compute_s: float,
+    bound: dict,
+    **extra,
+) -> dict:
     s, n = paged["stats"], paged["n"]
     return {
-        "machine": machine, "model": model, "routing": routing, "budget_fraction": frac,
-        "cache": cache, "paged_tps": n / paged["seconds"], "resident_tps": resident_tps,
+        "machine": machine,
+        "model": model,
+        "routing": routing,
+        "budget_fraction": frac,
+        "cache": cache,
+        "paged_tps": n / paged["seconds"],
+        "resident_tps": resident_tps,
         "hit_rate": s["hit_rate"],
         "ms_per_token": breakdown(n, paged["seconds"], s, paged["wait_s"], compute_s),
         "read_GBps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
-        "pread_bound_GBps": bound["GBps"], "pread_bound_threads": bound["threads"],
+        "pread_bound_GBps": bound["GBps"],
+        "pread_bound_threads": bound["threads"],
         "read_threads": paged["threads"],
-        "misses_per_token": s["misses"] / n, "MB_read_per_token": s["bytes_read"] / n / 1e6,
+        "misses_per_token": s["misses"] / n,
+        "MB_read_per_token": s["bytes_read"] / n / 1e6,
         "pager_ms_per_token": s.get("ms_per_token"),  # the pager's own clock (stats.per_token)
         **extra,
     }
 
 
-def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
-              zero_copy: bool = False, device_copy: bool = False) -> dict:
+def read_path(
+    store,
+    bound: dict,
+    threads: int,
+    reps: int = 3,
+    calls: int = 8,
+    zero_copy: bool = False,
+    device_copy: bool = False,
+) -> dict:
     """GB/s of the pager's own read path (preadv into slots, CRC, bookkeeping of a call's
     misses: 22 records at a time), warm page cache, interleaved: the landed path (CRC on every
     read) vs the current one once records were checked (CRC only on a first read) vs no CRC."""
@@ -240,26 +290,28 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
 
     from app.engine.offload.pager import ExpertPager, PagerOptions
 
-    variants = {"crc_every_read": PagerOptions(read_threads=threads, verify_every_read=True),
-                "crc_first_read_only": PagerOptions(read_threads=threads),
-                "no_crc": PagerOptions(read_threads=threads, verify=False)}
+    variants = {
+        "crc_every_read": PagerOptions(read_threads=threads, verify_every_read=True),
+        "crc_first_read_only": PagerOptions(read_threads=threads),
+        "no_crc": PagerOptions(read_threads=threads, verify=False),
+    }
     if zero_copy:  # CUDA: preadv into the slots' memory, beside host staging
-        variants["zero_copy_first_read_only"] = PagerOptions(read_threads=threads,
-                                                             zero_copy=True)
+        variants["zero_copy_first_read_only"] = PagerOptions(read_threads=threads, zero_copy=True)
     if device_copy:  # CUDA: pinned staging copied by the driver (beside MLX's copy + scatter)
         variants["crc_first_read_only"] = PagerOptions(read_threads=threads, device_copy=False)
-        variants["crc_every_read"] = PagerOptions(read_threads=threads, device_copy=False,
-                                                  verify_every_read=True)
-        variants["no_crc"] = PagerOptions(read_threads=threads, verify=False,
-                                          device_copy=False)
+        variants["crc_every_read"] = PagerOptions(
+            read_threads=threads, device_copy=False, verify_every_read=True
+        )
+        variants["no_crc"] = PagerOptions(read_threads=threads, verify=False, device_copy=False)
         variants["device_copy_first_read_only"] = PagerOptions(read_threads=threads)
     pagers = {k: ExpertPager(store, store.expert_bytes() // 4, o) for k, o in variants.items()}
     rng = np.random.default_rng(3)
     layer = store.layers[0]
     lay = store.layout(layer)
-    todo = [[(int(e), s) for s, e in enumerate(rng.choice(lay.num_experts, SUPER_K,
-                                                            replace=False))]
-            for _ in range(calls)]
+    todo = [
+        [(int(e), s) for s, e in enumerate(rng.choice(lay.num_experts, SUPER_K, replace=False))]
+        for _ in range(calls)
+    ]
     for batch in todo:  # every record read (and checked) once: page cache warm, CRCs known
         for p in pagers.values():
             p._read_into(p.pools[0], layer, batch)
@@ -272,9 +324,12 @@ def read_path(store, bound: dict, threads: int, reps: int = 3, calls: int = 8,
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda i: os.preadv(fd, [views[base + i]],
-                                            lay.record_offset(batch[i][0])),
-                        range(len(batch))))
+            list(
+                ex.map(
+                    lambda i: os.preadv(fd, [views[base + i]], lay.record_offset(batch[i][0])),
+                    range(len(batch)),
+                )
+            )
 
     secs = {k: [] for k in variants}
     secs["raw_preadv"] = []
@@ -306,17 +361,23 @@ def cpu_mode(a, emit) -> None:
     machine = machine_name()
     steps = a.warmup + a.tokens
     eb = store.expert_bytes()
-    bounds = {"warm": pread_bound(store, False, a.bound_records),
-              "cold": pread_bound(store, True, a.bound_records)}
-    print("pread bound: " + ", ".join(
-        f"{k} {v['GBps']:.2f} GB/s ({v['threads']} threads)" for k, v in bounds.items()))
+    bounds = {
+        "warm": pread_bound(store, False, a.bound_records),
+        "cold": pread_bound(store, True, a.bound_records),
+    }
+    print(
+        "pread bound: "
+        + ", ".join(f"{k} {v['GBps']:.2f} GB/s ({v['threads']} threads)" for k, v in bounds.items())
+    )
     # the reader count that reads fastest here (0: the warm bound's best)
     current = PagerOptions(read_threads=a.threads or bounds["warm"]["threads"])
     landed = PagerOptions(read_threads=4, verify_every_read=True, policy="lru")
     rp = read_path(store, bounds["warm"], current.read_threads)
-    print("read path GB/s (warm): " + ", ".join(f"{k} {v:.2f}" for k, v in rp.items()
-                                                if k.endswith(("read", "only", "crc"))),
-          flush=True)
+    print(
+        "read path GB/s (warm): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in rp.items() if k.endswith(("read", "only", "crc"))),
+        flush=True,
+    )
     READ_PATH.update(rp)
     model = f"{SUPER}-records"
     for routing in ("trace", "random"):
@@ -343,9 +404,22 @@ def cpu_mode(a, emit) -> None:
                     r = records_decode(pager, streams, a.tokens, a.warmup)
                     pager.close()
                     assert r["out"] == r_res["out"], "paged state differs from resident"
-                    emit(row(machine, model, routing, frac, cache, r, resident_tps, compute_s,
-                             bounds[cache], variant=name, layers=a.layers,
-                             compute="stand-in: gather of the routed slots' fc1 scales"))
+                    emit(
+                        row(
+                            machine,
+                            model,
+                            routing,
+                            frac,
+                            cache,
+                            r,
+                            resident_tps,
+                            compute_s,
+                            bounds[cache],
+                            variant=name,
+                            layers=a.layers,
+                            compute="stand-in: gather of the routed slots' fc1 scales",
+                        )
+                    )
 
 
 # -- whole models (gpu mode) --------------------------------------------------------------
@@ -357,20 +431,41 @@ def super_config(small: bool) -> dict:
     pat = cfg["hybrid_override_pattern"][:22]  # the real pattern's first 22 layers
     cfg.update(hybrid_override_pattern=pat, num_hidden_layers=len(pat))
     if small:
-        cfg.update(hybrid_override_pattern="MEM*EME", num_hidden_layers=7, hidden_size=256,
-                   n_routed_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
-                   moe_latent_size=64, moe_shared_expert_intermediate_size=256,
-                   intermediate_size=128, mamba_num_heads=8, mamba_head_dim=32,
-                   num_attention_heads=4, vocab_size=2048, n_groups=2, ssm_state_size=16)
+        cfg.update(
+            hybrid_override_pattern="MEM*EME",
+            num_hidden_layers=7,
+            hidden_size=256,
+            n_routed_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=128,
+            moe_latent_size=64,
+            moe_shared_expert_intermediate_size=256,
+            intermediate_size=128,
+            mamba_num_heads=8,
+            mamba_head_dim=32,
+            num_attention_heads=4,
+            vocab_size=2048,
+            n_groups=2,
+            ssm_state_size=16,
+        )
     return cfg
 
 
 def qwen3_config(small: bool) -> dict:
     cfg = dict(QWEN3)
     if small:
-        cfg.update(num_hidden_layers=3, hidden_size=256, intermediate_size=512,
-                   moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=2048)
+        cfg.update(
+            num_hidden_layers=3,
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_experts=32,
+            num_experts_per_tok=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=2048,
+        )
     return cfg
 
 
@@ -384,8 +479,11 @@ def build(folder: Path, cfg: dict):
         man = write_random_converted(cfg, folder, seed=0)
         man.extra["bench_config"] = cfg
         man.save(folder)
-        print(f"built {folder.name} in {time.perf_counter() - t:.0f} s "
-              f"({man.total_bytes / 1e9:.1f} GB)", flush=True)
+        print(
+            f"built {folder.name} in {time.perf_counter() - t:.0f} s "
+            f"({man.total_bytes / 1e9:.1f} GB)",
+            flush=True,
+        )
     return man
 
 
@@ -435,10 +533,15 @@ def model_decode(model, n: int, warmup: int, pipelined: bool, logits: bool = Fal
         if logits:
             lg.append(np.array(prev[1].astype(mx.float32)))
     secs = time.perf_counter() - t0
-    return {"seconds": secs, "wait_s": wait, "n": n, "tokens": out,
-            "logits": np.concatenate(lg) if logits else None,
-            "stats": pager.stats() if pager is not None else None,
-            "threads": pager.options.read_threads if pager is not None else None}
+    return {
+        "seconds": secs,
+        "wait_s": wait,
+        "n": n,
+        "tokens": out,
+        "logits": np.concatenate(lg) if logits else None,
+        "stats": pager.stats() if pager is not None else None,
+        "threads": pager.options.read_threads if pager is not None else None,
+    }
 
 
 ZERO_COPY_PROBE = r"""
@@ -458,11 +561,15 @@ def zero_copy_works() -> bool:
     in a subprocess (a device pointer written from the host would crash this one)."""
     import subprocess
 
-    r = subprocess.run([sys.executable, "-c", ZERO_COPY_PROBE], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", ZERO_COPY_PROBE], capture_output=True, text=True, timeout=120
+    )
     ok = r.returncode == 0 and "zero-copy-ok" in r.stdout
-    print(f"zero-copy probe: {'ok' if ok else 'no'} (rc {r.returncode}, "
-          f"{(r.stdout + r.stderr).strip()[-200:]})", flush=True)
+    print(
+        f"zero-copy probe: {'ok' if ok else 'no'} (rc {r.returncode}, "
+        f"{(r.stdout + r.stderr).strip()[-200:]})",
+        flush=True,
+    )
     return ok
 
 
@@ -471,12 +578,16 @@ def spread(a: dict, b: dict) -> dict:
 
     diff = [i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)) if x != y]
     d = np.abs(a["logits"] - b["logits"])
-    return {"first_token_diff": diff[0] if diff else None, "tokens_equal": len(diff) == 0,
-            "max_abs_logit_diff": float(d.max())}
+    return {
+        "first_token_diff": diff[0] if diff else None,
+        "tokens_equal": len(diff) == 0,
+        "max_abs_logit_diff": float(d.max()),
+    }
 
 
-def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dict,
-               scale: float | None) -> None:
+def model_rows(
+    a, emit, name: str, folder: Path, fracs: list[float], caches: dict, scale: float | None
+) -> None:
     """Resident (twice per routing) and paged rows of one model; `caches`: frac -> caches."""
     import gc
 
@@ -492,12 +603,16 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
     store = ExpertStore(folder, man.experts)
     eb = store.expert_bytes()
     machine = machine_name()
-    bounds = {"warm": pread_bound(store, False, a.bound_records),
-              "cold": pread_bound(store, True, a.bound_records) if any(
-                  "cold" in c for c in caches.values()) else None}
+    bounds = {
+        "warm": pread_bound(store, False, a.bound_records),
+        "cold": pread_bound(store, True, a.bound_records)
+        if any("cold" in c for c in caches.values())
+        else None,
+    }
     print(f"{name}: pread bound warm {bounds['warm']['GBps']:.2f} GB/s", flush=True)
     resident = {}
     lm = load_converted(folder)
+
     def run(model, routing, pipelined=True, seed=0):
         force_routing(model, man.experts, routing, steps=steps, seed=seed)
         return model_decode(model, a.tokens, a.warmup, pipelined, logits=pipelined)
@@ -507,11 +622,18 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
         res = [run(lm.model, routing) for _ in range(2)]
         comp = run(lm.model, routing, pipelined=False)
         best = min(res, key=lambda r: r["seconds"])
-        resident[routing] = {"tps": a.tokens / best["seconds"], "runs": res,
-                             "compute_s": comp["wait_s"], "spread": spread(res[0], res[1]),
-                             "unpipelined_tps": a.tokens / comp["seconds"]}
-        print(f"  resident {routing}: {resident[routing]['tps']:.2f} tok/s, run-to-run "
-              f"{resident[routing]['spread']}", flush=True)
+        resident[routing] = {
+            "tps": a.tokens / best["seconds"],
+            "runs": res,
+            "compute_s": comp["wait_s"],
+            "spread": spread(res[0], res[1]),
+            "unpipelined_tps": a.tokens / comp["seconds"],
+        }
+        print(
+            f"  resident {routing}: {resident[routing]['tps']:.2f} tok/s, run-to-run "
+            f"{resident[routing]['spread']}",
+            flush=True,
+        )
     del lm
     gc.collect()
     mx.clear_cache()
@@ -535,17 +657,33 @@ def model_rows(a, emit, name: str, folder: Path, fracs: list[float], caches: dic
                 r = run(lm.model, routing, seed=1 if cache == "cold" else 0)
                 ref = resident[routing]
                 vs = spread(ref["runs"][0], r)
-                extra = {"variant": variant, "zero_copy": pager.zero_copy,
-                         "device_copy": pager._copier is not None,
-                         "resident_spread": ref["spread"], "paged_vs_resident": vs,
-                         "resident_unpipelined_tps": ref["unpipelined_tps"],
-                         "within_resident_spread": vs["max_abs_logit_diff"]
-                         <= ref["spread"]["max_abs_logit_diff"]}
+                extra = {
+                    "variant": variant,
+                    "zero_copy": pager.zero_copy,
+                    "device_copy": pager._copier is not None,
+                    "resident_spread": ref["spread"],
+                    "paged_vs_resident": vs,
+                    "resident_unpipelined_tps": ref["unpipelined_tps"],
+                    "within_resident_spread": vs["max_abs_logit_diff"]
+                    <= ref["spread"]["max_abs_logit_diff"],
+                }
                 if scale:
                     extra["layers_scale"] = scale
                     extra["full_model_tps_est"] = a.tokens / r["seconds"] * scale
-                emit(row(machine, name, routing, frac, cache, r, ref["tps"], ref["compute_s"],
-                         bounds[cache], **extra))
+                emit(
+                    row(
+                        machine,
+                        name,
+                        routing,
+                        frac,
+                        cache,
+                        r,
+                        ref["tps"],
+                        ref["compute_s"],
+                        bounds[cache],
+                        **extra,
+                    )
+                )
         pager.close()
         del lm, pager
         gc.collect()
@@ -559,8 +697,10 @@ def gpu_mode(a, emit) -> None:
     # its self-test passes); staging: one MLX copy a call, scattered on the device; zero_copy
     # (--zero-copy): preadv into the slots' managed memory (page migrations: slow on the H200)
     if mx.cuda.is_available():
-        VARIANTS[:] = [("device_copy", {"zero_copy": False}),
-                       ("staging", {"zero_copy": False, "device_copy": False})]
+        VARIANTS[:] = [
+            ("device_copy", {"zero_copy": False}),
+            ("staging", {"zero_copy": False, "device_copy": False}),
+        ]
         if a.zero_copy and zero_copy_works():
             VARIANTS.append(("zero_copy", {"zero_copy": True}))
     else:
@@ -576,21 +716,43 @@ def gpu_mode(a, emit) -> None:
     # Super first (the headline), then Qwen3: the deadline skips whatever is left
     eb = ExpertStore(work / f"super-22L-{tag}").expert_bytes()
     moe = sum(c == "E" for c in super_config(a.small)["hybrid_override_pattern"])
-    frac = round(SUPER_BUDGET * moe / SUPER_MOE_LAYERS / (SUPER_EXPERTS * 1720320 * moe), 3) \
-        if not a.small else 0.48
-    print(f"super: {moe} MoE layers, {eb / 1e9:.1f} GB of experts, budget {frac:.1%}",
-          flush=True)
+    frac = (
+        round(SUPER_BUDGET * moe / SUPER_MOE_LAYERS / (SUPER_EXPERTS * 1720320 * moe), 3)
+        if not a.small
+        else 0.48
+    )
+    print(f"super: {moe} MoE layers, {eb / 1e9:.1f} GB of experts, budget {frac:.1%}", flush=True)
     store = ExpertStore(work / f"super-22L-{tag}")
-    READ_PATH.update(read_path(store, pread_bound(store, False, a.bound_records), a.threads or 8,
-                               zero_copy=any(v[0] == "zero_copy" for v in VARIANTS),
-                               device_copy=any(v[0] == "device_copy" for v in VARIANTS)))
+    READ_PATH.update(
+        read_path(
+            store,
+            pread_bound(store, False, a.bound_records),
+            a.threads or 8,
+            zero_copy=any(v[0] == "zero_copy" for v in VARIANTS),
+            device_copy=any(v[0] == "device_copy" for v in VARIANTS),
+        )
+    )
     print(f"read path GB/s (warm): {READ_PATH}", flush=True)
     SAVE[0]()
-    model_rows(a, emit, SUPER, work / f"super-22L-{tag}", [frac], {frac: ["warm", "cold"]},
-               None if a.small else 22 / SUPER_LAYERS)
+    model_rows(
+        a,
+        emit,
+        SUPER,
+        work / f"super-22L-{tag}",
+        [frac],
+        {frac: ["warm", "cold"]},
+        None if a.small else 22 / SUPER_LAYERS,
+    )
     fracs = [0.5] + ([] if a.skip_full else [1.0])
-    model_rows(a, emit, "qwen3-30b-a3b", work / f"qwen3-30b-a3b-{tag}", fracs,
-               {0.5: ["warm"], 1.0: ["warm"]}, None)
+    model_rows(
+        a,
+        emit,
+        "qwen3-30b-a3b",
+        work / f"qwen3-30b-a3b-{tag}",
+        fracs,
+        {0.5: ["warm"], 1.0: ["warm"]},
+        None,
+    )
 
 
 def main():
@@ -603,20 +765,38 @@ def main():
     ap.add_argument("--routings", nargs="+", default=["trace", "random"])
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=0,
-                    help="the pager's read threads (0: the pread bound's best; gpu mode: 8)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="the pager's read threads (0: the pread bound's best; gpu mode: 8)",
+    )
     ap.add_argument("--bound-records", type=int, default=256)
-    ap.add_argument("--zero-copy", action="store_true",
-                    help="gpu mode: also the zero-copy rows (where the probe passes)")
-    ap.add_argument("--skip-full", action="store_true",
-                    help="gpu mode: no 100%% budget rows (the all-resident path)")
+    ap.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="gpu mode: also the zero-copy rows (where the probe passes)",
+    )
+    ap.add_argument(
+        "--skip-full",
+        action="store_true",
+        help="gpu mode: no 100%% budget rows (the all-resident path)",
+    )
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds: later rows skipped")
     ap.add_argument("--workdir", default=os.environ.get("RQ_BENCH_DIR", "/tmp/rq-pager-speed"))
     ap.add_argument("--out", default=None, help="default: benchmarks/results/pager_speed.json")
-    ap.add_argument("--merge-commit", default=None, help="the commit the merged rows ran "
-                    "(where the other machine's copy of the tree recorded none)")
-    ap.add_argument("--merge", default=None, help="a JSON from another machine (the H200 "
-                    "run): its rows replace the same rows of --out, with their commit and date")
+    ap.add_argument(
+        "--merge-commit",
+        default=None,
+        help="the commit the merged rows ran "
+        "(where the other machine's copy of the tree recorded none)",
+    )
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="a JSON from another machine (the H200 "
+        "run): its rows replace the same rows of --out, with their commit and date",
+    )
     a = ap.parse_args()
     from record import RESULTS, commit, write_result
 
@@ -629,37 +809,55 @@ def main():
     runs: list[dict] = []
 
     def key(r):
-        return (r["machine"], r["model"], r["routing"], r["budget_fraction"], r["cache"],
-                r.get("variant", "current"))
+        return (
+            r["machine"],
+            r["model"],
+            r["routing"],
+            r["budget_fraction"],
+            r["cache"],
+            r.get("variant", "current"),
+        )
 
     def emit(r):
         r.setdefault("commit", COMMIT)
         runs.append(r)
         ms = r["ms_per_token"]
-        print(f"  {r['model'][:22]:22} {r['routing']:6} {r['budget_fraction']:5.0%} "
-              f"{r['cache']:4} {r.get('variant', ''):8} paged {r['paged_tps']:7.2f} "
-              f"resident {r['resident_tps'] or 0:7.2f} tok/s  hit {r['hit_rate']:.1%}  "
-              f"ms/tok reads {ms['reads']:.1f} readbacks {ms['readbacks']:.1f} host "
-              f"{ms['host']:.1f} compute {ms['compute']:.1f}  read "
-              f"{r['read_GBps'] or 0:.2f} / bound {r['pread_bound_GBps']:.2f} GB/s", flush=True)
+        print(
+            f"  {r['model'][:22]:22} {r['routing']:6} {r['budget_fraction']:5.0%} "
+            f"{r['cache']:4} {r.get('variant', ''):8} paged {r['paged_tps']:7.2f} "
+            f"resident {r['resident_tps'] or 0:7.2f} tok/s  hit {r['hit_rate']:.1%}  "
+            f"ms/tok reads {ms['reads']:.1f} readbacks {ms['readbacks']:.1f} host "
+            f"{ms['host']:.1f} compute {ms['compute']:.1f}  read "
+            f"{r['read_GBps'] or 0:.2f} / bound {r['pread_bound_GBps']:.2f} GB/s",
+            flush=True,
+        )
         save()
 
     def save():
         mine = {key(x) for x in runs}
-        keep = {k: v for k, v in prev_doc.items()
-                if k not in ("machine", "date", "commit", "runs", "settings", "read_path")}
-        write_result("pager_speed", {**keep,
-                                     "runs": [x for x in old if key(x) not in mine] + runs,
-                                     "settings": {"tokens": a.tokens, "warmup": a.warmup,
-                                                  "batch": 1},
-                                     **({"read_path": READ_PATH} if READ_PATH else {})},
-                     path=out)
+        keep = {
+            k: v
+            for k, v in prev_doc.items()
+            if k not in ("machine", "date", "commit", "runs", "settings", "read_path")
+        }
+        write_result(
+            "pager_speed",
+            {
+                **keep,
+                "runs": [x for x in old if key(x) not in mine] + runs,
+                "settings": {"tokens": a.tokens, "warmup": a.warmup, "batch": 1},
+                **({"read_path": READ_PATH} if READ_PATH else {}),
+            },
+            path=out,
+        )
 
     if a.merge:
         other = json.loads(Path(a.merge).read_text())
         commit = a.merge_commit or other.get("commit")
-        rows = [dict(r, commit=r.get("commit", commit),
-                     date=r.get("date", other.get("date"))) for r in other["runs"]]
+        rows = [
+            dict(r, commit=r.get("commit", commit), date=r.get("date", other.get("date")))
+            for r in other["runs"]
+        ]
         for r in rows:  # step time x 88/22 layers (runs before 5136808 divided by the scale)
             if r.get("layers_scale"):
                 r["full_model_tps_est"] = r["paged_tps"] * r["layers_scale"]
@@ -667,9 +865,15 @@ def main():
         kept = [x for x in old if key(x) not in mine]
         prev = json.loads(out.read_text()) if out.exists() else {}
         extra = {"read_path_gpu": other["read_path"]} if "read_path" in other else {}
-        write_result("pager_speed", {**{k: v for k, v in prev.items()
-                                        if k not in ("machine", "date", "commit", "runs")},
-                                     **extra, "runs": kept + rows}, path=out)
+        write_result(
+            "pager_speed",
+            {
+                **{k: v for k, v in prev.items() if k not in ("machine", "date", "commit", "runs")},
+                **extra,
+                "runs": kept + rows,
+            },
+            path=out,
+        )
         return
     SAVE[0] = save
     (cpu_mode if a.mode == "cpu" else gpu_mode)(a, emit)

@@ -25,10 +25,20 @@ def commit() -> str:
         return os.environ["ROTARYQUANT_COMMIT"]
     root = Path(__file__).parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -43,7 +53,9 @@ def header(machine: dict | None = None) -> dict:
     return {"machine": machine, "date": datetime.date.today().isoformat(), "commit": commit()}
 
 
-def write_result(name: str, payload: dict, machine: dict | None = None, path: Path | None = None) -> Path:
+def write_result(
+    name: str, payload: dict, machine: dict | None = None, path: Path | None = None
+) -> Path:
     out = path or RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**header(machine), **payload}, indent=2) + "\n")

@@ -97,8 +97,9 @@ def wait_up(base: str, proc: subprocess.Popen | None, timeout: float = 900) -> N
     raise RuntimeError(f"{base} did not come up in {timeout:.0f} s")
 
 
-def run_ours(folder: str, kv_mode: str, clients: list[int], tokens: int, rounds: int,
-             ctx: str) -> dict:
+def run_ours(
+    folder: str, kv_mode: str, clients: list[int], tokens: int, rounds: int, ctx: str
+) -> dict:
     from app.engine.generate import Engine
     from app.server.run import ApiServer
 
@@ -110,8 +111,11 @@ def run_ours(folder: str, kv_mode: str, clients: list[int], tokens: int, rounds:
         out = {}
         for c in clients:
             out[c] = best_of(srv.url, info.name, c, tokens, rounds, ctx)
-            print(f"  ours {kv_mode:10s} clients={c}: {out[c]['tps']:8.1f} tok/s "
-                  f"(batch up to {srv.batcher.max_batch_seen})", flush=True)
+            print(
+                f"  ours {kv_mode:10s} clients={c}: {out[c]['tps']:8.1f} tok/s "
+                f"(batch up to {srv.batcher.max_batch_seen})",
+                flush=True,
+            )
         return out
     finally:
         srv.stop()
@@ -182,8 +186,11 @@ def build_qwen3(folder: Path, small: bool, layers: int | None) -> dict:
     save_config(dict(cfg), folder / "config.json")
     write_tiny_tokenizer(folder)
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    print(f"built {folder} in {time.perf_counter() - t0:.0f} s "
-          f"(tokenizer eos {tok_cfg.get('eos_token')!r})", flush=True)
+    print(
+        f"built {folder} in {time.perf_counter() - t0:.0f} s "
+        f"(tokenizer eos {tok_cfg.get('eos_token')!r})",
+        flush=True,
+    )
     del model
     mx.clear_cache()
     return cfg
@@ -261,8 +268,10 @@ def main() -> None:
     ctx = " ".join(ctx) + "\n\n" if words else ""
     m = describe()
     machine = f"{m['backend']}: {m['device']}"
-    print(f"{name} on {machine}; clients {clients}, {tokens} tokens each after a "
-          f"{words}-word filler", flush=True)
+    print(
+        f"{name} on {machine}; clients {clients}, {tokens} tokens each after a {words}-word filler",
+        flush=True,
+    )
 
     load_before = os.getloadavg()[0]  # a shared machine: the figures are ratios at best
     theirs = run_mlx_lm(folder, clients, tokens, args.rounds, ctx)
@@ -275,10 +284,16 @@ def main() -> None:
                          "mlx_lm_server_tps": round(theirs[c]["tps"], 2),
                          "ours_tokens": ours[c]["tokens"], "mlx_lm_server_tokens": theirs[c]["tokens"]})  # fmt: skip
 
-    print("\n| kv_mode | clients | ours tok/s | mlx_lm.server tok/s (fp16) | ratio | vs our 1 client |")
+    print(
+        "\n| kv_mode | clients | ours tok/s | mlx_lm.server tok/s (fp16) | ratio | vs our 1 client |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for r in runs:
-        one = next(x["ours_tps"] for x in runs if x["kv_mode"] == r["kv_mode"] and x["clients"] == clients[0])
+        one = next(
+            x["ours_tps"]
+            for x in runs
+            if x["kv_mode"] == r["kv_mode"] and x["clients"] == clients[0]
+        )
         print(f"| {r['kv_mode']} | {r['clients']} | {r['ours_tps']:.1f} | {r['mlx_lm_server_tps']:.1f} "
               f"| {r['ours_tps'] / max(r['mlx_lm_server_tps'], 1e-9):.2f}x | {r['ours_tps'] / max(one, 1e-9):.2f}x |")  # fmt: skip
     payload = {"runs": runs, "tokens_per_client": tokens, "rounds": args.rounds,

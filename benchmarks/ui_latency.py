@@ -75,8 +75,13 @@ def one_run(app: QApplication, win: MainWindow, tokens: int) -> dict:
         chat.token_received.disconnect(pieces.append)
         chat.stream_finished.disconnect(done.append)
     gaps.sort()
-    return {"pieces": len(pieces), "tok_per_s": len(pieces) / seconds, "max_gap_ms": gaps[-1],
-            "p99_gap_ms": gaps[int(len(gaps) * 0.99)], "median_gap_ms": statistics.median(gaps)}
+    return {
+        "pieces": len(pieces),
+        "tok_per_s": len(pieces) / seconds,
+        "max_gap_ms": gaps[-1],
+        "p99_gap_ms": gaps[int(len(gaps) * 0.99)],
+        "median_gap_ms": statistics.median(gaps),
+    }
 
 
 def main() -> None:
@@ -100,13 +105,24 @@ def main() -> None:
     assert win.session.state == "ready", win.session.message
     runs = [one_run(app, win, args.tokens) for _ in range(args.trials)]
     win.close()
-    print(f"event-loop gaps while streaming {args.tokens} tokens (10 ms timer; tiny llama, real worker)")
+    print(
+        f"event-loop gaps while streaming {args.tokens} tokens (10 ms timer; tiny llama, real worker)"
+    )
     print(f"{'run':>4} {'tok/s':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8}")
     for i, r in enumerate(runs):
-        print(f"{i:>4} {r['tok_per_s']:>7.0f} {r['median_gap_ms']:>10.1f} {r['p99_gap_ms']:>8.1f} "
-              f"{r['max_gap_ms']:>8.1f}")
-    write_result("ui_latency", {"tokens": args.tokens, "timer_ms": 10, "runs": runs,
-                                "best_max_gap_ms": min(r["max_gap_ms"] for r in runs)})
+        print(
+            f"{i:>4} {r['tok_per_s']:>7.0f} {r['median_gap_ms']:>10.1f} {r['p99_gap_ms']:>8.1f} "
+            f"{r['max_gap_ms']:>8.1f}"
+        )
+    write_result(
+        "ui_latency",
+        {
+            "tokens": args.tokens,
+            "timer_ms": 10,
+            "runs": runs,
+            "best_max_gap_ms": min(r["max_gap_ms"] for r in runs),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -17,34 +17,108 @@ from pathlib import Path
 
 # Never needed at run time; some are optional imports that would drag in hundreds of MB.
 EXCLUDED_MODULES = [
-    "torch", "torchvision", "torchaudio", "tensorflow", "tf_keras", "keras", "flax", "jax",
-    "jaxlib", "onnxruntime", "accelerate", "datasets", "pandas", "scipy", "sklearn", "cv2",
-    "matplotlib", "IPython", "jedi", "tkinter", "_tkinter", "pytest", "_pytest", "pytestqt",
-    "PyQt5", "PyQt6", "PySide2", "setuptools", "pkg_resources", "_distutils_hack",
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "tensorflow",
+    "tf_keras",
+    "keras",
+    "flax",
+    "jax",
+    "jaxlib",
+    "onnxruntime",
+    "accelerate",
+    "datasets",
+    "pandas",
+    "scipy",
+    "sklearn",
+    "cv2",
+    "matplotlib",
+    "IPython",
+    "jedi",
+    "tkinter",
+    "_tkinter",
+    "pytest",
+    "_pytest",
+    "pytestqt",
+    "PyQt5",
+    "PyQt6",
+    "PySide2",
+    "setuptools",
+    "pkg_resources",
+    "_distutils_hack",
     "pytest_timeout",
     "app.engine.testing",  # test and benchmark fixtures (random models)
     # huggingface_hub's CLI, inference client, webhooks and Xet uploader (the app does its own
     # resumable downloads over plain HTTP, app/downloads/transfer.py)
-    "hf_xet", "pydantic", "pydantic_core", "typer", "click", "rich", "pygments", "markdown_it",
-    "huggingface_hub.cli", "huggingface_hub.commands", "huggingface_hub.inference",
-    "huggingface_hub._webhooks_payload", "huggingface_hub._webhooks_server",
+    "hf_xet",
+    "pydantic",
+    "pydantic_core",
+    "typer",
+    "click",
+    "rich",
+    "pygments",
+    "markdown_it",
+    "huggingface_hub.cli",
+    "huggingface_hub.commands",
+    "huggingface_hub.inference",
+    "huggingface_hub._webhooks_payload",
+    "huggingface_hub._webhooks_server",
     # mlx-lm's training, serving and evaluation code
-    "mlx_lm.tuner", "mlx_lm.lora", "mlx_lm.fuse", "mlx_lm.server", "mlx_lm.evaluate",
-    "mlx_lm.upload", "mlx_lm.share", "mlx_lm.chat", "mlx_lm.cli_ui", "mlx_lm.perplexity",
-    "mlx_lm.benchmark", "mlx_lm.manage", "mlx_lm.cache_prompt",
+    "mlx_lm.tuner",
+    "mlx_lm.lora",
+    "mlx_lm.fuse",
+    "mlx_lm.server",
+    "mlx_lm.evaluate",
+    "mlx_lm.upload",
+    "mlx_lm.share",
+    "mlx_lm.chat",
+    "mlx_lm.cli_ui",
+    "mlx_lm.perplexity",
+    "mlx_lm.benchmark",
+    "mlx_lm.manage",
+    "mlx_lm.cache_prompt",
     # transformers: training, pipelines, export and test helpers
-    "transformers.trainer", "transformers.trainer_seq2seq", "transformers.trainer_pt_utils",
-    "transformers.training_args", "transformers.training_args_seq2seq", "transformers.pipelines",
-    "transformers.exporters", "transformers.cli", "transformers.commands", "transformers.data",
-    "transformers.testing_utils", "transformers.loss", "transformers.distributed",
+    "transformers.trainer",
+    "transformers.trainer_seq2seq",
+    "transformers.trainer_pt_utils",
+    "transformers.training_args",
+    "transformers.training_args_seq2seq",
+    "transformers.pipelines",
+    "transformers.exporters",
+    "transformers.cli",
+    "transformers.commands",
+    "transformers.data",
+    "transformers.testing_utils",
+    "transformers.loss",
+    "transformers.distributed",
     # Qt modules the app does not use (pyside6-essentials ships some of them)
-    "PySide6.QtQml", "PySide6.QtQuick", "PySide6.QtQuickWidgets", "PySide6.QtQuickControls2",
-    "PySide6.QtQuick3D", "PySide6.QtWebEngineCore", "PySide6.QtWebEngineWidgets",
-    "PySide6.QtWebChannel", "PySide6.QtWebSockets", "PySide6.QtMultimedia", "PySide6.QtPdf",
-    "PySide6.QtDesigner", "PySide6.QtUiTools", "PySide6.QtHelp", "PySide6.QtSql",
-    "PySide6.QtTest", "PySide6.QtConcurrent", "PySide6.QtXml", "PySide6.QtNetwork",
-    "PySide6.Qt3DCore", "PySide6.QtCharts", "PySide6.QtDataVisualization", "PySide6.QtGraphs",
-    "pyqtgraph.opengl", "pyqtgraph.examples", "pyqtgraph.jupyter",
+    "PySide6.QtQml",
+    "PySide6.QtQuick",
+    "PySide6.QtQuickWidgets",
+    "PySide6.QtQuickControls2",
+    "PySide6.QtQuick3D",
+    "PySide6.QtWebEngineCore",
+    "PySide6.QtWebEngineWidgets",
+    "PySide6.QtWebChannel",
+    "PySide6.QtWebSockets",
+    "PySide6.QtMultimedia",
+    "PySide6.QtPdf",
+    "PySide6.QtDesigner",
+    "PySide6.QtUiTools",
+    "PySide6.QtHelp",
+    "PySide6.QtSql",
+    "PySide6.QtTest",
+    "PySide6.QtConcurrent",
+    "PySide6.QtXml",
+    "PySide6.QtNetwork",
+    "PySide6.Qt3DCore",
+    "PySide6.QtCharts",
+    "PySide6.QtDataVisualization",
+    "PySide6.QtGraphs",
+    "pyqtgraph.opengl",
+    "pyqtgraph.examples",
+    "pyqtgraph.jupyter",
 ]
 
 # Files (by their path inside the bundle) left out after analysis.
@@ -57,21 +131,29 @@ DROPPED_FILES = [
     "PySide6/Qt/plugins/imageformats/*qtga*",
     "PySide6/Qt/plugins/imageformats/*qwbmp*",
     # embedded-device platforms (framebuffer, EGLFS, VNC); desktops use xcb or wayland
-    "PySide6/Qt/plugins/platforms/libqeglfs*", "PySide6/Qt/plugins/platforms/libqlinuxfb*",
-    "PySide6/Qt/plugins/platforms/libqminimal*", "PySide6/Qt/plugins/platforms/libqvnc*",
-    "PySide6/Qt/plugins/platforms/libqvkkhrdisplay*", "PySide6/Qt/plugins/egldeviceintegrations/*",
-    "PySide6/Qt/lib/libQt6EglF*", "libQt6EglF*",
+    "PySide6/Qt/plugins/platforms/libqeglfs*",
+    "PySide6/Qt/plugins/platforms/libqlinuxfb*",
+    "PySide6/Qt/plugins/platforms/libqminimal*",
+    "PySide6/Qt/plugins/platforms/libqvnc*",
+    "PySide6/Qt/plugins/platforms/libqvkkhrdisplay*",
+    "PySide6/Qt/plugins/egldeviceintegrations/*",
+    "PySide6/Qt/lib/libQt6EglF*",
+    "libQt6EglF*",
     # GTK3 theme plugin: the app draws its own Fusion palette (app/ui/theme.py)
     "PySide6/Qt/plugins/platformthemes/libqgtk3*",
     "PySide6/Qt/plugins/generic/*",  # touch/tablet input plugins (evdev, tuio)
     "PySide6/Qt/plugins/platforminputcontexts/*",  # on-screen keyboards / IMEs via Qt plugins
     "PySide6/Qt/plugins/networkinformation/*",
     "PySide6/Qt/plugins/tls/*",
-    "PySide6/Qt/lib/libQt6Pdf*", "PySide6/Qt/lib/libQt6Qml*", "PySide6/Qt/lib/libQt6Quick*",
+    "PySide6/Qt/lib/libQt6Pdf*",
+    "PySide6/Qt/lib/libQt6Qml*",
+    "PySide6/Qt/lib/libQt6Quick*",
     "PySide6/Qt/lib/libQt6Network*",
     "libcudart*",  # found through a ctypes reference; the Linux build is MLX's CPU backend
-    "mlx/include/*", "mlx/share/*",  # C++ headers and CMake files for building extensions
-    "*/tests/*", "*/test/*",
+    "mlx/include/*",
+    "mlx/share/*",  # C++ headers and CMake files for building extensions
+    "*/tests/*",
+    "*/test/*",
     "app/*.md",  # developer notes beside kernel sources
 ]
 
@@ -145,7 +227,12 @@ def parse_ldd(text: str) -> set[str]:
     """Library basenames in `ldd` output (one or several files; headers and notes skipped)."""
     names: set[str] = set()
     for line in text.splitlines():
-        if not line.strip() or line.endswith(":") or "statically linked" in line or "not a dynamic" in line:
+        if (
+            not line.strip()
+            or line.endswith(":")
+            or "statically linked" in line
+            or "not a dynamic" in line
+        ):
             continue
         m = _LDD_LINE.match(line)
         if m:
@@ -157,7 +244,7 @@ def ldd_needed(paths: list[str], chunk: int = 64) -> set[str]:
     """Basenames of every shared library that `paths` load (ldd lists them transitively)."""
     names: set[str] = set()
     for i in range(0, len(paths), chunk):
-        out = subprocess.run(["ldd", *paths[i:i + chunk]], capture_output=True, text=True).stdout
+        out = subprocess.run(["ldd", *paths[i : i + chunk]], capture_output=True, text=True).stdout
         names |= parse_ldd(out)
     return names
 
@@ -169,12 +256,18 @@ def prune_orphan_libs(toc, needed: set[str] | None = None):
 
     def candidate(entry) -> bool:
         dest, _src, typecode = entry
-        return (typecode == "BINARY" and "/" not in dest.replace("\\", "/")
-                and not any(fnmatch.fnmatch(dest, p) for p in ALWAYS_KEPT_LIBS))
+        return (
+            typecode == "BINARY"
+            and "/" not in dest.replace("\\", "/")
+            and not any(fnmatch.fnmatch(dest, p) for p in ALWAYS_KEPT_LIBS)
+        )
 
     if needed is None:
-        roots = [src for dest, src, typecode in toc
-                 if typecode in ("BINARY", "EXTENSION") and not candidate((dest, src, typecode))]
+        roots = [
+            src
+            for dest, src, typecode in toc
+            if typecode in ("BINARY", "EXTENSION") and not candidate((dest, src, typecode))
+        ]
         needed = ldd_needed(roots)
     kept, gone = [], []
     for entry in toc:

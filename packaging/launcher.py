@@ -84,8 +84,11 @@ def _gui_smoke(argv: list[str]) -> int:
         if session.state in ("ready", "idle", "crashed") or time.monotonic() > deadline:
             result["state"] = session.state
             timer.stop()
-            print(f"gui-smoke: state={session.state} worker_pid={result['pid']} "
-                  f"message={session.message!r}", flush=True)
+            print(
+                f"gui-smoke: state={session.state} worker_pid={result['pid']} "
+                f"message={session.message!r}",
+                flush=True,
+            )
             win.close()
 
     timer = QTimer()

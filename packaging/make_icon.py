@@ -25,13 +25,23 @@ SVG = RESOURCES / "icon.svg"
 
 # ICNS entry types holding PNG data, by pixel size (Apple's "icp4".."icp6", "ic07".."ic14").
 ICNS_TYPES = [
-    (b"icp4", 16), (b"icp5", 32), (b"icp6", 64), (b"ic07", 128), (b"ic08", 256),
-    (b"ic09", 512), (b"ic10", 1024), (b"ic11", 32), (b"ic12", 64), (b"ic13", 256), (b"ic14", 512),
+    (b"icp4", 16),
+    (b"icp5", 32),
+    (b"icp6", 64),
+    (b"ic07", 128),
+    (b"ic08", 256),
+    (b"ic09", 512),
+    (b"ic10", 1024),
+    (b"ic11", 32),
+    (b"ic12", 64),
+    (b"ic13", 256),
+    (b"ic14", 512),
 ]
 # iconutil's file names: (name, pixel size)
 ICONSET = [
     (f"icon_{s}x{s}{'@2x' if k == 2 else ''}.png", s * k)
-    for s in (16, 32, 128, 256, 512) for k in (1, 2)
+    for s in (16, 32, 128, 256, 512)
+    for k in (1, 2)
 ]
 
 

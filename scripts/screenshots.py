@@ -32,7 +32,9 @@ def prepare_home(home: Path) -> tuple[Path, Path]:
     from app.engine.testing.random_models import make_random_model
 
     local = make_random_model("qwen3_moe", home / "work" / "tiny-qwen3-moe", seed=1)
-    hf = to_hf_layout(make_random_model("qwen3_moe", home / "work" / "mlx", seed=3), home / "work" / "hf")
+    hf = to_hf_layout(
+        make_random_model("qwen3_moe", home / "work" / "mlx", seed=3), home / "work" / "hf"
+    )
     return local, hf
 
 

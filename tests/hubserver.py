@@ -65,7 +65,9 @@ class Repo:
         s = {"rfilename": path, "size": len(data)}
         if self.is_lfs(path):
             sha = hashlib.sha256(data).hexdigest()
-            pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {len(data)}\n"
+            pointer = (
+                f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {len(data)}\n"
+            )
             s["blobId"] = git_blob_sha1(pointer.encode())
             s["lfs"] = {"size": len(data), "sha256": sha, "pointerSize": len(pointer)}
         else:
@@ -144,7 +146,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, code: str, message: str, head=False):
         body = json.dumps({"error": message}).encode()
-        headers = {"Content-Type": "application/json", "X-Error-Code": code, "X-Error-Message": message}
+        headers = {
+            "Content-Type": "application/json",
+            "X-Error-Code": code,
+            "X-Error-Message": message,
+        }
         self._send(status, body, headers, head)
 
     def do_GET(self):
@@ -186,9 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None:
             return
         blobs = query.get("blobs", ["false"])[0].lower() == "true"
-        siblings = [
-            repo.sibling(p) if blobs else {"rfilename": p} for p in sorted(repo.files)
-        ]
+        siblings = [repo.sibling(p) if blobs else {"rfilename": p} for p in sorted(repo.files)]
         info = {
             "_id": repo.commit[:24],
             "id": repo_id,
@@ -209,8 +213,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _resolve(self, repo_id: str, rev: str, path: str, head: bool, cdn: bool = False):
         rng = self.headers.get("Range")
-        record = {"kind": "cdn" if cdn else "resolve", "repo": repo_id, "path": path,
-                  "range": rng, "head": head, "auth": bool(self.headers.get("Authorization"))}
+        record = {
+            "kind": "cdn" if cdn else "resolve",
+            "repo": repo_id,
+            "path": path,
+            "range": rng,
+            "head": head,
+            "auth": bool(self.headers.get("Authorization")),
+        }
         self.hub.log.append(record)
         repo = self._repo(repo_id, rev, head) if not cdn else self.hub.repos.get(repo_id)
         if repo is None:

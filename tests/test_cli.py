@@ -9,8 +9,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )
 
 
 def test_generate_paris(smollm2_path):
@@ -21,7 +27,15 @@ def test_generate_paris(smollm2_path):
 
 
 def test_generate_through_worker(tiny_model_path):
-    r = _run("generate", "Hello", "--model", str(tiny_model_path("gpt_oss")), "--max-tokens", "4", "--worker")
+    r = _run(
+        "generate",
+        "Hello",
+        "--model",
+        str(tiny_model_path("gpt_oss")),
+        "--max-tokens",
+        "4",
+        "--worker",
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -33,7 +47,11 @@ def test_bad_model_is_a_clear_error(tmp_path):
 
 def test_version():
     r = _run("--version", timeout=60)
-    assert r.returncode == 0 and r.stdout.startswith("rotaryquant ") and r.stdout.split()[1][0].isdigit()
+    assert (
+        r.returncode == 0
+        and r.stdout.startswith("rotaryquant ")
+        and r.stdout.split()[1][0].isdigit()
+    )
 
 
 def test_models_verify_and_inspect_see_the_builtin_model(smollm2_path):

@@ -90,8 +90,10 @@ def test_impure_blocks_and_the_switch_stay_as_built(model_of, monkeypatch):
 
 def _mlx_lm_tokens(model, n, **kw):
     cache = make_prompt_cache(model)
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n,
-                                             prompt_cache=cache, **kw)]
+    return [
+        int(t)
+        for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n, prompt_cache=cache, **kw)
+    ]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -99,17 +101,28 @@ def test_token_stream_matches_mlx_lm_generate_step(model_of, arch):
     model = model_of(arch)
     ref = _mlx_lm_tokens(model, 12, prefill_step_size=16)
     compiled.compile_blocks(model)
-    got = list(token_stream(model, PROMPT, make_prompt_cache(model), max_tokens=12,
-                            prefill_chunk=16))
+    got = list(
+        token_stream(model, PROMPT, make_prompt_cache(model), max_tokens=12, prefill_chunk=16)
+    )
     assert got == ref and len(set(got)) > 1
     # repetition penalty (history) and a seeded sampler
     procs = make_logits_processors(repetition_penalty=1.3)
     mx.random.seed(4)
-    ref = _mlx_lm_tokens(model, 10, logits_processors=procs, sampler=make_sampler(temp=0.8),
-                         prefill_step_size=8)
+    ref = _mlx_lm_tokens(
+        model, 10, logits_processors=procs, sampler=make_sampler(temp=0.8), prefill_step_size=8
+    )
     mx.random.seed(4)
-    got = list(token_stream(model, PROMPT, make_prompt_cache(model), max_tokens=10,
-                            sampler=make_sampler(temp=0.8), processors=procs, prefill_chunk=8))
+    got = list(
+        token_stream(
+            model,
+            PROMPT,
+            make_prompt_cache(model),
+            max_tokens=10,
+            sampler=make_sampler(temp=0.8),
+            processors=procs,
+            prefill_chunk=8,
+        )
+    )
     assert got == ref
     compiled.uncompile(model)
 
@@ -124,8 +137,9 @@ def test_engine_prefill_chunk_comes_from_the_planner(tmp_path):
     chunks = {}
     for chunk in (None, 5):
         s = GenerationSettings(max_tokens=8, prefill_step_size=chunk)
-        chunks[chunk] = [ev.token for ev in e.generate(PROMPT, s)
-                         if isinstance(ev, TokenEvent) and ev.token >= 0]
+        chunks[chunk] = [
+            ev.token for ev in e.generate(PROMPT, s) if isinstance(ev, TokenEvent) and ev.token >= 0
+        ]
     assert chunks[None] == chunks[5]
     with pytest.raises(ValueError, match="prefill_step_size"):
         GenerationSettings(prefill_step_size=0)
@@ -152,7 +166,9 @@ def test_larger_prefill_step_stays_within_the_planners_expectation(tmp_path):
         base = mx.get_active_memory()
         next(iter(token_stream(model, ids, cache, max_tokens=1, prefill_chunk=chunk)))
         measured = mx.get_peak_memory() - base
-        expected = planner.activation_bytes(s, len(ids), m, chunk) + s.kv_bytes(len(ids), "fp16", chunk)
+        expected = planner.activation_bytes(s, len(ids), m, chunk) + s.kv_bytes(
+            len(ids), "fp16", chunk
+        )
         assert measured <= expected + planner.COMPUTE_ALLOWANCE, (chunk, measured, expected)
         ratio[chunk] = measured / expected
     assert ratio[2048] <= ratio[512] * 1.05, ratio

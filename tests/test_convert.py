@@ -29,8 +29,19 @@ from app.engine.quant.widths import RoleWidths
 from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
 from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "nemotron_h", "gemma4_text", "gpt_oss", "llama",
-         "mixtral", "deepseek_v3", "qwen3_next", "qwen3_5_moe", "nemotron_h_latent"]
+ARCHS = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "nemotron_h",
+    "gemma4_text",
+    "gpt_oss",
+    "llama",
+    "mixtral",
+    "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "nemotron_h_latent",
+]
 TOKENS = mx.array([[1, 17, 300, 42, 999, 5, 64, 128, 7, 250, 3]])
 
 
@@ -54,8 +65,9 @@ def _dequantize_switch(model):
     new = []
     for name, m in model.named_modules():
         if isinstance(m, QuantizedSwitchLinear):
-            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits, m.mode,
-                              dtype=m.bias.dtype)
+            w = mx.dequantize(
+                m.weight, m.scales, m.biases, m.group_size, m.bits, m.mode, dtype=m.bias.dtype
+            )
             s = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=True)
             s.weight, s.bias = w, m.bias
             new.append((name, s))
@@ -84,7 +96,10 @@ def _assert_records_match(out, ref):
                 for name, arr in rec.items():
                     want = params[f"{lay.module}.{name}"][e]
                     assert arr.dtype == want.dtype and mx.array_equal(arr, want).item(), (
-                        layer, e, name)
+                        layer,
+                        e,
+                        name,
+                    )
     assert man.experts["layers"]
 
 
@@ -103,8 +118,9 @@ def test_hf_checkpoint_converts_bit_exact(tmp_path, arch):
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     # routed experts live only in the records
     assert not any(expert_container(rules, k.rpartition(".")[0]) for k in index)
-    n_params = sum(v.size for _, v in tree_flatten(load_model(hf)[0].parameters())
-                   if v.dtype != mx.uint32)
+    n_params = sum(
+        v.size for _, v in tree_flatten(load_model(hf)[0].parameters()) if v.dtype != mx.uint32
+    )
     if arch != "gpt_oss":  # gpt_oss's reference holds MXFP4-packed experts here
         assert sum(r["params"] for r in man.roles.values()) == n_params
     cfg = json.loads((out / "config.json").read_text())
@@ -217,8 +233,9 @@ def test_not_enough_disk(tmp_path, monkeypatch):
     _, hf = _hf(tmp_path, "qwen3_moe")
     import app.engine.quant.convert as conv
 
-    monkeypatch.setattr(conv.shutil, "disk_usage",
-                        lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(
+        conv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)
+    )
     with pytest.raises(ConvertError, match="not enough free disk"):
         convert(hf, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -241,13 +258,16 @@ def test_truncated_tensor(tmp_path):
     assert "model-00003-of-00003" in str(e.value)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"moe_intermediate_size": 32}, "does not match the weights"),
-    ({"num_experts": 16}, "16 experts but the checkpoint lacks expert 8"),
-    ({"num_experts": 4}, "4 experts but the checkpoint has expert 4"),
-    ({"hidden_size": 256}, "does not match the weights"),
-    ({"num_hidden_layers": 3}, "no MoE layer in config.json|unexpected tensor"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"moe_intermediate_size": 32}, "does not match the weights"),
+        ({"num_experts": 16}, "16 experts but the checkpoint lacks expert 8"),
+        ({"num_experts": 4}, "4 experts but the checkpoint has expert 4"),
+        ({"hidden_size": 256}, "does not match the weights"),
+        ({"num_hidden_layers": 3}, "no MoE layer in config.json|unexpected tensor"),
+    ],
+)
 def test_config_mismatch(tmp_path, change, match):
     _, hf = _hf(tmp_path, "qwen3_moe")
     cfg = json.loads((hf / "config.json").read_text())
@@ -283,7 +303,7 @@ def test_corrupt_record_is_reported_on_load(tmp_path):
     lay = man.experts["layers"]["2"]
     with open(out / lay["file"], "r+b") as f:
         f.seek(lay["data_offset"] + 5 * lay["stride"] + 3)
-        f.write(b"\xAA\x55")
+        f.write(b"\xaa\x55")
     with pytest.raises(ExpertRecordError, match="layer 2, expert 5: checksum mismatch"):
         load(out, verify=True)
 
@@ -330,8 +350,10 @@ def test_kill_between_the_overwrite_renames_is_mended(tmp_path):
         "from app.engine.quant.convert import convert\n"
         "convert(sys.argv[1], sys.argv[2], overwrite=True)\n"
     )
-    r = subprocess.run([sys.executable, "-c", kill_at_second_rename, str(hf), str(out)],
-                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    r = subprocess.run(
+        [sys.executable, "-c", kill_at_second_rename, str(hf), str(out)],
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert r.returncode == -9
     assert not out.exists() and list(tmp_path.glob(".out.rq-old-*"))
     with pytest.raises(ConvertError, match="destination exists"):

@@ -23,9 +23,27 @@ def _home(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_peak_rss_under_bound(tmp_path):
     out = tmp_path / "mem.json"
-    r = subprocess.run([sys.executable, str(BENCH), "--small", "--layers", "4", "--trials", "1",
-                        "--chunk-mib", "4", "--json", str(out), "--workdir", str(tmp_path / "w")],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--small",
+            "--layers",
+            "4",
+            "--trials",
+            "1",
+            "--chunk-mib",
+            "4",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     bound = res["bound"]["above_baseline"]
@@ -53,11 +71,16 @@ def test_killed_conversion_leaves_no_output_and_reruns(tmp_path):
     finally:
         sys.path.pop(0)
     src, dst = tmp_path / "src", tmp_path / "dst"
-    make_synthetic_checkpoint(src, {**SMALL_SHAPE, "num_hidden_layers": 1,
-                                    "vocab_size": 4096, "num_experts": 8})
+    make_synthetic_checkpoint(
+        src, {**SMALL_SHAPE, "num_hidden_layers": 1, "vocab_size": 4096, "num_experts": 8}
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst)], env=env,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(src), str(dst)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "EXPERTS"  # dense part written, experts under way
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)

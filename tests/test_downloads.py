@@ -64,7 +64,8 @@ def test_listing_gives_sizes_and_hashes(hub_env):
     got = {p: (s, h) for p, s, h in hub.repo_files(REPO)}
     assert set(got) == set(files)
     assert got["model.safetensors"] == (
-        len(files["model.safetensors"]), hashlib.sha256(files["model.safetensors"]).hexdigest()
+        len(files["model.safetensors"]),
+        hashlib.sha256(files["model.safetensors"]).hexdigest(),
     )
     assert got["config.json"] == (len(files["config.json"]), None)  # not LFS: no sha256
     listing = hub.repo_listing(REPO)
@@ -86,7 +87,9 @@ def test_stock_client_understands_our_hub(hub_env):
     """Fidelity of the fake hub: huggingface-hub's own download works against it."""
     files = make_files()
     hub_env.add_repo(REPO, files)
-    p = huggingface_hub.hf_hub_download(REPO, "model.safetensors", endpoint=hub_env_endpoint(), token=False)
+    p = huggingface_hub.hf_hub_download(
+        REPO, "model.safetensors", endpoint=hub_env_endpoint(), token=False
+    )
     assert Path(p).read_bytes() == files["model.safetensors"]
 
 
@@ -106,7 +109,9 @@ def test_download_survives_drop_5xx_and_corruption(hub_env, tmp_path):
     out = transfer.Downloader(listing, tmp_path / "dl", on_event=events.append, **fast()).run()
     for p, data in files.items():
         assert (tmp_path / "dl" / p).read_bytes() == data
-    assert {d.path: d.sha256 for d in out} == {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
+    assert {d.path: d.sha256 for d in out} == {
+        p: hashlib.sha256(b).hexdigest() for p, b in files.items()
+    }
     # The dropped file resumed at the drop: nothing before it was sent twice.
     ranges = [r["range"] for r in hub_env.resolve_requests("model.safetensors")]
     assert ranges == [None, f"bytes={big // 2}-"]
@@ -139,7 +144,10 @@ def test_resume_in_a_later_run_does_not_refetch(hub_env, tmp_path):
     transfer.Downloader(listing, tmp_path / "dl", on_event=events.append, **fast()).run()
     assert (tmp_path / "dl" / "model.safetensors").read_bytes() == files["model.safetensors"]
     assert hub_env.resolve_requests("model.safetensors")[-1]["range"] == f"bytes={cut}-"
-    assert hub_env.bytes_sent[f"{REPO}/model.safetensors"] - before[f"{REPO}/model.safetensors"] == big - cut
+    assert (
+        hub_env.bytes_sent[f"{REPO}/model.safetensors"] - before[f"{REPO}/model.safetensors"]
+        == big - cut
+    )
     # Files finished by the first run were not fetched again.
     for p in ("config.json", "tokenizer.json", "README.md"):
         assert hub_env.bytes_sent[f"{REPO}/{p}"] == before[f"{REPO}/{p}"]
@@ -176,7 +184,10 @@ def test_server_ignoring_range_and_empty_files(hub_env, tmp_path):
     transfer.Downloader(listing, tmp_path / "dl", on_event=events.append, **fast()).run()
     for p, data in files.items():
         assert (tmp_path / "dl" / p).read_bytes() == data
-    assert [r["range"] for r in hub_env.resolve_requests("model.safetensors")] == [None, f"bytes={big // 2}-"]
+    assert [r["range"] for r in hub_env.resolve_requests("model.safetensors")] == [
+        None,
+        f"bytes={big // 2}-",
+    ]
     check_progress(events, listing.total_bytes)  # the restart did not move the bar backwards
 
 
@@ -267,11 +278,15 @@ def test_lost_connection_is_reported(hub_env, tmp_path, monkeypatch):
     listing = hub.repo_listing(REPO)
     # Every attempt dies after 1000 bytes: progress is made, so keep going ... until none is.
     hub_env.inject(REPO, "config.json", Fault("drop", after=0, times=100))
-    with pytest.raises(ConnectionLostError, match="lost the connection while downloading org/tiny/config.json"):
+    with pytest.raises(
+        ConnectionLostError, match="lost the connection while downloading org/tiny/config.json"
+    ):
         transfer.Downloader(listing, tmp_path / "dl", **fast(retries=3)).run()
     assert len(hub_env.resolve_requests("config.json")) == 4  # 1 + 3 retries
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    with pytest.raises(ConnectionLostError, match=r"the hub cannot be reached .*Check that this computer is online"):
+    with pytest.raises(
+        ConnectionLostError, match=r"the hub cannot be reached .*Check that this computer is online"
+    ):
         hub.repo_listing(REPO, retries=0)
 
 
@@ -289,7 +304,9 @@ def test_pause_then_resume(hub_env, tmp_path):
             ctl.pause()
 
     with pytest.raises(Paused):
-        transfer.Downloader(listing, tmp_path / "dl", control=ctl, on_event=on_event, **fast()).run()
+        transfer.Downloader(
+            listing, tmp_path / "dl", control=ctl, on_event=on_event, **fast()
+        ).run()
     part = tmp_path / "dl" / transfer.PARTIAL_DIR / "model.safetensors.part"
     kept = part.stat().st_size
     assert 100_000 < kept < len(files["model.safetensors"])
@@ -346,7 +363,9 @@ def test_follows_the_cdn_redirect_with_range(hub_env, tmp_path):
     assert [r["range"] for r in cdn] == [None, f"bytes={big // 3}-"]
     assert hub_env.resolve_requests("model.safetensors")[0]["auth"]
     # and the stock client reads the same redirecting hub
-    p = huggingface_hub.hf_hub_download(REPO, "model.safetensors", endpoint=hub_env_endpoint(), token="hf_good")
+    p = huggingface_hub.hf_hub_download(
+        REPO, "model.safetensors", endpoint=hub_env_endpoint(), token="hf_good"
+    )
     assert Path(p).read_bytes() == files["model.safetensors"]
 
 
@@ -355,8 +374,11 @@ def test_reuses_huggingface_cache(hub_env, tmp_path):
     files = make_files()
     hub_env.add_repo(REPO, files)
     huggingface_hub.hf_hub_download(
-        REPO, "model.safetensors", revision=hub_env.repos[REPO].commit,
-        endpoint=hub_env_endpoint(), token=False,
+        REPO,
+        "model.safetensors",
+        revision=hub_env.repos[REPO].commit,
+        endpoint=hub_env_endpoint(),
+        token=False,
     )
     sent = hub_env.bytes_sent[f"{REPO}/model.safetensors"]
     listing = hub.repo_listing(REPO)
@@ -366,17 +388,30 @@ def test_reuses_huggingface_cache(hub_env, tmp_path):
 
 
 def test_model_files_leave_extras_on_the_hub(hub_env):
-    hub_env.add_repo("openai/gpt-oss-like", {
-        "config.json": b"{}", "model-00001-of-00002.safetensors": b"a" * 10,
-        "model-00002-of-00002.safetensors": b"b" * 10, "original/model.safetensors": b"c",
-        "metal/model.bin": b"d", "pytorch_model.bin": b"e", "chat_template.jinja": b"{{x}}",
-        ".gitattributes": b"*", "tokenizer.json": b"{}",
-    })
+    hub_env.add_repo(
+        "openai/gpt-oss-like",
+        {
+            "config.json": b"{}",
+            "model-00001-of-00002.safetensors": b"a" * 10,
+            "model-00002-of-00002.safetensors": b"b" * 10,
+            "original/model.safetensors": b"c",
+            "metal/model.bin": b"d",
+            "pytorch_model.bin": b"e",
+            "chat_template.jinja": b"{{x}}",
+            ".gitattributes": b"*",
+            "tokenizer.json": b"{}",
+        },
+    )
     got = [f.path for f in hub.model_files(hub.repo_listing("openai/gpt-oss-like"))]
-    assert sorted(got) == sorted([
-        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-        "chat_template.jinja", "tokenizer.json",
-    ])
+    assert sorted(got) == sorted(
+        [
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "chat_template.jinja",
+            "tokenizer.json",
+        ]
+    )
 
 
 def test_meter_is_monotonic_and_paces_events():
@@ -417,7 +452,9 @@ def test_download_stops_while_the_library_can_still_write(hub_env, tmp_path, mon
 
     monkeypatch.setattr(transfer, "write_all", write)
     dl = transfer.Downloader(listing, tmp_path / "dl", **fast(reserve=1 << 30))
-    with pytest.raises(DiskFullError, match=r"^disk full: 0\.99 GiB more needed to finish org/tiny"):
+    with pytest.raises(
+        DiskFullError, match=r"^disk full: 0\.99 GiB more needed to finish org/tiny"
+    ):
         dl.run()
 
 
@@ -429,8 +466,13 @@ def test_a_500_on_every_get_is_said_and_stops_in_bounded_time(hub_env, tmp_path)
     hub_env.add_repo(REPO, make_files())
     listing = hub.repo_listing(REPO)
     hub_env.inject(REPO, "config.json", Fault("status", status=500, times=10_000))
-    with pytest.raises(ServerError, match=r"the hub answered 500 to every request for org/tiny/config.json .*hub's side") as e:
-        transfer.Downloader(listing, tmp_path / "dl", **fast(retries=10_000, give_up_after=0.3)).run()
+    with pytest.raises(
+        ServerError,
+        match=r"the hub answered 500 to every request for org/tiny/config.json .*hub's side",
+    ) as e:
+        transfer.Downloader(
+            listing, tmp_path / "dl", **fast(retries=10_000, give_up_after=0.3)
+        ).run()
     assert "lost the connection" not in str(e.value)
     assert 1 < len(hub_env.resolve_requests("config.json")) < 10_000
 

@@ -17,8 +17,11 @@ def converted(tiny_model_path, tmp_path_factory):
 
 
 def _tokens(e: Engine, n=12):
-    return [ev.token for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=n, kv_mode="fp16"))
-            if isinstance(ev, TokenEvent) and ev.token >= 0]
+    return [
+        ev.token
+        for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=n, kv_mode="fp16"))
+        if isinstance(ev, TokenEvent) and ev.token >= 0
+    ]
 
 
 def test_converted_folder_loads_resident(converted):

@@ -28,13 +28,19 @@ def test_generate_each_architecture(tiny_model_path, arch):
     assert fin.reason in ("stop", "length")
     assert fin.kv_bytes > 0 and fin.peak_memory > 0
     # greedy decoding is deterministic
-    again = [ev.token for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=6)) if isinstance(ev, TokenEvent) and ev.token >= 0]
+    again = [
+        ev.token
+        for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=6))
+        if isinstance(ev, TokenEvent) and ev.token >= 0
+    ]
     assert again == [t.token for t in toks]
 
 
 def test_paris(smol_engine):
-    text = smol_engine.generate_text([{"role": "user", "content": "What is the capital of France?"}],
-                                     GenerationSettings(max_tokens=32))
+    text = smol_engine.generate_text(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        GenerationSettings(max_tokens=32),
+    )
     assert "Paris" in text
 
 
@@ -45,7 +51,9 @@ def test_cancel_mid_stream(smol_engine):
         return n >= 3
 
     events = []
-    for ev in smol_engine.generate("Once upon a time", GenerationSettings(max_tokens=200), should_stop=stop):
+    for ev in smol_engine.generate(
+        "Once upon a time", GenerationSettings(max_tokens=200), should_stop=stop
+    ):
         events.append(ev)
         if isinstance(ev, TokenEvent):
             n += 1
@@ -77,7 +85,9 @@ def test_bad_settings_and_requests(smol_engine):
 def test_kv_stats_count_the_float_cache_at_its_real_dtype(smol_engine):
     from app.engine.backend import detect
 
-    smol_engine.generate_text("The weather today is", GenerationSettings(max_tokens=4, kv_mode="fp16"))
+    smol_engine.generate_text(
+        "The weather today is", GenerationSettings(max_tokens=4, kv_mode="fp16")
+    )
     kv = smol_engine.kv_stats()
     # SmolLM2: 30 layers x 3 KV heads x head dim 64, K and V; float32 on the CPU backend (its
     # dense weights are dequantized to float32 at load), the model's fp16 elsewhere
@@ -91,7 +101,9 @@ def test_kv_stats_count_the_float_cache_at_its_real_dtype(smol_engine):
 
 def test_isoquant_mode_saves_kv_bytes(smol_engine):
     ids = smol_engine.encode_text("To be, or not to be, that is the question. " * 20)
-    smol_engine.generate_text(ids, GenerationSettings(max_tokens=3, kv_mode="isoquant3", kv_window=0))
+    smol_engine.generate_text(
+        ids, GenerationSettings(max_tokens=3, kv_mode="isoquant3", kv_window=0)
+    )
     kv = smol_engine.kv_stats()
     assert kv["mode"] == "isoquant3" and kv["tokens"] >= len(ids)
     assert kv["used_bytes"] * 4 < kv["float_bytes"]  # 3-bit codes + norms vs float values
@@ -132,7 +144,9 @@ def test_a_plans_context_limits_prompt_and_answer(tiny_model_path):
     eng.load(tiny_model_path("qwen3_moe"), {"context": 24, "kv_mode": "fp16"})
     assert eng.context_limit == 24
     ids = list(range(5, 15))  # 10 prompt tokens
-    fin = [e for e in eng.generate(ids, GenerationSettings(max_tokens=100)) if isinstance(e, Finished)][0]
+    fin = [
+        e for e in eng.generate(ids, GenerationSettings(max_tokens=100)) if isinstance(e, Finished)
+    ][0]
     assert fin.prompt_tokens == 10 and fin.generated_tokens <= 14
     with pytest.raises(EngineError, match="the plan's context limit .* is 24 tokens"):
         list(eng.generate(list(range(5, 30)), GenerationSettings(max_tokens=4)))

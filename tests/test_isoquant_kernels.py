@@ -281,7 +281,9 @@ EMU_PARAMS = [(c, "rows") for c in EMU_CASES] + [(c, "tc16") for c in EMU_CASES 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case,layout", EMU_PARAMS, ids=lambda c: c if isinstance(c, str) else f"{c[0]}-d{c[5]}-t{c[6]}-g{c[3]}"
+    "case,layout",
+    EMU_PARAMS,
+    ids=lambda c: c if isinstance(c, str) else f"{c[0]}-d{c[5]}-t{c[6]}-g{c[3]}",
 )
 def test_emulated_cuda_kernels_match_the_reference(emulated, case, layout, monkeypatch):
     path, b, hkv, g, length, d, tc, tf, kb, vb, kind, lens, sinks, dtype = case

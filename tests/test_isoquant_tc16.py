@@ -242,7 +242,11 @@ def test_tc16_cache_equals_rows_cache(sink, shadow, compress_every):
     assert len(seen) > 4  # chunks filled partially, then repacked with more tokens
     # the rows cache encodes ahead (compress_every), tc16 to the split: + codes of its chunk end
     ahead = (rows.encoded - tc.encoded) * HKV * (2 * D * 3 // 8 + 4 + 8 * D * shadow)
-    assert rows.used_nbytes - ahead <= tc.used_nbytes < rows.used_nbytes - ahead + 16 * 2 * D * 3 // 8 + 1
+    assert (
+        rows.used_nbytes - ahead
+        <= tc.used_nbytes
+        < rows.used_nbytes - ahead + 16 * 2 * D * 3 // 8 + 1
+    )
 
     # trim back into the compressed region (mid-chunk), then decode other tokens
     for c in (rows, tc):

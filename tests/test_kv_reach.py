@@ -163,12 +163,18 @@ def test_trim_prompt_cache_and_copies_with_generate(family):
     prompt = _ids(80)
     last, _ = next(generate_step(prompt, model, prompt_cache=cache))
     last = mx.array([last])
-    first = [t for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache), strict=False)]
+    first = [
+        t
+        for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache), strict=False)
+    ]
     off = cache[0].offset
     snapshot = copy.deepcopy(cache)
     assert trim_prompt_cache(cache, 3) == 3
     assert snapshot[0].offset == off and cache[0].offset == off - 3
-    again = [t for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache), strict=False)]
+    again = [
+        t
+        for _, (t, _) in zip(range(3), generate_step(last, model, prompt_cache=cache), strict=False)
+    ]
     assert again == first
     assert snapshot[0].k_codes is not cache[0].k_codes
 
@@ -184,8 +190,11 @@ def test_max_kv_size_and_kv_bits_are_not_ignored(family):
     assert all(c.size() <= 64 for c in bounded)
     cache = kvcache.make_cache(model, "isoquant3")
     with pytest.raises(ValueError, match="kv_bits=4 does not apply"):
-        list(generate_step(_ids(20), model, prompt_cache=cache, kv_bits=4, max_tokens=2,
-                           quantized_kv_start=0))
+        list(
+            generate_step(
+                _ids(20), model, prompt_cache=cache, kv_bits=4, max_tokens=2, quantized_kv_start=0
+            )
+        )
 
 
 # ---- families: compressed, or float per layer with the reason ----------------------------
@@ -221,7 +230,9 @@ def test_head_dim_not_a_multiple_of_8_falls_back():
     assert len(kvcache.fallbacks(cache)) == len(model.layers)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "nemotron_h", "gpt_oss", "gemma2", "minicpm3"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen3", "nemotron_h", "gpt_oss", "gemma2", "minicpm3"]
+)
 def test_model_runs_with_our_cache_in_each_dtype_and_copies(family, model_type):
     """mlx-lm's model checks with our cache: float32 and float16, prompt then a step (past the
     window, so codes are read), the output's shape and dtype; batch 2; deep copy."""
@@ -229,8 +240,10 @@ def test_model_runs_with_our_cache_in_each_dtype_and_copies(family, model_type):
     moe = model_type in ("nemotron_h", "gpt_oss")  # MLX's CPU gather_mm takes float32 only
     for t in (mx.float32,) if moe and mx.default_device() == mx.cpu else (mx.float32, mx.float16):
         model.update(
-            tree_map(lambda p, t=t: p.astype(t) if mx.issubdtype(p.dtype, mx.floating) else p,
-                     model.parameters())
+            tree_map(
+                lambda p, t=t: p.astype(t) if mx.issubdtype(p.dtype, mx.floating) else p,
+                model.parameters(),
+            )
         )
         cache = kvcache.make_cache(model, "isoquant3", window=2)
         out = model(_ids(6)[None], cache=cache)
@@ -267,8 +280,10 @@ def test_top1_agrees_with_float_on_smollm2_with_chunked_prefill(smollm2_path):
     picks = {}
     for mode in ("fp16", "isoquant3"):
         cache = kvcache.make_cache(lm.model, mode)
-        out = [mx.argmax(lm.model(ids[None, i : i + 64], cache=cache)[0], axis=-1)
-               for i in range(0, ids.size, 64)]
+        out = [
+            mx.argmax(lm.model(ids[None, i : i + 64], cache=cache)[0], axis=-1)
+            for i in range(0, ids.size, 64)
+        ]
         picks[mode] = np.array(mx.concatenate(out))
         if mode == "isoquant3":
             assert all(c.compressed > 250 for c in cache)

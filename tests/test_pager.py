@@ -77,8 +77,7 @@ def test_paged_generation_is_bit_identical(converted, arch, frac):
     budget = int(expert_bytes(folder) * frac)
     lm = load_paged(folder, budget)
     pager = lm.model.rq_pager
-    assert any(isinstance(m, (PagedSwitchGLU, PagedSwitchMLP))
-               for _, m in lm.model.named_modules())
+    assert any(isinstance(m, (PagedSwitchGLU, PagedSwitchMLP)) for _, m in lm.model.named_modules())
     _assert_same(lm.model, toks, lps)
     s = pager.stats()
     json.dumps(s)  # plain numbers for the worker's Stats message
@@ -252,7 +251,7 @@ def test_verify_off_skips_the_checksum_but_not_the_size(converted, tmp_path):
     data = bytearray(path.read_bytes())
     data[off + lay.tensors[0].offset] ^= 1
     path.write_bytes(bytes(data))
-    assert zlib.crc32(bytes(data[off:off + lay.record_size])) != crc
+    assert zlib.crc32(bytes(data[off : off + lay.record_size])) != crc
     lm = load_paged(bad, expert_bytes(bad), verify=False)  # loads: no CRC check asked
     assert lm.model.rq_pager.stats()["slots"] == expert_bytes(bad) // lay.expert_bytes
 
@@ -295,8 +294,9 @@ def test_slot_windows_are_bit_identical(converted, monkeypatch, frac):
     monkeypatch.setattr(layers, "QMV_ROWS", 64)
     calls = []
     real = layers._PagedSwitch._call_windows
-    monkeypatch.setattr(layers._PagedSwitch, "_call_windows",
-                        lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(
+        layers._PagedSwitch, "_call_windows", lambda self, *a: calls.append(1) or real(self, *a)
+    )
     lm = load_paged(folder, int(expert_bytes(folder) * frac))
     mods = [m for _, m in lm.model.named_modules() if isinstance(m, PagedSwitchGLU)]
     assert mods and all(m._window == 3 for m in mods)

@@ -53,8 +53,9 @@ def test_paged_slots_hold_exactly_the_resident_bytes(records, threads, zero_copy
     traces = model_traces(store.layers, EXPERTS, K, 30, seed=1)
     full = ExpertPager(store, store.expert_bytes())
     ref = _run(full, 30, traces)
-    paged = ExpertPager(store, store.expert_bytes() // 5,
-                        PagerOptions(read_threads=threads, zero_copy=zero_copy))
+    paged = ExpertPager(
+        store, store.expert_bytes() // 5, PagerOptions(read_threads=threads, zero_copy=zero_copy)
+    )
     got = _run(paged, 30, traces)
     s = paged.stats()
     assert s["misses"] > 0 and s["evictions"] > 0  # the pool really turned over
@@ -120,8 +121,7 @@ def test_bench_reports_paging_figures(tmp_path):
     from app.engine.testing.random_models import TINY_CONFIGS
     from app.engine.testing.synth import write_random_converted
 
-    man = write_random_converted(TINY_CONFIGS["qwen3_moe"], tmp_path / "m", seed=1,
-                                 dtype="float32")
+    man = write_random_converted(TINY_CONFIGS["qwen3_moe"], tmp_path / "m", seed=1, dtype="float32")
     eng = Engine()
     eng.load(tmp_path / "m", {"expert_budget": man.roles["routed"]["bytes"] // 3})
     res = bench_generate(eng, prompt_tokens=8, gen_tokens=6, trials=1)
@@ -160,8 +160,11 @@ def test_device_copies_land_the_exact_record_bytes(records):
     store = _store(records)
     traces = model_traces(store.layers, EXPERTS, K, 30, seed=5)
     ref = _run(ExpertPager(store, store.expert_bytes()), 30, traces)
-    paged = ExpertPager(store, store.expert_bytes() // 5,
-                        PagerOptions(zero_copy=False, device_copy=False, read_threads=2))
+    paged = ExpertPager(
+        store,
+        store.expert_bytes() // 5,
+        PagerOptions(zero_copy=False, device_copy=False, read_threads=2),
+    )
     paged._copier = copier = _HostCopier()
     got = _run(paged, 30, traces)
     assert copier.registered == 1 and copier.copies == paged.stats()["reads"] * 6

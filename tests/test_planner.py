@@ -46,7 +46,8 @@ def test_plans_fit_and_more_ram_is_never_worse(path, backend):
         assert p.total_peak <= m.ram
         assert p.peak["kv_cache"] == p.sizes.kv_bytes(p.context_limit, p.kv_modes, p.prefill_chunk)
         assert p.peak["activations"] == planner.activation_bytes(
-            p.sizes, p.context_limit, m, p.prefill_chunk)
+            p.sizes, p.context_limit, m, p.prefill_chunk
+        )
         assert p.expert_budget <= p.expert_bytes
         assert ("zipfusion" in p.kv_modes.values()) <= (backend == "cuda")
         assert p.reasons and all(isinstance(r, str) and r for r in p.reasons)
@@ -284,12 +285,17 @@ def test_reasons_name_only_the_roles_a_model_has_and_no_spec():
     assert not any("shared" in r for r in qwen.reasons), qwen.reasons
     assert "routed experts 2-bit" in qwen.reasons[0]
     shared = next(
-        (s for f in sorted(CONFIGS.glob("*.json"))
-         if (s := _sizes_or_none(f)) is not None and s.params["shared"] > 0),
+        (
+            s
+            for f in sorted(CONFIGS.glob("*.json"))
+            if (s := _sizes_or_none(f)) is not None and s.params["shared"] > 0
+        ),
         None,
     )
     assert shared is not None, "a config with shared experts"
-    assert "shared experts 8-bit" in make_plan(shared, Machine.simulate("512GB", "metal")).reasons[0]
+    assert (
+        "shared experts 8-bit" in make_plan(shared, Machine.simulate("512GB", "metal")).reasons[0]
+    )
     for p in (qwen,):
         assert not any("SPEC" in r or "§" in r for r in p.reasons), p.reasons
 
@@ -301,13 +307,16 @@ def _sizes_or_none(f):
         return None
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "0"], "at least 1 token, got 0"),
-    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "-5"], "at least 1 token, got -5"),
-    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "foo=4"], "unknown role 'foo'"),
-    (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "routed=x"], "expected role=bits"),
-    (["sizes", "qwen3-30b-a3b", "--widths", "foo=4"], "unknown role 'foo'"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "0"], "at least 1 token, got 0"),
+        (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--context", "-5"], "at least 1 token, got -5"),
+        (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "foo=4"], "unknown role 'foo'"),
+        (["plan", "qwen3-30b-a3b", "--ram", "32GB", "--widths", "routed=x"], "expected role=bits"),
+        (["sizes", "qwen3-30b-a3b", "--widths", "foo=4"], "unknown role 'foo'"),
+    ],
+)
 def test_cli_refuses_bad_context_and_widths_with_a_message(argv, match):
     from app.engine import planner_commands
     from app.engine.errors import EngineError
@@ -326,8 +335,12 @@ def test_prefill_chunk_grows_only_into_memory_the_plan_leaves():
     ctx = 8192
 
     def extra(chunk):
-        return (planner.activation_bytes(s, ctx, m, chunk) + s.kv_bytes(ctx, "fp16", chunk)
-                - planner.activation_bytes(s, ctx, m, 512) - s.kv_bytes(ctx, "fp16", 512))
+        return (
+            planner.activation_bytes(s, ctx, m, chunk)
+            + s.kv_bytes(ctx, "fp16", chunk)
+            - planner.activation_bytes(s, ctx, m, 512)
+            - s.kv_bytes(ctx, "fp16", 512)
+        )
 
     assert 0 < extra(1024) < extra(2048)
     assert planner.prefill_chunk(s, m, ctx, 0)[0] == 512
@@ -341,15 +354,18 @@ def test_plan_sizes_prefill_chunk_and_counts_it():
     roomy = plan_model(CONFIGS / "qwen3-30b-a3b.json", Machine.simulate(32 * GiB, "metal"))
     assert roomy.prefill_chunk == 2048 and not roomy.paging
     assert roomy.peak["activations"] == planner.activation_bytes(
-        roomy.sizes, roomy.context_limit, roomy.machine, 2048)
+        roomy.sizes, roomy.context_limit, roomy.machine, 2048
+    )
     assert roomy.process_peak <= roomy.machine.usable
     assert roomy.prefill_reason in roomy.reasons and roomy.to_dict()["prefill_chunk"] == 2048
     # paged: the step takes only what the expert budget (chosen for speed) leaves over
-    paged = plan_model(CONFIGS / "nemotron-3-super-120b-a12b.json",
-                       Machine.simulate(32 * GiB, "metal"))
+    paged = plan_model(
+        CONFIGS / "nemotron-3-super-120b-a12b.json", Machine.simulate(32 * GiB, "metal")
+    )
     assert paged.paging and f"{paged.prefill_chunk}-token steps" in paged.prefill_reason
     assert paged.peak["activations"] == planner.activation_bytes(
-        paged.sizes, paged.context_limit, paged.machine, paged.prefill_chunk)
+        paged.sizes, paged.context_limit, paged.machine, paged.prefill_chunk
+    )
     assert paged.process_peak <= paged.machine.usable
     with pytest.raises(ValueError, match="prefill chunk"):
         dataclasses.replace(roomy, prefill_chunk=777)

@@ -19,13 +19,21 @@ from app.engine.offload.records import (
 def _layout(layer=3, E=5, bits=2, H=128, inter=64, dtype="bfloat16"):
     g = 64
     t = []
-    for proj, (o, i) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)),
-                         ("down_proj", (H, inter))):
-        t += [(f"{proj}.weight", "uint32", (o, i * bits // 32)),
-              (f"{proj}.scales", dtype, (o, i // g)), (f"{proj}.biases", dtype, (o, i // g))]
+    for proj, (o, i) in (
+        ("gate_proj", (inter, H)),
+        ("up_proj", (inter, H)),
+        ("down_proj", (H, inter)),
+    ):
+        t += [
+            (f"{proj}.weight", "uint32", (o, i * bits // 32)),
+            (f"{proj}.scales", dtype, (o, i // g)),
+            (f"{proj}.biases", dtype, (o, i // g)),
+        ]
     t.append(("down_proj.bias", "float32", (H,)))  # an odd-sized float tail (gpt_oss-like)
-    q = {p: {"bits": bits, "group_size": g, "mode": "affine"}
-         for p in ("gate_proj", "up_proj", "down_proj")}
+    q = {
+        p: {"bits": bits, "group_size": g, "mode": "affine"}
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
     return LayerLayout.plan(layer, f"model.layers.{layer}.mlp.switch_mlp", E, t, q)
 
 
@@ -37,7 +45,8 @@ def _expert(lay, seed):
             out[t.name] = mx.array(rng.integers(0, 2**32, t.shape, dtype=np.uint32))
         else:
             out[t.name] = mx.array(rng.standard_normal(t.shape).astype(np.float32)).astype(
-                getattr(mx, t.dtype))
+                getattr(mx, t.dtype)
+            )
     return out
 
 
@@ -129,18 +138,21 @@ def test_writer_checks_completeness_and_shapes(tmp_path):
         w.close()
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda s: s.update(layers=[]), "must map layer indices"),
-    (lambda s: s.update(layers={}), "must map layer indices"),
-    (lambda s: s["layers"]["3"].update(stride="abc"), r"layers\.3` is malformed: ValueError"),
-    (lambda s: s["layers"]["3"].pop("tensors"), r"layers\.3` is malformed: KeyError"),
-    (lambda s: s["layers"]["3"].update(num_experts=-1), "num_experts must be >= 1"),
-    (lambda s: s["layers"]["3"].update(record_size=0), "empty record"),
-    (lambda s: s["layers"].update({"4": s["layers"]["3"]}), "key '4' holds layer 3"),
-    (lambda s: s["layers"]["3"].update(file="/etc/passwd"), "outside the model folder"),
-    (lambda s: s["layers"]["3"].update(file="../../etc/passwd"), "outside the model folder"),
-    (lambda s: s["layers"]["3"].update(file="experts/../../x.bin"), "outside the model folder"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda s: s.update(layers=[]), "must map layer indices"),
+        (lambda s: s.update(layers={}), "must map layer indices"),
+        (lambda s: s["layers"]["3"].update(stride="abc"), r"layers\.3` is malformed: ValueError"),
+        (lambda s: s["layers"]["3"].pop("tensors"), r"layers\.3` is malformed: KeyError"),
+        (lambda s: s["layers"]["3"].update(num_experts=-1), "num_experts must be >= 1"),
+        (lambda s: s["layers"]["3"].update(record_size=0), "empty record"),
+        (lambda s: s["layers"].update({"4": s["layers"]["3"]}), "key '4' holds layer 3"),
+        (lambda s: s["layers"]["3"].update(file="/etc/passwd"), "outside the model folder"),
+        (lambda s: s["layers"]["3"].update(file="../../etc/passwd"), "outside the model folder"),
+        (lambda s: s["layers"]["3"].update(file="experts/../../x.bin"), "outside the model folder"),
+    ],
+)
 def test_malformed_manifest_section_is_refused(tmp_path, change, match):
     import copy
 

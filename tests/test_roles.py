@@ -110,8 +110,10 @@ def test_every_parameter_has_a_role_and_experts_are_found(name):
 
 
 def test_unknown_architecture_is_an_error():
-    with pytest.raises(UnsupportedArchitectureError, match="no role rules for architecture "
-                       "'falcon_mamba'.*qwen3_moe"):
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match="no role rules for architecture 'falcon_mamba'.*qwen3_moe",
+    ):
         rules_for("falcon_mamba")
 
 
@@ -128,14 +130,21 @@ def test_expert_layer_outside_the_rules_is_an_error():
 def test_predicate_widths_and_fallbacks():
     pred = role_predicate("qwen2_moe", RoleWidths().with_bits(routed=3))
     assert pred("model.layers.0.mlp.switch_mlp.up_proj", SwitchLinear(128, 64, 8)) == {
-        "group_size": 64, "bits": 3, "mode": "affine"}
+        "group_size": 64,
+        "bits": 3,
+        "mode": "affine",
+    }
     assert pred("model.layers.0.mlp.shared_expert.up_proj", nn.Linear(128, 64))["bits"] == 8
     assert pred("model.layers.0.self_attn.o_proj", nn.Linear(128, 128))["bits"] == 4
     assert pred("model.layers.0.mlp.gate", nn.Linear(128, 8)) is False  # router
     assert pred("model.layers.0.self_attn.o_proj", nn.Linear(96, 128)) is False  # 96 % 64
     assert pred("model.norm", nn.RMSNorm(128)) is False
-    assert role_predicate("llama", RoleWidths(dense=RoleWidth(None)))(
-        "model.layers.0.mlp.up_proj", nn.Linear(128, 64)) is False
+    assert (
+        role_predicate("llama", RoleWidths(dense=RoleWidth(None)))(
+            "model.layers.0.mlp.up_proj", nn.Linear(128, 64)
+        )
+        is False
+    )
 
 
 def test_param_plan_bytes_match_mlx_quantize():
@@ -172,8 +181,12 @@ def _np_kurtosis(x):
 def test_streamed_kurtosis_equals_direct(dist):
     rng = np.random.default_rng(1)
     n = 100_003
-    x = {"normal": rng.standard_normal(n), "laplace": rng.laplace(size=n),
-         "uniform": rng.uniform(-1, 1, n), "shifted": 5 + 0.01 * rng.standard_normal(n)}[dist]
+    x = {
+        "normal": rng.standard_normal(n),
+        "laplace": rng.laplace(size=n),
+        "uniform": rng.uniform(-1, 1, n),
+        "shifted": 5 + 0.01 * rng.standard_normal(n),
+    }[dist]
     x = x.astype(np.float32)
     m = Moments()
     for part in np.array_split(x, 7):  # uneven blocks, merged

@@ -357,16 +357,22 @@ def test_quantized_folder_widths():
     assert s.widths.dense.bits == 4 and s.widths.dense.group_size == 32
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"num_hidden_layers": 1e9}, "num_hidden_layers must be a whole number, got 1000000000.0"),
-    ({"num_hidden_layers": 10**9}, r"num_hidden_layers = 1000000000 is out of range \(1\.\.4096\)"),
-    ({"hidden_size": 0}, "hidden_size = 0 is out of range"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers = 0 is out of range"),
-    ({"intermediate_size": -4}, "intermediate_size = -4 is out of range"),
-    ({"num_attention_heads": "32"}, "num_attention_heads must be a whole number"),
-    ({"head_dim": True}, "head_dim must be a whole number"),
-    ({"num_experts_per_tok": 200}, "num_experts_per_tok = 200 exceeds the 128 experts"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"num_hidden_layers": 1e9}, "num_hidden_layers must be a whole number, got 1000000000.0"),
+        (
+            {"num_hidden_layers": 10**9},
+            r"num_hidden_layers = 1000000000 is out of range \(1\.\.4096\)",
+        ),
+        ({"hidden_size": 0}, "hidden_size = 0 is out of range"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers = 0 is out of range"),
+        ({"intermediate_size": -4}, "intermediate_size = -4 is out of range"),
+        ({"num_attention_heads": "32"}, "num_attention_heads must be a whole number"),
+        ({"head_dim": True}, "head_dim must be a whole number"),
+        ({"num_experts_per_tok": 200}, "num_experts_per_tok = 200 exceeds the 128 experts"),
+    ],
+)
 def test_hostile_config_dimensions_are_refused_at_once(change, match):
     """One check (sizes.check_dimensions) before anything is built from a config: sizes, the
     planner and the download pre-check (sizes.compute) and the loader all go through it."""

@@ -21,14 +21,17 @@ def test_trace_hit_rate_interpolates_the_table():
 @pytest.mark.parametrize("backend", sorted(BACKEND_COSTS))
 def test_step_time_falls_with_the_budget_and_jumps_when_all_fit(backend):
     eb, rec = 30 * GiB, 2 << 20
-    times = [step_seconds(b, 20 * GiB, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend])
-             for b in range(GiB, 20 * GiB, GiB)]
+    times = [
+        step_seconds(b, 20 * GiB, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend])
+        for b in range(GiB, 20 * GiB, GiB)
+    ]
     assert all(a >= b for a, b in zip(times, times[1:], strict=False))
     full = step_seconds(eb, eb, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend])
     assert full < times[-1]  # no read-backs, no misses
     # a bigger page cache (memory) turns disk reads into copies
-    assert step_seconds(5 * GiB, 25 * GiB, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend]) \
-        < step_seconds(5 * GiB, 10 * GiB, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend])
+    assert step_seconds(
+        5 * GiB, 25 * GiB, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend]
+    ) < step_seconds(5 * GiB, 10 * GiB, eb, 6 * GiB, 40, 22, rec, BACKEND_COSTS[backend])
 
 
 def test_budget_for_speed_is_within_one_percent_of_the_best_and_says_why():
@@ -41,8 +44,16 @@ def test_budget_for_speed_is_within_one_percent_of_the_best_and_says_why():
     active = s.resident_bytes - s.embedding_bytes + s.active_expert_bytes
 
     def tps(x):
-        return 1 / step_seconds(x, left, s.expert_bytes, active, s.moe_layers,
-                                s.experts_per_token, s.bytes_per_expert, BACKEND_COSTS["metal"])
+        return 1 / step_seconds(
+            x,
+            left,
+            s.expert_bytes,
+            active,
+            s.moe_layers,
+            s.experts_per_token,
+            s.bytes_per_expert,
+            BACKEND_COSTS["metal"],
+        )
 
     assert tps(b) >= 0.99 * tps(left)
     assert b == left or tps(b) < tps(left)  # a smaller pool only where it costs < 1%
@@ -51,8 +62,10 @@ def test_budget_for_speed_is_within_one_percent_of_the_best_and_says_why():
 def test_budget_for_speed_keeps_everything_resident_when_it_fits():
     s = sizes_for(f"{CONFIGS}/qwen3-30b-a3b.json")
     reasons: list[str] = []
-    assert expert_budget_for_speed(s, Machine.simulate("64GB"), 10 * s.expert_bytes,
-                                   reasons) == s.expert_bytes
+    assert (
+        expert_budget_for_speed(s, Machine.simulate("64GB"), 10 * s.expert_bytes, reasons)
+        == s.expert_bytes
+    )
     assert reasons == []
 
 

@@ -50,12 +50,14 @@ def test_simulate_policies():
     assert res["os"].copies_per_token == pytest.approx(res["os"].hit_rate * 12)
     # every expert fits: the only misses are first uses
     full = simulate("lru", traces, 3 * 64, warmup=50)
-    first = sum(len(set(tr.ravel().tolist()) - set(tr[:50].ravel().tolist()))
-                for tr in traces.values())
+    first = sum(
+        len(set(tr.ravel().tolist()) - set(tr[:50].ravel().tolist())) for tr in traces.values()
+    )
     assert full.misses_per_token == pytest.approx(first / 150)
     t = token_seconds(res["os"], 0.01, 1000, 1e6, 1e7)
-    assert t == pytest.approx(0.01 + res["os"].misses_per_token * 1e-3
-                              + res["os"].copies_per_token * 1e-4)
+    assert t == pytest.approx(
+        0.01 + res["os"].misses_per_token * 1e-3 + res["os"].copies_per_token * 1e-4
+    )
 
 
 def test_slru_protects_reused_keys():

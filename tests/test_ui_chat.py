@@ -57,13 +57,29 @@ def test_send_streams_tokens_then_finishes(qtbot, window):
     chat = window.chat
     chat.new_conversation()
     chat.set_settings({"max_tokens": 24})
-    rec = Recorder(chat, ["message_added", "stream_started", "token_received", "message_changed",
-                          "stream_finished", "stream_failed"])
+    rec = Recorder(
+        chat,
+        [
+            "message_added",
+            "stream_started",
+            "token_received",
+            "message_changed",
+            "stream_finished",
+            "stream_failed",
+        ],
+    )
     window.chat_view.input.setPlainText("Hello, world!")
-    with qtbot.waitSignal(chat.stream_finished, timeout=60_000, check_params_cb=lambda r: r == "length"):
+    with qtbot.waitSignal(
+        chat.stream_finished, timeout=60_000, check_params_cb=lambda r: r == "length"
+    ):
         qtbot.mouseClick(window.chat_view.send_btn, Qt.MouseButton.LeftButton)
-    assert rec.collapsed() == ["message_added", "stream_started", "token_received",
-                               "message_changed", "stream_finished"]
+    assert rec.collapsed() == [
+        "message_added",
+        "stream_started",
+        "token_received",
+        "message_changed",
+        "stream_finished",
+    ]
     assert rec.count("message_added") == 2 and rec.count("token_received") == 24
     streamed = "".join(args[0] for n, args in rec.seen if n == "token_received")
     m = chat.messages[-1]
@@ -71,7 +87,8 @@ def test_send_streams_tokens_then_finishes(qtbot, window):
     assert m.meta["generated_tokens"] == 24 and m.meta["decode_tps"] > 0
     stored = ConversationStore().messages(chat.current.id)
     assert [(x.role, x.content, x.state) for x in stored] == [
-        ("user", "Hello, world!", "complete"), ("assistant", m.content, "complete")
+        ("user", "Hello, world!", "complete"),
+        ("assistant", m.content, "complete"),
     ]
     assert window.chat_view.send_btn.isEnabled() and not window.chat_view.stop_btn.isEnabled()
     assert chat.current.title == "Hello, world!"
@@ -87,8 +104,9 @@ def test_stop_mid_stream_keeps_the_partial_answer(qtbot, window):
         with qtbot.waitSignal(chat.token_received, timeout=60_000):
             assert chat.send("Tell me a long story")
         assert window.chat_view.stop_btn.isEnabled()
-        with qtbot.waitSignal(chat.stream_finished, timeout=30_000,
-                              check_params_cb=lambda r: r == "cancelled"):
+        with qtbot.waitSignal(
+            chat.stream_finished, timeout=30_000, check_params_cb=lambda r: r == "cancelled"
+        ):
             qtbot.mouseClick(window.chat_view.stop_btn, Qt.MouseButton.LeftButton)
     finally:
         chat.token_received.disconnect(tokens.append)
@@ -149,7 +167,9 @@ def test_worker_killed_shows_error_and_restart_keeps_conversation(qtbot, window)
         window.bridge.crash()
     kept = [(m.role, m.content, m.state) for m in chat.messages]
     assert kept[-1][2] == "interrupted" and kept[-1][1]
-    assert [(m.role, m.content, m.state) for m in ConversationStore().messages(chat.current.id)] == kept
+    assert [
+        (m.role, m.content, m.state) for m in ConversationStore().messages(chat.current.id)
+    ] == kept
     assert window.banner.isVisible() and window.restart_btn.isVisible()
     assert "stopped" in window.banner_text.text() and not window.chat_view.send_btn.isEnabled()
     with qtbot.waitSignal(window.session.model_loaded, timeout=120_000):

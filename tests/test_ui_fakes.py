@@ -10,9 +10,15 @@ from app.engine import messages as M
 from app.ui.bridge import WorkerBridge
 
 INFO = {
-    "path": "/fake/model", "name": "FakeModel", "architecture": "llama", "num_layers": 2,
-    "weight_bytes": 1 << 20, "kv_modes": ["fp16", "isoquant3"], "backend": "cpu",
-    "load_seconds": 0.0, "extra": {},
+    "path": "/fake/model",
+    "name": "FakeModel",
+    "architecture": "llama",
+    "num_layers": 2,
+    "weight_bytes": 1 << 20,
+    "kv_modes": ["fp16", "isoquant3"],
+    "backend": "cpu",
+    "load_seconds": 0.0,
+    "extra": {},
 }
 
 
@@ -80,7 +86,16 @@ class FakeBridge(WorkerBridge):
 
 def test_fake_bridge_overrides_every_request():
     """The fake must not fall through to the real client (which would need a process)."""
-    for name in ("start", "restart", "shutdown", "is_alive", "load", "generate", "cancel", "request_stats"):
+    for name in (
+        "start",
+        "restart",
+        "shutdown",
+        "is_alive",
+        "load",
+        "generate",
+        "cancel",
+        "request_stats",
+    ):
         assert getattr(FakeBridge, name) is not getattr(WorkerBridge, name), name
 
 
@@ -94,8 +109,11 @@ def test_broken_pipe_restarts_the_engine_once(qtbot):
     s.start()
     qtbot.waitUntil(lambda: s.state == "ready")
     starts = sum(isinstance(m, M.Load) for m in bridge.sent)
-    bridge._dispatch(M.WorkerDied(M.PROTOCOL_EXIT, "the engine got a message it could not read",
-                                  broken_pipe=True))
+    bridge._dispatch(
+        M.WorkerDied(
+            M.PROTOCOL_EXIT, "the engine got a message it could not read", broken_pipe=True
+        )
+    )
     qtbot.waitUntil(lambda: s.state == "ready")  # restarted and loaded again, unasked
     assert sum(isinstance(m, M.Load) for m in bridge.sent) == starts + 1 and len(crashed) == 1
     bridge._dispatch(M.WorkerDied(M.PROTOCOL_EXIT, "again", broken_pipe=True))

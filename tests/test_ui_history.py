@@ -19,9 +19,14 @@ def test_store_round_trip_and_order(tmp_path):
     s.add_message(a.id, "user", "hi")
     m = s.add_message(a.id, "assistant", "", state="streaming", meta={"model": "M"})
     s.update_message(m.id, content="hel")
-    s.update_message(m.id, content="hello", state="complete", meta={"model": "M", "decode_tps": 9.5})
+    s.update_message(
+        m.id, content="hello", state="complete", meta={"model": "M", "decode_tps": 9.5}
+    )
     got = s.messages(a.id)
-    assert [(x.role, x.content, x.state) for x in got] == [("user", "hi", "complete"), ("assistant", "hello", "complete")]
+    assert [(x.role, x.content, x.state) for x in got] == [
+        ("user", "hi", "complete"),
+        ("assistant", "hello", "complete"),
+    ]
     assert got[1].meta == {"model": "M", "decode_tps": 9.5}
     assert [c.id for c in s.conversations()] == [a.id, b.id]  # most recently updated first
     c = s.update(b.id, title="renamed", settings={"seed": 1})
@@ -120,7 +125,11 @@ def test_history_files_are_private(tmp_path, monkeypatch):
 def test_split_thinking_cases():
     assert render.split_thinking("<think>a b</think>answer") == ("a b", "answer", False)
     assert render.split_thinking("pre<think>still going") == ("still going", "pre", True)
-    assert render.split_thinking("opened in the prompt</think>answer") == ("opened in the prompt", "answer", False)
+    assert render.split_thinking("opened in the prompt</think>answer") == (
+        "opened in the prompt",
+        "answer",
+        False,
+    )
     assert render.split_thinking("plain") == ("", "plain", False)
     assert render.strip_thinking("<think>x</think>\n\nDone.") == "Done."
 
@@ -146,7 +155,8 @@ def test_markdown_subset_and_escaping():
     c = render.LIGHT
     h = render.markdown_to_html(
         "# Title\n\nSome **bold**, *it*, `a<b>` and [link](https://x.org).\n\n"
-        "- one\n- two\n\n1. first\n\n```python\nif a < b:\n    print('<script>')\n```\n> quoted <i>", c
+        "- one\n- two\n\n1. first\n\n```python\nif a < b:\n    print('<script>')\n```\n> quoted <i>",
+        c,
     )
     assert "<b>Title</b>" in h and "<b>bold</b>" in h and "<i>it</i>" in h
     assert "a&lt;b&gt;" in h and "monospace" in h
@@ -163,7 +173,11 @@ def test_message_html_states():
     h = render.message_html(7, "assistant", "<think>hmm</think>Hi", "interrupted", "M", c)
     assert 'href="think:7"' in h and "Thought for 1 words" in h and "hmm" not in h
     assert "interrupted" in h and c.error in h
-    h = render.message_html(7, "assistant", "<think>hmm</think>Hi", "complete", "M", c, expanded=True)
+    h = render.message_html(
+        7, "assistant", "<think>hmm</think>Hi", "complete", "M", c, expanded=True
+    )
     assert "hmm" in h and "interrupted" not in h
-    h = render.message_html(8, "assistant", "x", "error", "M", c, meta={"error": "EngineError: boom"})
+    h = render.message_html(
+        8, "assistant", "x", "error", "M", c, meta={"error": "EngineError: boom"}
+    )
     assert "EngineError: boom" in h

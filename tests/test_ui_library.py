@@ -55,14 +55,18 @@ def test_download_progress_then_ready(qtbot, view, hub_env, tiny_hf):
 
     def on_progress(key):
         progress.append(dict(ctl.progress[key]))
-        i = next((k for k, r in enumerate(view.local.rows) if r.repo.lower() == key or r.name == key), -1)
+        i = next(
+            (k for k, r in enumerate(view.local.rows) if r.repo.lower() == key or r.name == key), -1
+        )
         if i >= 0:
             ix = view.local.index(i, 4)
             cells.append((ix.data(), ix.data(ProgressRole)))
 
     ctl.progress_changed.connect(on_progress)
     view.repo_edit.setText(REPO)
-    with qtbot.waitSignal(ctl.state_changed, timeout=120_000, check_params_cb=lambda e: e.state == "ready"):
+    with qtbot.waitSignal(
+        ctl.state_changed, timeout=120_000, check_params_cb=lambda e: e.state == "ready"
+    ):
         qtbot.mouseClick(view.repo_btn, Qt.MouseButton.LeftButton)
     assert states == ["downloading", "downloaded", "converting", "ready"]
     down = [p["fraction"] for p in progress if p["text"].startswith("Downloading")]
@@ -71,13 +75,17 @@ def test_download_progress_then_ready(qtbot, view, hub_env, tiny_hf):
     assert conv and conv == sorted(conv) and conv[-1] == 1.0
     assert any("/s" in p["text"] and "left" in p["text"] for p in progress)  # rate and ETA
     assert any(t.startswith("Downloading") and 0 <= f < 1 for t, f in cells)  # the row's bar
-    qtbot.waitUntil(lambda: row_of(view, "tiny-moe") is not None and row_of(view, "tiny-moe").state == "ready")
+    qtbot.waitUntil(
+        lambda: row_of(view, "tiny-moe") is not None and row_of(view, "tiny-moe").state == "ready"
+    )
     r = row_of(view, "tiny-moe")
     ix = view.local.index(view.local.row_of("tiny-moe"), 4)
     assert ix.data() == "Ready" and ix.data(ProgressRole) is None
     assert r.architecture == "qwen3_moe" and r.plan.startswith("peak ")
     view.select("tiny-moe")
-    assert view.load_btn.isEnabled() and view.remove_btn.isEnabled() and not view.pause_btn.isEnabled()
+    assert (
+        view.load_btn.isEnabled() and view.remove_btn.isEnabled() and not view.pause_btn.isEnabled()
+    )
     with qtbot.waitSignal(view.load_requested) as blocker:
         qtbot.mouseClick(view.load_btn, Qt.MouseButton.LeftButton)
     assert blocker.args == [r.ref] and Path(r.ref).is_dir()
@@ -93,18 +101,30 @@ def test_pause_and_resume_from_the_buttons(qtbot, view, hub_env, tiny_hf):
     hub_env.delay = 0.02
     ctl = view.ctl
     assert ctl.download(REPO)
-    qtbot.waitUntil(lambda: row_of(view, "tiny-moe") is not None and REPO in ctl.progress
-                    and ctl.progress[REPO]["fraction"] > 0, timeout=30_000)
+    qtbot.waitUntil(
+        lambda: (
+            row_of(view, "tiny-moe") is not None
+            and REPO in ctl.progress
+            and ctl.progress[REPO]["fraction"] > 0
+        ),
+        timeout=30_000,
+    )
     view.select("tiny-moe")
     qtbot.waitUntil(view.pause_btn.isEnabled, timeout=10_000)
-    with qtbot.waitSignal(ctl.state_changed, timeout=30_000, check_params_cb=lambda e: e.state == "paused"):
+    with qtbot.waitSignal(
+        ctl.state_changed, timeout=30_000, check_params_cb=lambda e: e.state == "paused"
+    ):
         qtbot.mouseClick(view.pause_btn, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: row_of(view, "tiny-moe").state == "paused" and view.resume_btn.isEnabled())
+    qtbot.waitUntil(
+        lambda: row_of(view, "tiny-moe").state == "paused" and view.resume_btn.isEnabled()
+    )
     assert view.local.index(view.local.row_of("tiny-moe"), 4).data() == "Paused"
     assert "Resume" in view.detail.text()
     hub_env.delay = 0.0
     view.select("tiny-moe")
-    with qtbot.waitSignal(ctl.state_changed, timeout=120_000, check_params_cb=lambda e: e.state == "ready"):
+    with qtbot.waitSignal(
+        ctl.state_changed, timeout=120_000, check_params_cb=lambda e: e.state == "ready"
+    ):
         qtbot.mouseClick(view.resume_btn, Qt.MouseButton.LeftButton)
 
 
@@ -114,7 +134,10 @@ def test_errors_are_shown_where_the_user_acted(qtbot, view, hub_env, tiny_hf):
     with qtbot.waitSignal(ctl.failed, timeout=30_000) as blocker:
         qtbot.mouseClick(view.repo_btn, Qt.MouseButton.LeftButton)
     assert blocker.args[0] == "org/missing"
-    assert "org/missing" in view.catalog_error.text() and "not found" in view.catalog_error.text().lower()
+    assert (
+        "org/missing" in view.catalog_error.text()
+        and "not found" in view.catalog_error.text().lower()
+    )
     hub_env.add_folder("org/gated", tiny_hf, gated=True, tokens=("hf_ok",))
     with qtbot.waitSignal(ctl.failed, timeout=30_000):
         assert ctl.download("org/gated")
@@ -131,7 +154,10 @@ def test_catalog_has_a_download_button_per_model_and_a_verdict(qtbot, view):
         ctl.load_verdicts()
     for i, e in enumerate(ctl.catalog):
         verdict = view.cat.index(i, 4).data()
-        assert verdict.startswith("fits: peak") or verdict.startswith("too large"), (e.name, verdict)
+        assert verdict.startswith("fits: peak") or verdict.startswith("too large"), (
+            e.name,
+            verdict,
+        )
 
 
 def test_sizes_agree_between_the_app_and_the_cli(qtbot, tmp_path, capsys):
@@ -150,7 +176,9 @@ def test_sizes_agree_between_the_app_and_the_cli(qtbot, tmp_path, capsys):
         assert f"download ~{shown}" in line, (shown, line)
 
 
-def test_offline_download_says_the_hub_cannot_be_reached_and_offers_retry(qtbot, view, hub_env, tiny_hf, monkeypatch):
+def test_offline_download_says_the_hub_cannot_be_reached_and_offers_retry(
+    qtbot, view, hub_env, tiny_hf, monkeypatch
+):
     """No connection can be made: the message says so and what to check, the typed repo id
     stays, Retry starts the download again (and works once the hub is back)."""
     hub_env.add_folder(REPO, tiny_hf)
@@ -165,8 +193,9 @@ def test_offline_download_says_the_hub_cannot_be_reached_and_offers_retry(qtbot,
     assert view.repo_edit.text() == REPO
     assert view.retry_btn.isVisibleTo(view) and "cannot be reached" in view.catalog_error.text()
     monkeypatch.setenv("HF_ENDPOINT", real)
-    with qtbot.waitSignal(view.ctl.state_changed, timeout=120_000,
-                          check_params_cb=lambda e: e.state == "ready"):
+    with qtbot.waitSignal(
+        view.ctl.state_changed, timeout=120_000, check_params_cb=lambda e: e.state == "ready"
+    ):
         qtbot.mouseClick(view.retry_btn, Qt.MouseButton.LeftButton)
     assert not view.retry_btn.isVisibleTo(view)
     qtbot.waitUntil(lambda: view.repo_edit.text() == "")  # cleared once its download is done
@@ -183,20 +212,25 @@ def test_download_button_selects_its_own_catalog_row(qtbot, view, monkeypatch):
 
 
 def test_open_folder_converts_a_moe_and_adds_it(qtbot, view, tiny_hf, tmp_path):
-    """"Open folder…": a Hugging Face MoE folder is checked and converted (in its own
+    """ "Open folder…": a Hugging Face MoE folder is checked and converted (in its own
     process) into the library, the user's folder untouched; a folder that is not a model is
     refused with the reason, and nothing is added."""
     import hashlib
 
     def digest(folder):
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+        return {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+        }
 
     before = digest(tiny_hf)
-    with qtbot.waitSignal(view.ctl.message, timeout=180_000,
-                          check_params_cb=lambda m: m.startswith("Added")):
+    with qtbot.waitSignal(
+        view.ctl.message, timeout=180_000, check_params_cb=lambda m: m.startswith("Added")
+    ):
         view.open_folder(str(tiny_hf))
-    qtbot.waitUntil(lambda: row_of(view, "hf") is not None and row_of(view, "hf").state == "ready",
-                    timeout=10_000)
+    qtbot.waitUntil(
+        lambda: row_of(view, "hf") is not None and row_of(view, "hf").state == "ready",
+        timeout=10_000,
+    )
     r = row_of(view, "hf")
     assert r.architecture == "qwen3_moe" and Path(r.ref).parent == view.ctl.library.root
     assert (Path(r.ref) / "rotaryquant.json").exists() and digest(tiny_hf) == before
@@ -220,7 +254,9 @@ def test_plan_button_plans_a_selected_catalog_row(qtbot, view):
     assert b.args == [e.config, e.name]
 
 
-def test_a_conversion_killed_like_by_the_oom_killer_leaves_the_window_working(qtbot, view, hub_env, tiny_hf):
+def test_a_conversion_killed_like_by_the_oom_killer_leaves_the_window_working(
+    qtbot, view, hub_env, tiny_hf
+):
     """The conversion runs in a process of its own: killed mid-way (SIGKILL, as the OOM killer
     does), the window hears of it, the entry is back to "downloaded" with the reason, and
     converting again works."""
@@ -250,5 +286,7 @@ def test_a_conversion_killed_like_by_the_oom_killer_leaves_the_window_working(qt
     assert b.args[0] == "tiny-moe" and "stopped unexpectedly (killed by signal 9)" in b.args[1]
     e = ctl.library.store.get("tiny-moe")
     assert e.state == "downloaded" and "conversion failed" in e.error and not e.busy
-    with qtbot.waitSignal(ctl.state_changed, timeout=120_000, check_params_cb=lambda ev: ev.state == "ready"):
+    with qtbot.waitSignal(
+        ctl.state_changed, timeout=120_000, check_params_cb=lambda ev: ev.state == "ready"
+    ):
         ctl.convert("tiny-moe")

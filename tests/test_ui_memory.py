@@ -35,7 +35,13 @@ def test_pager_hit_rate_and_ssd_rate_come_from_deltas():
     s0 = h.add(stats(pager={"hits": 90, "misses": 10, "bytes_read": 0, "resident_bytes": 3 * GB}))
     assert math.isnan(s0.hit_rate) and math.isnan(s0.ssd_mbs) and s0.experts == 3 * GB
     clock.t += 2.0
-    s1 = h.add(stats(pager={"total": {"hits": 120, "misses": 30, "bytes_read": 50e6, "resident_bytes": 3 * GB}}))
+    s1 = h.add(
+        stats(
+            pager={
+                "total": {"hits": 120, "misses": 30, "bytes_read": 50e6, "resident_bytes": 3 * GB}
+            }
+        )
+    )
     assert s1.hit_rate == pytest.approx(30 / 50) and s1.ssd_mbs == pytest.approx(25.0)
     assert s1.t == pytest.approx(2.0)
     clock.t += 1.0
@@ -47,19 +53,50 @@ def test_paging_ms_per_token_by_part_from_deltas():
     clock = Clock()
     h = MemoryHistory(clock=clock)
     base = {"hits": 0, "misses": 0, "bytes_read": 0, "resident_bytes": GB}
-    s0 = h.add(stats(pager={**base, "read_s": 1.0, "readback_s": 0.5, "host_s": 0.1,
-                            "tokens": 10, "token_s": 3.0}))
+    s0 = h.add(
+        stats(
+            pager={
+                **base,
+                "read_s": 1.0,
+                "readback_s": 0.5,
+                "host_s": 0.1,
+                "tokens": 10,
+                "token_s": 3.0,
+            }
+        )
+    )
     assert math.isnan(s0.ms_reads) and paging_text(s0) == "—"
     clock.t += 1.0
     # 4 tokens in 1.0 s: 0.2 s of reads, 0.04 s of read-backs, 0.02 s in the pager
-    s1 = h.add(stats(pager={**base, "read_s": 1.2, "readback_s": 0.54, "host_s": 0.12,
-                            "tokens": 14, "token_s": 4.0}))
+    s1 = h.add(
+        stats(
+            pager={
+                **base,
+                "read_s": 1.2,
+                "readback_s": 0.54,
+                "host_s": 0.12,
+                "tokens": 14,
+                "token_s": 4.0,
+            }
+        )
+    )
     assert (s1.ms_reads, s1.ms_readbacks, s1.ms_pager, s1.ms_rest) == pytest.approx(
-        (50.0, 10.0, 5.0, 185.0))
+        (50.0, 10.0, 5.0, 185.0)
+    )
     assert paging_text(s1) == "reads 50.0 · read-backs 10.0 · pager 5.0 · rest 185.0"
     clock.t += 1.0
-    s2 = h.add(stats(pager={**base, "read_s": 1.2, "readback_s": 0.54, "host_s": 0.12,
-                            "tokens": 14, "token_s": 4.0}))  # no token since: no figure
+    s2 = h.add(
+        stats(
+            pager={
+                **base,
+                "read_s": 1.2,
+                "readback_s": 0.54,
+                "host_s": 0.12,
+                "tokens": 14,
+                "token_s": 4.0,
+            }
+        )
+    )  # no token since: no figure
     assert math.isnan(s2.ms_reads)
 
 
@@ -95,10 +132,17 @@ def test_panel_feeds_the_same_curves_only_when_data_changed(qtbot, monkeypatch):
     calls = []
     for name, c in curves.items():
         orig = c.setData
-        monkeypatch.setattr(c, "setData", lambda *a, _o=orig, _n=name, **k: (calls.append(_n), _o(*a, **k)))
+        monkeypatch.setattr(
+            c, "setData", lambda *a, _o=orig, _n=name, **k: (calls.append(_n), _o(*a, **k))
+        )
     for i in range(3):
         clock.t += 0.5
-        panel.add_stats(stats(rss=(i + 1) * GB // 4, pager={"hits": 10 * i, "misses": i, "bytes_read": i * 1e6, "resident_bytes": GB}))
+        panel.add_stats(
+            stats(
+                rss=(i + 1) * GB // 4,
+                pager={"hits": 10 * i, "misses": i, "bytes_read": i * 1e6, "resident_bytes": GB},
+            )
+        )
     panel.redraw()
     n = len(calls)
     assert n == len(curves)  # each curve fed once for three samples
@@ -109,7 +153,9 @@ def test_panel_feeds_the_same_curves_only_when_data_changed(qtbot, monkeypatch):
     assert np.allclose(y, [0.25, 0.5, 0.75]) and x[-1] == pytest.approx(0.0)  # seconds ago
     _, hit = panel.curves["hit_rate"].getData()
     assert np.isnan(hit[0]) and hit[-1] == pytest.approx(100 * 10 / 11)
-    assert panel.metrics["rss"].text() == "0.75 GiB" and panel.metrics["experts"].text() == "1.00 GiB"
+    assert (
+        panel.metrics["rss"].text() == "0.75 GiB" and panel.metrics["experts"].text() == "1.00 GiB"
+    )
     assert not panel.no_pager[0].isVisible()
     panel.set_expected_peak(3 * GB)
     assert panel.peak_line.isVisible() and panel.peak_line.value() == pytest.approx(3.0)

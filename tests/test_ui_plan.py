@@ -59,7 +59,11 @@ def test_override_refused_in_place_keeps_the_last_plan(qtbot, plan_view, smollm2
     assert ref.setting == "context" and "at most 8192 tokens" in ref.reason
     assert plan_view.refusal.isVisibleTo(plan_view)
     shown = plan_view.refusal_text.text()
-    assert "Refused: context" in shown and "at most 8192 tokens" in shown and "last one that fits" in shown
+    assert (
+        "Refused: context" in shown
+        and "at most 8192 tokens" in shown
+        and "last one that fits" in shown
+    )
     assert plan_view.ctl.last is first and plan_view.apply_btn.isEnabled()
     assert "Expected peak" in plan_view.result.toPlainText()
     # widths cannot change on a converted model: refused with the reason
@@ -93,8 +97,13 @@ def test_use_this_plan_reloads_with_its_budget(qtbot, tmp_path, monkeypatch, tin
     monkeypatch.setenv("ROTARYQUANT_HOME", str(tmp_path))
     folder = str(tiny_model_path("qwen3_moe"))
     settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
-    win = MainWindow(folder, bridge=FakeBridge(), settings=settings,
-                     library=LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3")), start=False)
+    win = MainWindow(
+        folder,
+        bridge=FakeBridge(),
+        settings=settings,
+        library=LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3")),
+        start=False,
+    )
     qtbot.addWidget(win)
     with qtbot.waitSignal(win.planner.plan_ready, timeout=60_000) as b:
         win.session.start()
@@ -119,8 +128,13 @@ def test_use_this_plan_applies_kv_mode_and_context(qtbot, tmp_path, monkeypatch,
     monkeypatch.setenv("ROTARYQUANT_HOME", str(tmp_path))
     folder = str(tiny_model_path("qwen3_moe"))
     settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
-    win = MainWindow(folder, bridge=FakeBridge(), settings=settings,
-                     library=LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3")), start=False)
+    win = MainWindow(
+        folder,
+        bridge=FakeBridge(),
+        settings=settings,
+        library=LibraryController(Library(tmp_path / "m", tmp_path / "l.sqlite3")),
+        start=False,
+    )
     qtbot.addWidget(win)
     with qtbot.waitSignal(win.planner.plan_ready, timeout=60_000):
         win.session.start()

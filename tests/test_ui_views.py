@@ -92,7 +92,9 @@ def test_tokens_are_appended_without_rebuilding_the_transcript(qtbot, win, monke
 
 def test_markdown_code_block_renders_as_code(qtbot, win):
     assert win.chat.send("Show code")
-    win.bridge.play_done("Here:\n\n```python\nprint('hi')  # <b>not bold</b>\n```\n\nUse `x` **now**.")
+    win.bridge.play_done(
+        "Here:\n\n```python\nprint('hi')  # <b>not bold</b>\n```\n\nUse `x` **now**."
+    )
     doc_html = win.chat_view.transcript.toHtml()
     text = win.chat_view.transcript.toPlainText()
     assert "print('hi')  # <b>not bold</b>" in text  # escaped, shown verbatim
@@ -123,7 +125,9 @@ def test_worker_death_mid_answer_keeps_it_and_offers_restart(qtbot, win):
     assert not win.chat_view.send_btn.isEnabled()
     kept = [(m.role, m.content, m.state) for m in win.chat.messages]
     assert kept[-1] == ("assistant", "Paris is", "interrupted")
-    assert [(m.role, m.content, m.state) for m in ConversationStore().messages(win.chat.current.id)] == kept
+    assert [
+        (m.role, m.content, m.state) for m in ConversationStore().messages(win.chat.current.id)
+    ] == kept
     with qtbot.waitSignal(win.session.model_loaded):
         qtbot.mouseClick(win.restart_btn, Qt.MouseButton.LeftButton)
     assert not win.banner.isVisibleTo(win) and win.chat_view.send_btn.isEnabled()
@@ -206,7 +210,8 @@ def test_an_answer_cut_by_an_app_crash_is_recovered(qtbot, home):
     assert w2.chat.recovered == 1
     assert w2.chat.current.id == cid
     assert [(m.content, m.state) for m in w2.chat.messages] == [
-        ("Long story please", "complete"), ("Once upon", "interrupted")
+        ("Long story please", "complete"),
+        ("Once upon", "interrupted"),
     ]
     assert "Once upon" in w2.chat_view.transcript.toPlainText()
 
@@ -222,7 +227,9 @@ def test_window_state_is_restored(qtbot, home):
     w1.memory_action.trigger()  # hide the memory panel
     sizes = w1.chat_view.splitter.sizes()
     w1.close()
-    assert QSettings(str(home / "settings.ini"), QSettings.Format.IniFormat).value("last_model") == str(model_dir)
+    assert QSettings(str(home / "settings.ini"), QSettings.Format.IniFormat).value(
+        "last_model"
+    ) == str(model_dir)
     w2 = make_window(qtbot, home, model=None)  # no model given: the last one
     assert w2.session.model_ref == str(model_dir)
     assert (w2.width(), w2.height()) == (701, 555)
@@ -261,7 +268,9 @@ def test_gui_start_does_not_import_the_engine():
         "bad = [m for m in ('mlx', 'mlx_lm', 'transformers') if m in sys.modules]\n"
         "print(bad); sys.exit(1 if bad else 0)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -299,8 +308,12 @@ def test_after_a_crash_the_window_keeps_its_size_place_and_says_it_once(qtbot, w
     qtbot.wait(50)
     assert win.width() == 1280
     said = "stopped unexpectedly"
-    places = [win.banner_text.text(), win.engine_label.text(), *statuses,
-              win.chat_view.transcript.toPlainText()]
+    places = [
+        win.banner_text.text(),
+        win.engine_label.text(),
+        *statuses,
+        win.chat_view.transcript.toPlainText(),
+    ]
     assert sum(said in p for p in places) == 1, places
     assert win.banner.isVisibleTo(win) and said in win.banner_text.text()
     assert abs(sb.value() - mid) <= 2

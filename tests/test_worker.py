@@ -25,8 +25,11 @@ def test_worker_matches_in_process(client, tiny_model_path):
     worker_tokens = [m.token for m in msgs if isinstance(m, M.Token) and m.token >= 0]
     e = Engine()
     e.load(path)
-    local = [ev.token for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=8))
-             if isinstance(ev, TokenEvent) and ev.token >= 0]
+    local = [
+        ev.token
+        for ev in e.generate("Hello, world!", GenerationSettings(max_tokens=8))
+        if isinstance(ev, TokenEvent) and ev.token >= 0
+    ]
     assert worker_tokens == local
 
 
@@ -43,7 +46,13 @@ def test_bad_request_keeps_worker(client, tiny_model_path, tmp_path):
 def test_cancel_mid_stream(client, smollm2_path):
     client.load(str(smollm2_path))
     rid = client.next_id()
-    client.send(M.Generate(rid, [{"role": "user", "content": "Write a long story about a dragon."}], {"max_tokens": 400}))
+    client.send(
+        M.Generate(
+            rid,
+            [{"role": "user", "content": "Write a long story about a dragon."}],
+            {"max_tokens": 400},
+        )
+    )
     tokens = 0
     done = None
     while done is None:

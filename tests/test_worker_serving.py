@@ -31,9 +31,14 @@ def test_worker_serves_its_loaded_model(smollm2_path):
         c.load(str(smollm2_path))
         again = c._wait(lambda m: isinstance(m, M.Serving), 60)
         assert again.url == s.url
-        assert "Paris" in api.chat.completions.create(
-            model=info["name"], messages=PARIS, temperature=0, max_tokens=30
-        ).choices[0].message.content
+        assert (
+            "Paris"
+            in api.chat.completions.create(
+                model=info["name"], messages=PARIS, temperature=0, max_tokens=30
+            )
+            .choices[0]
+            .message.content
+        )
         assert c.stop_serving().url == ""
         with pytest.raises(openai.APIConnectionError):
             api.models.list()

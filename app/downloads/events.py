@@ -122,7 +122,15 @@ class Meter:
         shown_file_done = min(self.file_done, self.file_total)
         self.callback(
             DownloadProgress(
-                self.repo, self.file, shown_file_done, self.file_total, done, self.total,
-                rate, eta, self.files_done, self.files_total,
+                self.repo,
+                self.file,
+                shown_file_done,
+                self.file_total,
+                done,
+                self.total,
+                rate,
+                eta,
+                self.files_done,
+                self.files_total,
             )
         )

@@ -117,7 +117,9 @@ def translate(e: BaseException, repo: str, revision: str | None = None) -> Downl
     if isinstance(e, httpx2.ConnectError | httpx2.ConnectTimeout | socket.gaierror):
         return unreachable_error(e)
     if isinstance(e, httpx2.TransportError | OSError):
-        return ConnectionLostError(f"lost the connection to {endpoint()} while asking about {repo}: {e}")
+        return ConnectionLostError(
+            f"lost the connection to {endpoint()} while asking about {repo}: {e}"
+        )
     return DownloadError(f"{repo}: {e}")
 
 
@@ -158,10 +160,15 @@ def repo_listing(
             break
         except (hf_errors.HfHubHTTPError, httpx2.TransportError) as e:
             # no connection at all (offline, DNS): said at once, with a Retry in the app
-            transient = isinstance(e, httpx2.TransportError) and not isinstance(
-                e, httpx2.ConnectError
-            ) or (not isinstance(e, httpx2.TransportError)
-                  and e.response is not None and e.response.status_code >= 500)
+            transient = (
+                isinstance(e, httpx2.TransportError)
+                and not isinstance(e, httpx2.ConnectError)
+                or (
+                    not isinstance(e, httpx2.TransportError)
+                    and e.response is not None
+                    and e.response.status_code >= 500
+                )
+            )
             if isinstance(e, hf_errors.RepositoryNotFoundError | hf_errors.RevisionNotFoundError):
                 transient = False
             if not transient or attempt == retries:
@@ -218,7 +225,13 @@ def file_url(repo: str, commit: str, path: str) -> str:
 # What a model folder needs; the rest of a repo (original checkpoints, other formats, images)
 # is left on the hub. gpt-oss, for one, also ships `original/` and `metal/` copies of its weights.
 _WANTED_SUFFIXES = (
-    ".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja", ".md",
+    ".json",
+    ".safetensors",
+    ".txt",
+    ".model",
+    ".tiktoken",
+    ".jinja",
+    ".md",
 )  # never *.py: custom code is not run, so it is not fetched either
 _WEIGHT_FALLBACKS = (".bin", ".pt", ".pth", ".gguf")
 
@@ -230,7 +243,8 @@ def model_files(listing: RepoListing) -> list[RemoteFile]:
     top = [f for f in listing.files if "/" not in f.path and not f.path.startswith(".")]
     has_st = any(f.path.endswith(".safetensors") for f in top)
     chosen = [
-        f for f in top
+        f
+        for f in top
         if f.path.endswith(_WANTED_SUFFIXES)
         or (not has_st and f.path.endswith(_WEIGHT_FALLBACKS))
         or f.path in ("LICENSE", "NOTICE", "USE_POLICY")

@@ -113,8 +113,13 @@ def folder_files(folder: Path) -> list[dict]:
     for p in sorted(folder.rglob("*")):
         if p.is_file():
             h = transfer.hash_file(p)
-            out.append({"path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
-                        "sha256": h.sha256.hexdigest()})
+            out.append(
+                {
+                    "path": p.relative_to(folder).as_posix(),
+                    "size": p.stat().st_size,
+                    "sha256": h.sha256.hexdigest(),
+                }
+            )
     return out
 
 
@@ -136,7 +141,8 @@ def custom_code(config: dict, listing: hub.RepoListing) -> str:
     """What says a repo ships its own modelling code ('' if nothing)."""
     py = [f.path for f in listing.files if f.path.endswith(".py")]
     signs = (["auto_map in config.json"] if config.get("auto_map") else []) + (
-        [f"{len(py)} .py file(s)"] if py else [])
+        [f"{len(py)} .py file(s)"] if py else []
+    )
     return ", ".join(signs)
 
 
@@ -170,8 +176,11 @@ def plan_summary(config: dict, widths: dict | None = None, folder: Path | None =
         w = RoleWidths.from_dict(widths) if widths else RoleWidths()
         s = sizes.compute(config, w)
         out.update(
-            widths=w.to_dict(), converted_bytes=s.total_bytes, total_params=s.total_params,
-            active_params=s.active_params, expert_bytes=s.expert_bytes,
+            widths=w.to_dict(),
+            converted_bytes=s.total_bytes,
+            total_params=s.total_params,
+            active_params=s.active_params,
+            expert_bytes=s.expert_bytes,
         )
     except Exception:  # an architecture the sizer does not know: no sizes, not an error
         return out
@@ -266,11 +275,17 @@ class Library:
         folder = default_model_path()
         if not (folder / "config.json").is_file():
             return None
-        files = [{"path": p.name, "size": p.stat().st_size} for p in sorted(folder.iterdir())
-                 if p.is_file()]
+        files = [
+            {"path": p.name, "size": p.stat().st_size}
+            for p in sorted(folder.iterdir())
+            if p.is_file()
+        ]
         return LibraryEntry(
-            name=DEFAULT_MODEL_NAME, state="ready", folder=str(folder),
-            architecture=str(read_config(folder).get("model_type", "")), files=files,
+            name=DEFAULT_MODEL_NAME,
+            state="ready",
+            folder=str(folder),
+            architecture=str(read_config(folder).get("model_type", "")),
+            files=files,
             disk_bytes=sum(f["size"] for f in files),
         )
 
@@ -278,7 +293,8 @@ class Library:
         from app.engine.embedded import DEFAULT_MODEL_NAME
 
         return self.store.get(name) is None and name.lower().removesuffix(" (built in)") == (
-            DEFAULT_MODEL_NAME.lower())
+            DEFAULT_MODEL_NAME.lower()
+        )
 
     def get(self, name: str) -> LibraryEntry:
         self.recover(name)
@@ -340,7 +356,11 @@ class Library:
     # -- planning -----------------------------------------------------------------------------
 
     def plan(
-        self, repo: str, revision: str | None = None, tok: str | None = None, convert: bool = True,
+        self,
+        repo: str,
+        revision: str | None = None,
+        tok: str | None = None,
+        convert: bool = True,
         reserve: int | None = None,
     ) -> RepoPlan:
         """File list, sizes and disk check for `repo`, without downloading."""
@@ -398,7 +418,11 @@ class Library:
 
     def _unique_name(self, wanted: str) -> str:
         name, i = wanted, 1
-        while self.store.get(name) is not None or (self.root / name).exists() or self._dl_dir(name).exists():
+        while (
+            self.store.get(name) is not None
+            or (self.root / name).exists()
+            or self._dl_dir(name).exists()
+        ):
             i += 1
             name = f"{wanted}-{i}"
         return name
@@ -411,7 +435,9 @@ class Library:
 
     def _claim(self, name: str, state: str, on_event: Callback | None) -> LibraryEntry:
         o = _Owner()
-        return self._set(name, on_event, state=state, owner_pid=o.pid, owner_started=o.started, error="")
+        return self._set(
+            name, on_event, state=state, owner_pid=o.pid, owner_started=o.started, error=""
+        )
 
     def download(
         self,
@@ -444,12 +470,19 @@ class Library:
                 self.recover(existing.name)
                 existing = self.store.get(existing.name)
                 if existing.busy:
-                    who = ("" if existing.owner_pid == os.getpid()
-                           else f" by another process (pid {existing.owner_pid})")
-                    raise LibraryError(f"{existing.name} is already being {existing.state.removesuffix('ing')}ed{who}")
+                    who = (
+                        ""
+                        if existing.owner_pid == os.getpid()
+                        else f" by another process (pid {existing.owner_pid})"
+                    )
+                    raise LibraryError(
+                        f"{existing.name} is already being {existing.state.removesuffix('ing')}ed{who}"
+                    )
                 if existing.state in ("ready", "downloaded", "broken"):
                     if existing.state == "downloaded":
-                        return self._finish(existing.name, converter, on_event) if finish else existing
+                        return (
+                            self._finish(existing.name, converter, on_event) if finish else existing
+                        )
                     raise LibraryError(
                         f"{repo} is already in the library as {existing.name!r} ({existing.state}); "
                         "remove it first to download it again"
@@ -464,10 +497,17 @@ class Library:
                     raise hub.gated_error(repo)  # before anything is written
                 name = self._unique_name(name or slug(repo))
                 opts = {"convert": convert, "keep_original": keep_original, "widths": widths}
-                self.store.insert(LibraryEntry(
-                    name=name, state="paused", repo=repo, revision=listing.revision,
-                    commit=listing.commit, original=str(self._dl_dir(name)), options=opts,
-                ))
+                self.store.insert(
+                    LibraryEntry(
+                        name=name,
+                        state="paused",
+                        repo=repo,
+                        revision=listing.revision,
+                        commit=listing.commit,
+                        original=str(self._dl_dir(name)),
+                        options=opts,
+                    )
+                )
                 created = True
             files = hub.model_files(listing)
             if not files:
@@ -476,8 +516,13 @@ class Library:
             self._claim(name, "downloading", on_event)
         control = control or Control()
         dl = transfer.Downloader(
-            listing, self._dl_dir(name), files=files, tok=tok, control=control,
-            on_event=on_event, **(transfer_options or {}),
+            listing,
+            self._dl_dir(name),
+            files=files,
+            tok=tok,
+            control=control,
+            on_event=on_event,
+            **(transfer_options or {}),
         )
         dl.preflight = lambda: self._preflight(name, dl)
         try:
@@ -489,8 +534,13 @@ class Library:
                 if on_event:
                     on_event(StateChanged(name, "removed", "cancelled"))
             else:
-                self._record_failure(name, on_event, state="paused", owner_pid=0,
-                                     error="cancelled; the partial download is kept")
+                self._record_failure(
+                    name,
+                    on_event,
+                    state="paused",
+                    owner_pid=0,
+                    error="cancelled; the partial download is kept",
+                )
             raise
         except Paused:
             self._record_failure(name, on_event, state="paused", owner_pid=0, error="")
@@ -508,8 +558,13 @@ class Library:
             raise
         cfg = read_config(self._dl_dir(name))
         self._set(
-            name, on_event, state="downloaded", owner_pid=0, error="",
-            original_files=[g.to_dict() for g in got], download_bytes=sum(g.size for g in got),
+            name,
+            on_event,
+            state="downloaded",
+            owner_pid=0,
+            error="",
+            original_files=[g.to_dict() for g in got],
+            download_bytes=sum(g.size for g in got),
             architecture=str(cfg.get("model_type", "")),
         )
         if not finish:
@@ -561,12 +616,20 @@ class Library:
         opts = opts or e.options
         cfg = read_config(Path(e.original))
         conv = default_converter() if converter is _DEFAULT else converter
-        if opts.get("convert", True) and conv is not None and is_moe(cfg) and not is_prequantized(cfg):
+        if (
+            opts.get("convert", True)
+            and conv is not None
+            and is_moe(cfg)
+            and not is_prequantized(cfg)
+        ):
             return self.convert(name, conv, on_event=on_event)
         reason = (
-            "conversion not asked for" if not opts.get("convert", True)
-            else "the converter is not available" if conv is None
-            else "already quantized" if is_prequantized(cfg)
+            "conversion not asked for"
+            if not opts.get("convert", True)
+            else "the converter is not available"
+            if conv is None
+            else "already quantized"
+            if is_prequantized(cfg)
             else "not a mixture-of-experts model"
         )
         return self._register_as_is(name, reason, on_event)
@@ -581,16 +644,26 @@ class Library:
         try:
             check_folder(src)
         except ModelLoadError as err:
-            return self._set(name, on_event, state="broken",
-                             error=f"downloaded, but not a loadable model folder: {err}")
+            return self._set(
+                name,
+                on_event,
+                state="broken",
+                error=f"downloaded, but not a loadable model folder: {err}",
+            )
         final = self.root / name
         if final.exists():
             raise LibraryError(f"{final} already exists; it is not in the library: move it away")
         os.replace(src, final)
         cfg = read_config(final)
         return self._set(
-            name, on_event, state="ready", folder=str(final), original="",
-            files=e.original_files, original_files=[], disk_bytes=e.download_bytes,
+            name,
+            on_event,
+            state="ready",
+            folder=str(final),
+            original="",
+            files=e.original_files,
+            original_files=[],
+            disk_bytes=e.download_bytes,
             plan={"converted": False, "reason": reason, **plan_summary(cfg, folder=final)},
         )
 
@@ -640,15 +713,21 @@ class Library:
             os.replace(tmp, final)
         except BaseException as err:
             self._remove_tmp(name)
-            self._set(name, on_event, state="downloaded", owner_pid=0,
-                      error=f"conversion failed: {err}")
+            self._set(
+                name, on_event, state="downloaded", owner_pid=0, error=f"conversion failed: {err}"
+            )
             raise
         progress("done", 1.0)
         cfg = read_config(final)
         keep = e.options.get("keep_original", False)
         disk = sum(f["size"] for f in files)
         e = self._set(
-            name, on_event, state="ready", owner_pid=0, folder=str(final), files=files,
+            name,
+            on_event,
+            state="ready",
+            owner_pid=0,
+            folder=str(final),
+            files=files,
             disk_bytes=disk + (e.download_bytes if keep else 0),
             plan={"converted": True, **plan_summary(cfg, widths, folder=final)},
         )
@@ -659,7 +738,9 @@ class Library:
 
     # -- other operations ---------------------------------------------------------------------
 
-    def add_folder(self, folder: str | os.PathLike, name: str | None = None, source: str = "") -> LibraryEntry:
+    def add_folder(
+        self, folder: str | os.PathLike, name: str | None = None, source: str = ""
+    ) -> LibraryEntry:
         """Register an existing model folder (hashes its files so verify can check them)."""
         from app.engine.loader import check_folder
 
@@ -667,14 +748,25 @@ class Library:
         config, manifest = check_folder(folder)
         name = name or folder.name
         files = folder_files(folder)
-        return self.store.insert(LibraryEntry(
-            name=name, state="ready", folder=str(folder), repo=source or (manifest.source if manifest else ""),
-            architecture=str(config.get("model_type", "")), files=files,
-            disk_bytes=sum(f["size"] for f in files), plan=plan_summary(config, folder=folder),
-        ))
+        return self.store.insert(
+            LibraryEntry(
+                name=name,
+                state="ready",
+                folder=str(folder),
+                repo=source or (manifest.source if manifest else ""),
+                architecture=str(config.get("model_type", "")),
+                files=files,
+                disk_bytes=sum(f["size"] for f in files),
+                plan=plan_summary(config, folder=folder),
+            )
+        )
 
-    def open_folder(self, folder: Path, on_event: Callback | None = None,
-                    converter: Converter | None | object = _DEFAULT) -> LibraryEntry:
+    def open_folder(
+        self,
+        folder: Path,
+        on_event: Callback | None = None,
+        converter: Converter | None | object = _DEFAULT,
+    ) -> LibraryEntry:
         """A model folder the user already has: an MoE in Hugging Face form is converted into
         the library (the folder itself is never changed); anything else loadable is added
         where it is."""
@@ -697,11 +789,15 @@ class Library:
         if converted or conv is None or not is_moe(cfg) or is_prequantized(cfg):
             return self.add_folder(folder, self._unique_name(slug(folder.name)))
         name = self._unique_name(slug(folder.name))
-        self.store.insert(LibraryEntry(
-            name=name, state="downloaded", original=str(folder),
-            architecture=str(cfg.get("model_type", "")),
-            options={"convert": True, "keep_original": True, "widths": None},
-        ))
+        self.store.insert(
+            LibraryEntry(
+                name=name,
+                state="downloaded",
+                original=str(folder),
+                architecture=str(cfg.get("model_type", "")),
+                options={"convert": True, "keep_original": True, "widths": None},
+            )
+        )
         try:
             return self.convert(name, conv, on_event=on_event)
         except BaseException:
@@ -715,11 +811,15 @@ class Library:
 
         b = self.builtin()
         if b is None:
-            return VerifyReport("built-in model", False, ("not prepared yet: run `rotaryquant prepare-default`",))
+            return VerifyReport(
+                "built-in model", False, ("not prepared yet: run `rotaryquant prepare-default`",)
+            )
         try:
             check_folder(b.folder)
         except ModelLoadError as err:
-            return VerifyReport(b.name, False, (f"{err}; run `rotaryquant prepare-default --force`",))
+            return VerifyReport(
+                b.name, False, (f"{err}; run `rotaryquant prepare-default --force`",)
+            )
         return VerifyReport(b.name, True, (), len(b.files), b.disk_bytes, False)
 
     def remove(self, name: str, delete_files: bool = True) -> None:
@@ -769,7 +869,9 @@ class Library:
                 if deep and f.get("sha256"):
                     got = transfer.hash_file(p).sha256.hexdigest()
                     if got != f["sha256"]:
-                        problems.append(f"{p}: sha256 {got[:12]}… differs from the recorded {f['sha256'][:12]}…")
+                        problems.append(
+                            f"{p}: sha256 {got[:12]}… differs from the recorded {f['sha256'][:12]}…"
+                        )
                         continue
                 n += 1
                 nbytes += size

@@ -57,7 +57,9 @@ class DownloadManager:
 
         def run() -> None:
             try:
-                job.result = self.library.download(repo, control=job.control, on_event=cb, **options)
+                job.result = self.library.download(
+                    repo, control=job.control, on_event=cb, **options
+                )
                 job.outcome = "done"
             except Paused as e:
                 job.error, job.outcome = e, "paused"

@@ -58,6 +58,8 @@ def disk_reserve() -> int:
     DEFAULT_RESERVE. The download's check, the plan shown before it and the CLI use this one."""
     v = os.environ.get("ROTARYQUANT_DISK_RESERVE", "").strip()
     return parse_size(v) if v else DEFAULT_RESERVE
+
+
 SMALL = 1 << 20  # files up to this size come first (hub.model_files orders them so)
 
 
@@ -196,7 +198,8 @@ class Downloader:
     ):
         self.listing = listing
         self.files = list(
-            files if files is not None
+            files
+            if files is not None
             else sorted(listing.files, key=lambda f: (f.size > SMALL, f.path))
         )
         self.dest = Path(dest)
@@ -210,7 +213,10 @@ class Downloader:
         self.use_hf_cache = use_hf_cache
         self.partial = self.dest / PARTIAL_DIR
         self.meter = Meter(
-            listing.repo, sum(f.size for f in self.files), len(self.files), on_event,
+            listing.repo,
+            sum(f.size for f in self.files),
+            len(self.files),
+            on_event,
             interval=progress_interval,
         )
         self.requests = 0  # GETs sent (tests and logs)
@@ -269,9 +275,15 @@ class Downloader:
         _atomic_json(
             side,
             {
-                "format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "repo": self.listing.repo,
-                "commit": self.listing.commit, "path": f.path, "size": f.size,
-                "sha256": f.sha256, "blob_id": f.blob_id, "durable": durable,
+                "format": SIDECAR_FORMAT,
+                "version": SIDECAR_VERSION,
+                "repo": self.listing.repo,
+                "commit": self.listing.commit,
+                "path": f.path,
+                "size": f.size,
+                "sha256": f.sha256,
+                "blob_id": f.blob_id,
+                "durable": durable,
             },
         )
 
@@ -324,7 +336,9 @@ class Downloader:
                     sha = self._fetch(f)
                     st = (self.dest / f.path).stat()
                     done[f.path] = {
-                        "size": f.size, "sha256": sha, "blob_id": f.blob_id,
+                        "size": f.size,
+                        "sha256": sha,
+                        "blob_id": f.blob_id,
                         "mtime_ns": st.st_mtime_ns,
                     }
                     _atomic_json(self._done_path(), done)
@@ -529,10 +543,16 @@ class Downloader:
         raise DownloadError(f"{where}: unexpected answer {s} from the hub")
 
     def _disk_full(self, f: hub.RemoteFile, offset: int) -> DiskFullError:
-        """"disk full: N more needed", N being what the rest of the download needs beyond
+        """ "disk full: N more needed", N being what the rest of the download needs beyond
         what is free now (the reserve included)."""
-        left = f.size - offset + sum(
-            x.size for x in self.files[self.files.index(f) + 1:] if not (self.dest / x.path).exists()
+        left = (
+            f.size
+            - offset
+            + sum(
+                x.size
+                for x in self.files[self.files.index(f) + 1 :]
+                if not (self.dest / x.path).exists()
+            )
         )
         more = max(left + self.reserve - free_bytes(self.dest), f.size - offset)
         return DiskFullError(
@@ -565,7 +585,9 @@ class Downloader:
                 since_check += len(chunk)
                 if since_check >= FREE_CHECK_EVERY:
                     since_check = 0
-                    if free_bytes(self.dest) < LIBRARY_ROOM:  # stop while the library can still write
+                    if (
+                        free_bytes(self.dest) < LIBRARY_ROOM
+                    ):  # stop while the library can still write
                         raise self._disk_full(f, st.offset)
                 self.meter.advance(st.offset, len(chunk))
                 if st.offset - last_sync >= self.fsync_every:

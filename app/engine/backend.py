@@ -62,6 +62,8 @@ def detect() -> Backend:
             info,
         )
     if cuda:
-        return Backend("cuda", str(info.get("device_name", "NVIDIA GPU")), False, True, False, None, info)
+        return Backend(
+            "cuda", str(info.get("device_name", "NVIDIA GPU")), False, True, False, None, info
+        )
     cpu = platform.processor() or platform.machine()
     return Backend("cpu", f"CPU ({cpu})", False, False, True, None, info)

@@ -33,8 +33,12 @@ def machine() -> dict:
 
 
 def bench_generate(
-    engine: Engine, prompt_tokens: int = 256, gen_tokens: int = 64, trials: int = 3,
-    kv_mode: str = "fp16", progress=None,
+    engine: Engine,
+    prompt_tokens: int = 256,
+    gen_tokens: int = 64,
+    trials: int = 3,
+    kv_mode: str = "fp16",
+    progress=None,
 ) -> dict:
     """Prompt and decode tok/s and peak memory, median over `trials` after one warm-up.
     `progress(run, runs)` is called before each run (run 0 is the warm-up)."""
@@ -72,6 +76,9 @@ def bench_generate(
 def pager_summary(s: dict) -> dict:
     """Hit rate, read MB/s and ms per token by part of one run (the pager's stats)."""
     n = s.get("tokens") or 0
-    return {"hit_rate": s["hit_rate"], "read_MBps": s.get("read_MBps"),
-            "ms_per_token": s.get("ms_per_token"),
-            "MB_read_per_token": s["bytes_read"] / n / 1e6 if n else None}
+    return {
+        "hit_rate": s["hit_rate"],
+        "read_MBps": s.get("read_MBps"),
+        "ms_per_token": s.get("ms_per_token"),
+        "MB_read_per_token": s["bytes_read"] / n / 1e6 if n else None,
+    }

@@ -45,9 +45,16 @@ def _compiled_call(self, x):
 
 def _subclass(cls: type) -> type:
     if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
-            "__call__": _compiled_call, "_rq_original": cls, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__})
+        _SUBCLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": _compiled_call,
+                "_rq_original": cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
     return _SUBCLASSES[cls]
 
 

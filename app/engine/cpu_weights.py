@@ -25,15 +25,19 @@ def dequantize_dense(model, limit_bytes: int = DEFAULT_LIMIT) -> int:
     """Replace QuantizedLinear / QuantizedEmbedding with float32 Linear / Embedding when all of
     them together fit in `limit_bytes` as float32. Returns the bytes of float weights made (0
     when nothing was changed)."""
-    mods = [(p, m) for p, m in model.named_modules()
-            if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)]
+    mods = [
+        (p, m)
+        for p, m in model.named_modules()
+        if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    ]
     total = sum(_float_size(m) for _, m in mods)
     if not mods or total > limit_bytes:
         return 0
     repl = []
     for path, m in mods:
-        w = mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), m.group_size, m.bits,
-                          mode=m.mode).astype(mx.float32)
+        w = mx.dequantize(
+            m.weight, m.scales, getattr(m, "biases", None), m.group_size, m.bits, mode=m.mode
+        ).astype(mx.float32)
         if isinstance(m, nn.QuantizedEmbedding):
             new = nn.Embedding(*w.shape)
         else:

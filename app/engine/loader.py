@@ -20,8 +20,21 @@ from .quant.converted import expert_weights
 
 # safetensors: 8-byte little-endian header length, a JSON header, then the tensor bytes.
 _ST_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
 }
 _MAX_HEADER = 100 * 1024 * 1024  # a header larger than this is garbage, not a model
 
@@ -138,7 +151,9 @@ def check_folder(path: str | os.PathLike) -> tuple[dict, Manifest | None]:
             raise ModelLoadError(f"missing weight shard {missing[0]}", str(path / missing[0]))
     for shard in shards:
         read_safetensors_header(shard)
-    if not any((path / t).exists() for t in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if not any(
+        (path / t).exists() for t in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
         raise ModelLoadError("no tokenizer (tokenizer.json or tokenizer.model)", str(path))
     return config, manifest
 

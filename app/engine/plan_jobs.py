@@ -74,7 +74,9 @@ def unavailable_kv_modes() -> dict[str, str]:
     from .backend import detect
 
     b = detect().name
-    return {m: why for m in kvcache.names(offered=True) if (why := kvcache.unavailable_reason(m, b))}
+    return {
+        m: why for m in kvcache.names(offered=True) if (why := kvcache.unavailable_reason(m, b))
+    }
 
 
 _machine = None  # detected once per helper process

@@ -259,24 +259,32 @@ def activation_bytes(s: ModelSizes, context: int, m: Machine, chunk: int = PREFI
     return resid + widest + scores + ssm + logits
 
 
-def prefill_chunk(s: ModelSizes, m: Machine, context: int, headroom: int,
-                  modes: dict | str = "fp16") -> tuple[int, str]:
+def prefill_chunk(
+    s: ModelSizes, m: Machine, context: int, headroom: int, modes: dict | str = "fp16"
+) -> tuple[int, str]:
     """The largest prefill step in PREFILL_CHUNKS whose memory beyond the smallest step's
     (activations, and sliding-window caches that briefly hold a step more) fits in `headroom`
     bytes, the memory a plan leaves unused; with the reason."""
 
     def extra(chunk: int) -> int:
-        return (activation_bytes(s, context, m, chunk) + s.kv_bytes(context, modes, chunk)
-                - activation_bytes(s, context, m, PREFILL_CHUNK)
-                - s.kv_bytes(context, modes, PREFILL_CHUNK))
+        return (
+            activation_bytes(s, context, m, chunk)
+            + s.kv_bytes(context, modes, chunk)
+            - activation_bytes(s, context, m, PREFILL_CHUNK)
+            - s.kv_bytes(context, modes, PREFILL_CHUNK)
+        )
 
     for chunk in PREFILL_CHUNKS[:-1]:
         if extra(chunk) <= headroom:
-            return chunk, (f"prefill in {chunk}-token steps: {gb(extra(chunk))} more than "
-                           f"{PREFILL_CHUNK}-token steps, {gb(headroom)} to spare")
-    return PREFILL_CHUNK, (f"prefill in {PREFILL_CHUNK}-token steps: {PREFILL_CHUNKS[-2]}-token "
-                           f"steps need {gb(extra(PREFILL_CHUNKS[-2]))} more, "
-                           f"{gb(max(headroom, 0))} to spare")
+            return chunk, (
+                f"prefill in {chunk}-token steps: {gb(extra(chunk))} more than "
+                f"{PREFILL_CHUNK}-token steps, {gb(headroom)} to spare"
+            )
+    return PREFILL_CHUNK, (
+        f"prefill in {PREFILL_CHUNK}-token steps: {PREFILL_CHUNKS[-2]}-token "
+        f"steps need {gb(extra(PREFILL_CHUNKS[-2]))} more, "
+        f"{gb(max(headroom, 0))} to spare"
+    )
 
 
 def min_expert_budget(s: ModelSizes) -> int:
@@ -302,9 +310,16 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
     active = s.resident_bytes - s.embedding_bytes + s.active_expert_bytes
 
     def tps(b: int) -> float:
-        return 1.0 / step_seconds(b, top, s.expert_bytes, active, s.moe_layers,
-                                  s.experts_per_token, s.bytes_per_expert,
-                                  BACKEND_COSTS[m.backend])
+        return 1.0 / step_seconds(
+            b,
+            top,
+            s.expert_bytes,
+            active,
+            s.moe_layers,
+            s.experts_per_token,
+            s.bytes_per_expert,
+            BACKEND_COSTS[m.backend],
+        )
 
     steps = 64
     cands = [need + (top - need) * i // steps for i in range(steps + 1)]
@@ -315,10 +330,13 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
         reasons.append(
             f"expert budget {gb(pick)} for an expected {tps(pick):.1f} tok/s ({hit:.0%} hits on "
             f"trace-like routing); all {gb(top)} would give {best:.1f} tok/s: the rest stays "
-            "with the OS, whose page cache serves those misses from memory")
+            "with the OS, whose page cache serves those misses from memory"
+        )
     else:
-        reasons.append(f"expert budget {gb(pick)}: expected {best:.1f} tok/s ({hit:.0%} hits on "
-                       "trace-like routing; every byte of pool still pays)")
+        reasons.append(
+            f"expert budget {gb(pick)}: expected {best:.1f} tok/s ({hit:.0%} hits on "
+            "trace-like routing; every byte of pool still pays)"
+        )
     return pick
 
 
@@ -511,7 +529,9 @@ def _compressed(s: ModelSizes, m: Machine, prefer_lossless: bool) -> dict:
     (ZipFusion, 0.75x) where the backend runs it and it is enough, else its compact one
     (IsoQuant 3-bit, ~0.2x)."""
     lossless = kvcache.mode(kvcache.modes.AUTO_LOSSLESS).runs_on(m.backend)
-    auto = kvcache.modes.AUTO_LOSSLESS if prefer_lossless and lossless else kvcache.modes.AUTO_COMPACT
+    auto = (
+        kvcache.modes.AUTO_LOSSLESS if prefer_lossless and lossless else kvcache.modes.AUTO_COMPACT
+    )
     return _full_layers(s, auto)
 
 
@@ -556,7 +576,9 @@ class _Request:
             else None
         )  # fmt: skip
         cls = ModelTooLarge if setting == "model" else PlanRefused
-        return cls(setting, reason, needed, self.m.usable if available is None else available, smallest)
+        return cls(
+            setting, reason, needed, self.m.usable if available is None else available, smallest
+        )
 
 
 def make_plan(
@@ -611,7 +633,9 @@ def make_plan(
 
 def _target_context(s: ModelSizes, context: int | None) -> int:
     """The context to plan for: the asked one, else the default within the model's maximum."""
-    target = context if context is not None else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    target = (
+        context if context is not None else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    )
     if target < 1:
         raise PlanRefused("context", f"context must be at least 1 token, got {target}")
     if s.max_context and target > s.max_context:
@@ -624,7 +648,11 @@ def _target_context(s: ModelSizes, context: int | None) -> int:
 def _resident_weights(r: _Request) -> int:
     """Bytes of the always-resident weights: on disk if the model is there, else from the config."""
     s = r.s
-    resident = max(s.weights_on_disk - s.expert_bytes, 0) if s.weights_on_disk is not None else s.resident_bytes
+    resident = (
+        max(s.weights_on_disk - s.expert_bytes, 0)
+        if s.weights_on_disk is not None
+        else s.resident_bytes
+    )
     r.reasons.append(
         (
             "widths fixed by the conversion"
@@ -726,7 +754,9 @@ def _fit_kv(r: _Request, b: _Budget, modes: dict) -> tuple[dict, int]:
             f"not even {MIN_CONTEXT} tokens of KV fit beside the weights",
             b.fixed(MIN_CONTEXT) + s.kv_bytes(MIN_CONTEXT, modes, PREFILL_CHUNK) + need_min,
         )
-    r.reasons.append(f"context limited to {context_limit} tokens (the KV for {target} does not fit)")
+    r.reasons.append(
+        f"context limited to {context_limit} tokens (the KV for {target} does not fit)"
+    )
     return modes, context_limit
 
 
@@ -786,17 +816,21 @@ def _note_machine(r: _Request, b: _Budget, context_limit: int, budget: int) -> N
             f"Metal working set {gb(m.working_set)}{' (estimated)' if m.simulated else ''} caps the engine below RAM less the reserve"
         )
     if m.available is not None and m.available < b.fixed(context_limit) + budget:
-        r.reasons.append(f"only {gb(m.available)} is free right now: close other apps before loading")
+        r.reasons.append(
+            f"only {gb(m.available)} is free right now: close other apps before loading"
+        )
     if s.weights_on_disk is None and m.free_disk is not None and m.free_disk < s.total_bytes:
         r.reasons.append(f"converting needs {gb(s.total_bytes)} of disk, {gb(m.free_disk)} free")
 
 
-
-def _choose_prefill_chunk(r: _Request, b: _Budget, context_limit: int, modes: dict,
-                          budget: int) -> tuple[int, str]:
+def _choose_prefill_chunk(
+    r: _Request, b: _Budget, context_limit: int, modes: dict, budget: int
+) -> tuple[int, str]:
     """5. The prefill step: larger where the memory the plan leaves unused covers it."""
     s, m = r.s, r.m
-    headroom = m.usable - b.fixed(context_limit) - s.kv_bytes(context_limit, modes, PREFILL_CHUNK) - budget
+    headroom = (
+        m.usable - b.fixed(context_limit) - s.kv_bytes(context_limit, modes, PREFILL_CHUNK) - budget
+    )
     chunk, why = prefill_chunk(s, m, context_limit, headroom, modes)
     r.reasons.append(why)
     return chunk, why
@@ -816,15 +850,22 @@ def _peak(b: _Budget, budget: int, modes: dict, context_limit: int, chunk: int) 
     }
 
 
-def prefill_chunk_for(model: str | os.PathLike | dict, machine: Machine | None = None,
-                      context: int | None = None, expert_budget: int | None = None,
-                      ) -> tuple[int, str]:
+def prefill_chunk_for(
+    model: str | os.PathLike | dict,
+    machine: Machine | None = None,
+    context: int | None = None,
+    expert_budget: int | None = None,
+) -> tuple[int, str]:
     """Tokens per prefill step for a model (folder, config name or config dict) on this machine,
     as its plan would choose; the smallest step where no plan fits."""
     try:
         if isinstance(model, dict):
-            plan = make_plan(compute(model, name=model.get("model_type", "")),
-                             machine or Machine.detect(), context, expert_budget=expert_budget)
+            plan = make_plan(
+                compute(model, name=model.get("model_type", "")),
+                machine or Machine.detect(),
+                context,
+                expert_budget=expert_budget,
+            )
         else:
             plan = plan_model(model, machine, context, expert_budget=expert_budget)
     except (PlanRefused, ValueError, OSError) as e:
@@ -889,7 +930,9 @@ def plan_model(
             f"{name} is converted at {_describe(base.widths)}; other widths need a new conversion",
         )
     s = base if widths is None else compute(config, widths, name=name)
-    target = context if context is not None else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    target = (
+        context if context is not None else min(DEFAULT_CONTEXT, s.max_context or DEFAULT_CONTEXT)
+    )
     share = None
     if folder is not None and not machine.simulated:
         # a measured profile applies only to the machine it was measured on
@@ -920,8 +963,12 @@ def _is_converted(folder: Path) -> bool:
 
 def _default_widths_text(s: ModelSizes) -> str:
     """The default widths of the roles this model has (no shared experts for most MoEs)."""
-    parts = {"dense": "dense 4-bit", "routed": "routed experts 2-bit",
-             "shared": "shared experts 8-bit", "keep_float": "norms/routers float"}
+    parts = {
+        "dense": "dense 4-bit",
+        "routed": "routed experts 2-bit",
+        "shared": "shared experts 8-bit",
+        "keep_float": "norms/routers float",
+    }
     return ", ".join(t for r, t in parts.items() if s.params.get(r, 0) > 0)
 
 

@@ -111,17 +111,21 @@ def format_sizes(s) -> str:
         w = s.widths[r]
         return "float" if w.bits is None else f"{w.bits}-bit"
 
-    rows = [f"{s.name} ({s.architecture}): {s.total_params / 1e9:.2f}B parameters, "
-            f"{s.active_params / 1e9:.2f}B active a token",
-            f"{'role':12s} {'width':>6s} {'parameters':>16s} {'bytes':>11s}"]
+    rows = [
+        f"{s.name} ({s.architecture}): {s.total_params / 1e9:.2f}B parameters, "
+        f"{s.active_params / 1e9:.2f}B active a token",
+        f"{'role':12s} {'width':>6s} {'parameters':>16s} {'bytes':>11s}",
+    ]
     for r in s.params:
         if s.params[r]:
             rows.append(f"{r:12s} {width(r):>6s} {s.params[r]:16,d} {size(s.bytes[r], 2):>11s}")
     rows.append(f"{'total':12s} {'':6s} {s.total_params:16,d} {size(s.total_bytes, 2):>11s}")
     if s.moe_layers:
-        rows.append(f"experts: {s.moe_layers} MoE layers x {s.experts_per_layer}, "
-                    f"{s.experts_per_token} a token, {size(s.bytes_per_expert)} each, "
-                    f"{size(s.expert_bytes, 2)} in all; always resident {size(s.resident_bytes, 2)}")
+        rows.append(
+            f"experts: {s.moe_layers} MoE layers x {s.experts_per_layer}, "
+            f"{s.experts_per_token} a token, {size(s.bytes_per_expert)} each, "
+            f"{size(s.expert_bytes, 2)} in all; always resident {size(s.resident_bytes, 2)}"
+        )
     ctx = f", up to {s.max_context:,d} tokens" if s.max_context else ""
     rows.append(f"KV cache (fp16): {size(s.kv_bytes_per_token)} a token{ctx}")
     rows += [f"note: {n}" for n in s.notes]

@@ -854,8 +854,14 @@ _DIM_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_heads|_layers|_experts|_rank|_pe
 _NOT_DIMS = {"num_experts_per_tok_scale"}  # floats whose names look like counts
 MAX_DIM = 1 << 24  # vocabularies and context lengths reach millions, no dimension 16M
 MAX_LAYERS = 4096  # the deepest real models have a few hundred layers
-_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-             "intermediate_size", "max_position_embeddings")
+_POSITIVE = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 _EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
@@ -867,8 +873,12 @@ def check_dimensions(config: dict, where: str | None = None) -> None:
     parts = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
     for part in parts:
         for key, v in part.items():
-            if v is None or isinstance(v, (list, dict)) or key in _NOT_DIMS or \
-                    not _DIM_KEY.search(key):
+            if (
+                v is None
+                or isinstance(v, (list, dict))
+                or key in _NOT_DIMS
+                or not _DIM_KEY.search(key)
+            ):
                 continue  # lists of layer indices and nested blocks are not dimensions
             if isinstance(v, bool) or not isinstance(v, int):
                 raise SizeError(f"config {key} must be a whole number, got {v!r}", where)
@@ -879,8 +889,9 @@ def check_dimensions(config: dict, where: str | None = None) -> None:
         k = part.get("num_experts_per_tok")
         n = next((part[c] for c in _EXPERT_COUNTS if part.get(c)), None)
         if k is not None and n is not None and k > n:
-            raise SizeError(f"config num_experts_per_tok = {k} exceeds the {n} experts per "
-                            "layer", where)
+            raise SizeError(
+                f"config num_experts_per_tok = {k} exceeds the {n} experts per layer", where
+            )
 
 
 def tensors(config: dict) -> tuple[list[Tensor], _Info, str]:

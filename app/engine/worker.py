@@ -112,9 +112,14 @@ class _Worker:
         log.error("broken frame on the pipe (%s): the worker ends", type(e).__name__)
         try:
             with self.send_lock:
-                self.conn.send(M.Error(None, "ProtocolError",
-                                       f"the engine got a message it could not read "
-                                       f"({type(e).__name__}); it restarts"))
+                self.conn.send(
+                    M.Error(
+                        None,
+                        "ProtocolError",
+                        f"the engine got a message it could not read "
+                        f"({type(e).__name__}); it restarts",
+                    )
+                )
         except Exception:
             pass
         logging.shutdown()
@@ -199,7 +204,8 @@ class _Worker:
         n = 0
         try:
             for ev in self.engine.generate(
-                msg.prompt, settings,
+                msg.prompt,
+                settings,
                 should_stop=lambda: rid in self.cancelled or self.shutdown.is_set(),
             ):
                 if isinstance(ev, TokenEvent):
@@ -216,8 +222,19 @@ class _Worker:
                     self.send(M.Prompt(rid, ev.prompt_tokens, ev.prompt_tps))
                 elif isinstance(ev, Finished):
                     self.decode_tps = ev.decode_tps
-                    self.send(M.Done(rid, ev.reason, ev.prompt_tokens, ev.generated_tokens,
-                                     ev.prompt_tps, ev.decode_tps, ev.peak_memory, ev.kv_bytes, ev.text))
+                    self.send(
+                        M.Done(
+                            rid,
+                            ev.reason,
+                            ev.prompt_tokens,
+                            ev.generated_tokens,
+                            ev.prompt_tps,
+                            ev.decode_tps,
+                            ev.peak_memory,
+                            ev.kv_bytes,
+                            ev.text,
+                        )
+                    )
         finally:
             self.generating = False
             self.cancelled.discard(rid)
@@ -286,7 +303,9 @@ class WorkerClient:
         env = {k: v for k, v in os.environ.items() if k in ("ROTARYQUANT_HOME", "LD_PRELOAD")}
         env.update(self.env)
         self._stopping = False
-        self.proc = ctx.Process(target=_worker_main, args=(child, env), name="rotaryquant-worker", daemon=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, env), name="rotaryquant-worker", daemon=True
+        )
         self.proc.start()
         child.close()
         self.conn = parent
@@ -296,7 +315,9 @@ class WorkerClient:
         try:
             msg = parent.recv()
         except (EOFError, OSError) as e:
-            raise WorkerError(f"the worker died while starting (exit code {self.proc.exitcode})") from e
+            raise WorkerError(
+                f"the worker died while starting (exit code {self.proc.exitcode})"
+            ) from e
         if not isinstance(msg, M.Ready):
             raise WorkerError(f"unexpected first message from the worker: {msg!r}")
         self.ready = msg
@@ -410,7 +431,9 @@ class WorkerClient:
             raise WorkerError(f"{msg.kind}: {msg.message}")
         return msg.info
 
-    def generate(self, prompt, settings: dict | None = None, timeout: float = 600.0) -> Iterator[object]:
+    def generate(
+        self, prompt, settings: dict | None = None, timeout: float = 600.0
+    ) -> Iterator[object]:
         """Yield Prompt, Token, Stats and finally Done (or raise on Error) for one request."""
         rid = self.next_id()
         self.send(M.Generate(rid, prompt, dict(settings or {})))

@@ -27,7 +27,13 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  type_: str = "invalid_request_error"):  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+        self.status, self.message, self.code, self.param, self.type = (
+            status,
+            message,
+            code,
+            param,
+            type_,
+        )
 
     def openai(self) -> JSONResponse:
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
@@ -62,7 +68,9 @@ def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise ApiError(400, f"{name} must be a {'integer' if kind is int else 'number'}", param=name)
+        raise ApiError(
+            400, f"{name} must be a {'integer' if kind is int else 'number'}", param=name
+        )
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ApiError(400, f"{name} must be between {lo} and {hi}, got {v}", param=name)
     return kind(v)
@@ -232,7 +240,9 @@ class Api:
             elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 prompt = list(p)
             else:
-                raise ApiError(400, "prompt must be a non-empty string or token ids", param="prompt")
+                raise ApiError(
+                    400, "prompt must be a non-empty string or token ids", param="prompt"
+                )
             req = self._completion(body, prompt)
         except ApiError as e:
             return e.openai()
@@ -289,7 +299,12 @@ class Api:
                         yield chunk({"index": 0, "text": ev.content, "finish_reason": None,
                                      "logprobs": None})  # fmt: skip
                 elif isinstance(ev, Failed):
-                    err = {"message": ev.message, "type": "server_error", "param": None, "code": None}
+                    err = {
+                        "message": ev.message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
                 elif isinstance(ev, Done):
@@ -318,7 +333,9 @@ class Api:
                 chat.append({"role": "system", "content": _text(body["system"])})
             for m in msgs:
                 if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-                    raise ApiError(400, "each message needs role user or assistant", param="messages")
+                    raise ApiError(
+                        400, "each message needs role user or assistant", param="messages"
+                    )
                 chat.append({"role": m["role"], "content": _text(m.get("content"))})
             req = self._completion(body, self.batcher.engine.encode_chat(chat),
                                    stop_name="stop_sequences")  # fmt: skip

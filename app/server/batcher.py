@@ -333,7 +333,9 @@ class Batcher:
                 self._done()
                 continue
             with self.lock:
-                cache = self.engine.make_cache(GenerationSettings(), len(req.prompt) + req.max_tokens)
+                cache = self.engine.make_cache(
+                    GenerationSettings(), len(req.prompt) + req.max_tokens
+                )
             if not all(hasattr(c, "merge") for c in cache):
                 serial.append(req)  # no batch protocol: one at a time
                 continue

@@ -19,7 +19,9 @@ def _resolve(model: str | None) -> str:
         return model
     if (models_dir() / model).is_dir():
         return str(models_dir() / model)
-    raise EngineError(f"no model folder or library model named {model!r} (see `rotaryquant models`)")
+    raise EngineError(
+        f"no model folder or library model named {model!r} (see `rotaryquant models`)"
+    )
 
 
 def cmd_serve(args) -> int:
@@ -52,12 +54,15 @@ def cmd_serve(args) -> int:
 
 def add_commands(sub) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
-        "serve", help="an OpenAI-compatible API (and Anthropic's /v1/messages) on this model")
+        "serve", help="an OpenAI-compatible API (and Anthropic's /v1/messages) on this model"
+    )
     p.add_argument("--model", help="model folder or library name (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
-    p.add_argument("--kv-mode", default="auto", help="auto (the plan's, else fp16) | fp16 | isoquant3 ...")
+    p.add_argument(
+        "--kv-mode", default="auto", help="auto (the plan's, else fp16) | fp16 | isoquant3 ..."
+    )
     p.add_argument("--plan", action="store_true", help="apply the auto-planner's choices")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--context", type=int, help="longest prompt + completion (default: the model's)")

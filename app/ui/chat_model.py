@@ -200,8 +200,9 @@ class ChatModel(QObject):
     def _generate(self) -> bool:
         prompt = self.prompt()
         settings = {k: v for k, v in self.settings().items() if v is not None}
-        a = self.store.add_message(self.current.id, "assistant", "", state="streaming",
-                                   meta={"model": self._model_name()})
+        a = self.store.add_message(
+            self.current.id, "assistant", "", state="streaming", meta={"model": self._model_name()}
+        )
         self.messages.append(a)
         self.streaming, self.partial, self.dirty = a, [], False
         self.message_added.emit(a)
@@ -284,9 +285,13 @@ class ChatModel(QObject):
         if msg.req_id != self.req:
             return
         meta = {
-            "reason": msg.reason, "prompt_tokens": msg.prompt_tokens,
-            "generated_tokens": msg.generated_tokens, "prompt_tps": msg.prompt_tps,
-            "decode_tps": msg.decode_tps, "peak_memory": msg.peak_memory, "kv_bytes": msg.kv_bytes,
+            "reason": msg.reason,
+            "prompt_tokens": msg.prompt_tokens,
+            "generated_tokens": msg.generated_tokens,
+            "prompt_tps": msg.prompt_tps,
+            "decode_tps": msg.decode_tps,
+            "peak_memory": msg.peak_memory,
+            "kv_bytes": msg.kv_bytes,
         }
         self._end("stopped" if msg.reason == "cancelled" else "complete", meta, msg.text or None)
         self.stream_finished.emit(msg.reason)

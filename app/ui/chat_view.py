@@ -86,8 +86,10 @@ class ChatView(QWidget):
         self.conv_list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.conv_list.itemSelectionChanged.connect(self._on_conv_selected)
         # F2 or a double click renames a conversation in place
-        self.conv_list.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
-                                       | QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.conv_list.setEditTriggers(
+            QAbstractItemView.EditTrigger.DoubleClicked
+            | QAbstractItemView.EditTrigger.EditKeyPressed
+        )
         self.conv_list.itemChanged.connect(self._on_conv_renamed)
         self.conv_list.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
         for text, slot in (("Rename", self.rename_current), ("Delete", self.delete_current)):
@@ -163,16 +165,36 @@ class ChatView(QWidget):
         outer.addWidget(self.splitter)
 
         for seq in ("Ctrl+Return", "Ctrl+Enter"):
-            QShortcut(QKeySequence(seq), self, self.send,
-                      context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
-        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.model.stop,
-                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
-        QShortcut(QKeySequence("Ctrl+Shift+C"), self, self.copy_last,
-                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
-        QShortcut(QKeySequence("Ctrl+R"), self, self.model.regenerate,
-                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
-        QShortcut(QKeySequence(Qt.Key.Key_Delete), self.conv_list, self.delete_current,
-                  context=Qt.ShortcutContext.WidgetShortcut)
+            QShortcut(
+                QKeySequence(seq),
+                self,
+                self.send,
+                context=Qt.ShortcutContext.WidgetWithChildrenShortcut,
+            )
+        QShortcut(
+            QKeySequence(Qt.Key.Key_Escape),
+            self,
+            self.model.stop,
+            context=Qt.ShortcutContext.WidgetWithChildrenShortcut,
+        )
+        QShortcut(
+            QKeySequence("Ctrl+Shift+C"),
+            self,
+            self.copy_last,
+            context=Qt.ShortcutContext.WidgetWithChildrenShortcut,
+        )
+        QShortcut(
+            QKeySequence("Ctrl+R"),
+            self,
+            self.model.regenerate,
+            context=Qt.ShortcutContext.WidgetWithChildrenShortcut,
+        )
+        QShortcut(
+            QKeySequence(Qt.Key.Key_Delete),
+            self.conv_list,
+            self.delete_current,
+            context=Qt.ShortcutContext.WidgetShortcut,
+        )
 
     def _build_settings(self) -> QGroupBox:
         box = QGroupBox("Settings for this chat")
@@ -233,8 +255,16 @@ class ChatView(QWidget):
 
     def load_settings(self) -> None:
         s = self.model.settings()
-        widgets = (self.temp_spin, self.top_p_spin, self.top_k_spin, self.max_spin, self.rep_spin,
-                   self.seed_spin, self.kv_combo, self.system_edit)
+        widgets = (
+            self.temp_spin,
+            self.top_p_spin,
+            self.top_k_spin,
+            self.max_spin,
+            self.rep_spin,
+            self.seed_spin,
+            self.kv_combo,
+            self.system_edit,
+        )
         for w in widgets:
             w.blockSignals(True)
         self.temp_spin.setValue(float(s["temperature"]))
@@ -304,10 +334,14 @@ class ChatView(QWidget):
         self.input.setPlaceholderText(f"Message — {keys}, Esc to stop")
 
     def eventFilter(self, obj, event) -> bool:
-        if (obj is self.input and self.enter_sends and event.type() == QEvent.Type.KeyPress
-                and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
-                and not event.modifiers() & (Qt.KeyboardModifier.ShiftModifier
-                                             | Qt.KeyboardModifier.ControlModifier)):
+        if (
+            obj is self.input
+            and self.enter_sends
+            and event.type() == QEvent.Type.KeyPress
+            and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+            and not event.modifiers()
+            & (Qt.KeyboardModifier.ShiftModifier | Qt.KeyboardModifier.ControlModifier)
+        ):
             self.send()
             return True
         return super().eventFilter(obj, event)
@@ -381,9 +415,18 @@ class ChatView(QWidget):
             if m is self.model.streaming:
                 parts.append(render.message_html(m.id, m.role, "", "complete", self._who(m), c))
             else:
-                parts.append(render.message_html(
-                    m.id, m.role, m.content, m.state, self._who(m), c, m.id in self.expanded, m.meta
-                ))
+                parts.append(
+                    render.message_html(
+                        m.id,
+                        m.role,
+                        m.content,
+                        m.state,
+                        self._who(m),
+                        c,
+                        m.id in self.expanded,
+                        m.meta,
+                    )
+                )
         if not parts:
             parts.append(
                 f'<p style="color:{c.muted};">Ask anything. The answer streams here; '

@@ -127,8 +127,10 @@ class ConversationStore:
                 if side.exists():
                     os.replace(side, aside.with_name(aside.name + ext))
         except OSError as e:
-            raise HistoryError(f"{self.path}: the conversation history is damaged ({why}) and "
-                               f"cannot be moved aside: {e}") from e
+            raise HistoryError(
+                f"{self.path}: the conversation history is damaged ({why}) and "
+                f"cannot be moved aside: {e}"
+            ) from e
         return aside
 
     def close(self) -> None:
@@ -137,10 +139,17 @@ class ConversationStore:
     # -- conversations ----------------------------------------------------------------------
     @staticmethod
     def _conv(row) -> Conversation:
-        return Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6] or "{}"))
+        return Conversation(
+            row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6] or "{}")
+        )
 
-    def create(self, title: str = "New chat", model: str = "", system_prompt: str = "",
-               settings: dict | None = None) -> Conversation:
+    def create(
+        self,
+        title: str = "New chat",
+        model: str = "",
+        system_prompt: str = "",
+        settings: dict | None = None,
+    ) -> Conversation:
         now = time.time()
         cur = self.db.execute(
             "INSERT INTO conversations (title, created, updated, model, system_prompt, settings) "
@@ -183,12 +192,14 @@ class ConversationStore:
     def messages(self, cid: int) -> list[Message]:
         rows = self.db.execute(
             "SELECT id, conversation_id, role, content, state, created, meta FROM messages "
-            "WHERE conversation_id = ? ORDER BY id", (cid,),
+            "WHERE conversation_id = ? ORDER BY id",
+            (cid,),
         )
         return [self._msg(r) for r in rows.fetchall()]
 
-    def add_message(self, cid: int, role: str, content: str, state: str = "complete",
-                    meta: dict | None = None) -> Message:
+    def add_message(
+        self, cid: int, role: str, content: str, state: str = "complete", meta: dict | None = None
+    ) -> Message:
         m = Message(0, cid, role, content, state, time.time(), dict(meta or {}))  # validates
         cur = self.db.execute(
             "INSERT INTO messages (conversation_id, role, content, state, created, meta) "
@@ -199,13 +210,21 @@ class ConversationStore:
         m.id = cur.lastrowid
         return m
 
-    def update_message(self, mid: int, content: str | None = None, state: str | None = None,
-                       meta: dict | None = None) -> None:
+    def update_message(
+        self,
+        mid: int,
+        content: str | None = None,
+        state: str | None = None,
+        meta: dict | None = None,
+    ) -> None:
         if state is not None and state not in STATES:
             raise ValueError(f"bad message state {state!r}")
         sets, args = [], []
-        for col, val in (("content", content), ("state", state),
-                         ("meta", None if meta is None else json.dumps(meta))):
+        for col, val in (
+            ("content", content),
+            ("state", state),
+            ("meta", None if meta is None else json.dumps(meta)),
+        ):
             if val is not None:
                 sets.append(f"{col} = ?")
                 args.append(val)

@@ -59,15 +59,22 @@ def short_plan(plan: dict, compact: bool = False) -> str:
         return "does not fit this machine"
     p = plan.get("planner")
     if not p:
-        return gib(plan.get("converted_bytes")) + " converted" if plan.get("converted_bytes") else "—"
+        return (
+            gib(plan.get("converted_bytes")) + " converted" if plan.get("converted_bytes") else "—"
+        )
     kv = p.get("kv_modes", {}).get("full", "fp16")
     if compact:
         paged = p.get("paging") and p.get("expert_bytes")
-        share = f", {p['expert_budget'] / p['expert_bytes']:.0%} of experts resident" if paged else ""
+        share = (
+            f", {p['expert_budget'] / p['expert_bytes']:.0%} of experts resident" if paged else ""
+        )
         return f"fits: peak {gib(p.get('process_peak'))}{share}"
     experts = (
-        f"experts paged ({gib(p['expert_budget'])} of {gib(p['expert_bytes'])})" if p.get("paging")
-        else "experts resident" if p.get("expert_bytes") else "dense"
+        f"experts paged ({gib(p['expert_budget'])} of {gib(p['expert_bytes'])})"
+        if p.get("paging")
+        else "experts resident"
+        if p.get("expert_bytes")
+        else "dense"
     )
     return f"peak {gib(p.get('process_peak'))} · KV {kv} · {experts}"
 
@@ -105,8 +112,13 @@ def embedded_row() -> Row:
     folder = default_model_path()
     size = sum(p.stat().st_size for p in folder.glob("*") if p.is_file()) if folder.is_dir() else 0
     return Row(
-        name=f"{EMBEDDED_NAME} (built in)", ref=DEFAULT_MODEL_REF, architecture="llama",
-        size=size or 100 * 2**20, plan="small enough for any machine", state="ready", builtin=True,
+        name=f"{EMBEDDED_NAME} (built in)",
+        ref=DEFAULT_MODEL_REF,
+        architecture="llama",
+        size=size or 100 * 2**20,
+        plan="small enough for any machine",
+        state="ready",
+        builtin=True,
     )
 
 
@@ -121,8 +133,9 @@ class LibraryController(QObject):
     _event = Signal(object)  # from download threads
     _job_done = Signal(str, str, str)  # repo, outcome, error
 
-    def __init__(self, library: Library | None = None, transfer_options: dict | None = None,
-                 parent=None):
+    def __init__(
+        self, library: Library | None = None, transfer_options: dict | None = None, parent=None
+    ):
         super().__init__(parent)
         self.library = library or Library()
         self.transfer_options = dict(transfer_options or {})
@@ -211,7 +224,9 @@ class LibraryController(QObject):
         def wait():
             job.wait()
             try:
-                self._job_done.emit(job.repo, job.outcome, "" if job.error is None else str(job.error))
+                self._job_done.emit(
+                    job.repo, job.outcome, "" if job.error is None else str(job.error)
+                )
             except RuntimeError:  # the window closed first
                 pass
 
@@ -245,17 +260,27 @@ class LibraryController(QObject):
             self.remove(name)
 
     def remove(self, name: str) -> None:
-        self.runner.submit(f"remove {name}", lambda: self.library.remove(name),
-                           lambda _r: (self.message.emit(f"Removed {name}"), self.refresh()),
-                           lambda err: self.failed.emit(name, str(err)), replace=False)
+        self.runner.submit(
+            f"remove {name}",
+            lambda: self.library.remove(name),
+            lambda _r: (self.message.emit(f"Removed {name}"), self.refresh()),
+            lambda err: self.failed.emit(name, str(err)),
+            replace=False,
+        )
 
     def _in_process(self, what: str, name: str, fn, *args) -> None:
         """Run a library job that imports MLX in a process of its own; a crash there is
         reported on the entry and the window goes on."""
+
         def run():
             try:
-                return jobs.run_once(fn, *self._lib_args(), *args, name=f"rotaryquant-{what}",
-                                     on_event=self._emit_event)
+                return jobs.run_once(
+                    fn,
+                    *self._lib_args(),
+                    *args,
+                    name=f"rotaryquant-{what}",
+                    on_event=self._emit_event,
+                )
             except jobs.JobCrashed as err:
                 # the dead process may have claimed the entry: put it back, then say why
                 self.library.recover(name)
@@ -268,8 +293,9 @@ class LibraryController(QObject):
             self.failed.emit(name, str(err))
             self.refresh()
 
-        self.conversions.submit(f"{what} {name}", run, lambda _r: self.refresh(), failed,
-                                replace=False)
+        self.conversions.submit(
+            f"{what} {name}", run, lambda _r: self.refresh(), failed, replace=False
+        )
 
     def convert(self, name: str) -> None:
         self._in_process("conversion", name, lib_jobs.convert, name)
@@ -280,17 +306,27 @@ class LibraryController(QObject):
 
     def open_folder(self, folder: str) -> None:
         """Add a model folder the user has: checked, converted if it needs it, then listed."""
+
         def done(e) -> None:
             self.message.emit(f"Added {e.name} to the library")
             self.refresh()
 
         def run():
-            return jobs.run_once(lib_jobs.open_folder, *self._lib_args(), str(folder),
-                                 name="rotaryquant-conversion", on_event=self._emit_event)
+            return jobs.run_once(
+                lib_jobs.open_folder,
+                *self._lib_args(),
+                str(folder),
+                name="rotaryquant-conversion",
+                on_event=self._emit_event,
+            )
 
-        self.conversions.submit(f"open {folder}", run, done,
-                                lambda err: (self.failed.emit(str(folder), str(err)), self.refresh()),
-                                replace=False)
+        self.conversions.submit(
+            f"open {folder}",
+            run,
+            done,
+            lambda err: (self.failed.emit(str(folder), str(err)), self.refresh()),
+            replace=False,
+        )
 
     def verify(self, name: str) -> None:
         def done(report) -> None:
@@ -298,11 +334,13 @@ class LibraryController(QObject):
             self.refresh()
 
         def run():
-            return jobs.run_once(lib_jobs.verify, *self._lib_args(), name, True,
-                                 name="rotaryquant-verify")
+            return jobs.run_once(
+                lib_jobs.verify, *self._lib_args(), name, True, name="rotaryquant-verify"
+            )
 
-        self.runner.submit(f"verify {name}", run, done,
-                           lambda err: self.failed.emit(name, str(err)), replace=False)
+        self.runner.submit(
+            f"verify {name}", run, done, lambda err: self.failed.emit(name, str(err)), replace=False
+        )
 
     def shutdown(self) -> None:
         self.manager.shutdown()
@@ -318,7 +356,8 @@ class LibraryController(QObject):
             self.progress_changed.emit(key)
         elif isinstance(ev, ConvertProgress):
             self.progress[ev.name] = {
-                "fraction": ev.fraction, "text": f"Converting {ev.fraction:.0%} · {ev.stage}",
+                "fraction": ev.fraction,
+                "text": f"Converting {ev.fraction:.0%} · {ev.stage}",
             }
             self.progress_changed.emit(ev.name)
         elif isinstance(ev, StateChanged):
@@ -356,12 +395,19 @@ class LocalModelsModel(QAbstractTableModel):
         rows = [embedded_row()]
         for e in self.ctl.entries:
             p = self.ctl.progress.get(e.repo.lower(), {})
-            rows.append(Row(
-                name=e.name, ref=e.folder, architecture=e.architecture or "—",
-                size=e.disk_bytes or e.download_bytes or p.get("total", 0),
-                plan=short_plan(e.plan), state=e.state,
-                error=e.error, repo=e.repo, entry=e,
-            ))
+            rows.append(
+                Row(
+                    name=e.name,
+                    ref=e.folder,
+                    architecture=e.architecture or "—",
+                    size=e.disk_bytes or e.download_bytes or p.get("total", 0),
+                    plan=short_plan(e.plan),
+                    state=e.state,
+                    error=e.error,
+                    repo=e.repo,
+                    entry=e,
+                )
+            )
         self.rows = rows
         self.endResetModel()
 
@@ -394,8 +440,12 @@ class LocalModelsModel(QAbstractTableModel):
             return "Downloading…", 0.0
         if r.state == "converting":
             return "Converting…", 0.0
-        labels = {"ready": "Ready", "paused": "Paused", "downloaded": "Downloaded, not converted",
-                  "broken": "Broken"}
+        labels = {
+            "ready": "Ready",
+            "paused": "Paused",
+            "downloaded": "Downloaded, not converted",
+            "broken": "Broken",
+        }
         text = labels.get(r.state, r.state)
         if r.error:
             text += f" — {r.error}"
@@ -436,7 +486,9 @@ class CatalogModel(QAbstractTableModel):
 
     def _changed(self, *_):
         if self.rowCount():
-            self.dataChanged.emit(self.index(0, 0), self.index(self.rowCount() - 1, self.columnCount() - 1))
+            self.dataChanged.emit(
+                self.index(0, 0), self.index(self.rowCount() - 1, self.columnCount() - 1)
+            )
 
     def rowCount(self, parent=QModelIndex()) -> int:
         return 0 if parent.isValid() else len(self.ctl.catalog)
@@ -464,12 +516,17 @@ class CatalogModel(QAbstractTableModel):
             if col == 4 and err:
                 return err
             return (
-                e.name + (" (gated)" if e.gated else ""), e.architecture,
+                e.name + (" (gated)" if e.gated else ""),
+                e.architecture,
                 f"{e.params / 1e9:.0f}B, {e.active_params / 1e9:.1f}B active",
-                gib(e.approx_bytes), self.ctl.verdicts.get(e.name, "planning…"), "",
+                gib(e.approx_bytes),
+                self.ctl.verdicts.get(e.name, "planning…"),
+                "",
             )[col]
-        if role == Qt.ItemDataRole.ForegroundRole and col == 4 and (
-            err or self.ctl.verdicts.get(e.name, "").startswith("too large")
+        if (
+            role == Qt.ItemDataRole.ForegroundRole
+            and col == 4
+            and (err or self.ctl.verdicts.get(e.name, "").startswith("too large"))
         ):
             return QColor(current_colors().error)
         if role == Qt.ItemDataRole.ToolTipRole:

@@ -53,7 +53,11 @@ class ProgressDelegate(QStyledItemDelegate):
         text = option.fontMetrics.elidedText(
             str(index.data(Qt.ItemDataRole.DisplayRole)), Qt.TextElideMode.ElideRight, r.width() - 8
         )
-        painter.drawText(r.adjusted(4, 0, -4, 0), Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft, text)
+        painter.drawText(
+            r.adjusted(4, 0, -4, 0),
+            Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft,
+            text,
+        )
         painter.restore()
 
 
@@ -113,11 +117,14 @@ class LibraryView(QWidget):
         self.verify_btn = QPushButton("&Verify")
         self.remove_btn = QPushButton("Remove")
         self.open_btn = QPushButton("&Open folder…")
-        self.open_btn.setToolTip("Add a model folder you already have (MLX or Hugging Face "
-                                 "safetensors); a mixture-of-experts model is converted")
+        self.open_btn.setToolTip(
+            "Add a model folder you already have (MLX or Hugging Face "
+            "safetensors); a mixture-of-experts model is converted"
+        )
         self.open_btn.clicked.connect(lambda: self.open_folder())
         actions = (
-            (self.load_btn, self.load_selected), (self.plan_btn, self.plan_selected),
+            (self.load_btn, self.load_selected),
+            (self.plan_btn, self.plan_selected),
             (self.pause_btn, lambda: self._on_selected(self.ctl.pause)),
             (self.resume_btn, lambda: self._on_selected(self.ctl.resume)),
             (self.cancel_btn, lambda: self._on_selected(self.ctl.cancel)),
@@ -135,12 +142,24 @@ class LibraryView(QWidget):
         self.detail.setWordWrap(True)
         self.detail.setObjectName("error")
         self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        QShortcut(QKeySequence(Qt.Key.Key_Return), self.table, self.load_selected,
-                  context=Qt.ShortcutContext.WidgetShortcut)
-        QShortcut(QKeySequence(Qt.Key.Key_Delete), self.table,
-                  lambda: self._on_selected(self.ctl.remove), context=Qt.ShortcutContext.WidgetShortcut)
-        QShortcut(QKeySequence(Qt.Key.Key_F5), self, lambda: self.ctl.refresh(check=True),
-                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
+        QShortcut(
+            QKeySequence(Qt.Key.Key_Return),
+            self.table,
+            self.load_selected,
+            context=Qt.ShortcutContext.WidgetShortcut,
+        )
+        QShortcut(
+            QKeySequence(Qt.Key.Key_Delete),
+            self.table,
+            lambda: self._on_selected(self.ctl.remove),
+            context=Qt.ShortcutContext.WidgetShortcut,
+        )
+        QShortcut(
+            QKeySequence(Qt.Key.Key_F5),
+            self,
+            lambda: self.ctl.refresh(check=True),
+            context=Qt.ShortcutContext.WidgetWithChildrenShortcut,
+        )
 
         top = QWidget()
         tl = QVBoxLayout(top)
@@ -168,7 +187,9 @@ class LibraryView(QWidget):
         # one selection across the two tables: "Plan…" plans the selected model, local or not
         self.catalog.selectionModel().selectionChanged.connect(self._on_catalog_selected)
         self.repo_edit = QLineEdit()
-        self.repo_edit.setPlaceholderText("Any Hugging Face repo id, e.g. mlx-community/Qwen3-30B-A3B-4bit")
+        self.repo_edit.setPlaceholderText(
+            "Any Hugging Face repo id, e.g. mlx-community/Qwen3-30B-A3B-4bit"
+        )
         self.repo_btn = QPushButton("Download repo")
         self.repo_btn.clicked.connect(self._download_repo)
         self.repo_edit.returnPressed.connect(self._download_repo)
@@ -308,7 +329,9 @@ class LibraryView(QWidget):
         self.cancel_btn.setEnabled(st in ("downloading", "paused"))
         self.convert_btn.setEnabled(st == "downloaded")
         self.verify_btn.setEnabled(st in ("ready", "downloaded", "broken") and not builtin)
-        self.remove_btn.setEnabled(st in ("ready", "paused", "downloaded", "broken") and not builtin)
+        self.remove_btn.setEnabled(
+            st in ("ready", "paused", "downloaded", "broken") and not builtin
+        )
         if r is None or r.entry is None:
             self.detail.clear()
             return
@@ -337,7 +360,9 @@ class LibraryView(QWidget):
         self.catalog_error.setText(f"{who}: {message}")
         # a download that failed before it began (not a local model's conversion or verify)
         e = cat_find(who)
-        self._retry_repo = who if (e.repo if e else who).strip().lower() in self.ctl.errors else None
+        self._retry_repo = (
+            who if (e.repo if e else who).strip().lower() in self.ctl.errors else None
+        )
         self.retry_btn.setVisible(self._retry_repo is not None)
         self._update_actions()
         self._update_download_buttons()

@@ -41,12 +41,19 @@ from .theme import MODES, RESOURCES, Theme
 
 SETTINGS_FILE = "settings.ini"
 SHORTCUTS = (
-    ("Ctrl+Enter", "send the message"), ("Esc", "stop the answer"),
-    ("Ctrl+R", "regenerate the last answer"), ("Ctrl+Shift+C", "copy the last answer"),
-    ("Ctrl+N", "new chat"), ("Ctrl+O", "open a model folder"), ("Delete", "delete the selected chat or model"),
-    ("Ctrl+1 / 2 / 3", "chat, library, plan"), ("Ctrl+L", "focus the message box"),
-    ("Ctrl+M", "show or hide the memory panel"), ("Enter", "load the selected model (library)"),
-    ("F5", "re-check the library"), ("Ctrl+Shift+R", "restart the engine"),
+    ("Ctrl+Enter", "send the message"),
+    ("Esc", "stop the answer"),
+    ("Ctrl+R", "regenerate the last answer"),
+    ("Ctrl+Shift+C", "copy the last answer"),
+    ("Ctrl+N", "new chat"),
+    ("Ctrl+O", "open a model folder"),
+    ("Delete", "delete the selected chat or model"),
+    ("Ctrl+1 / 2 / 3", "chat, library, plan"),
+    ("Ctrl+L", "focus the message box"),
+    ("Ctrl+M", "show or hide the memory panel"),
+    ("Enter", "load the selected model (library)"),
+    ("F5", "re-check the library"),
+    ("Ctrl+Shift+R", "restart the engine"),
 )
 SETTINGS_VERSION = 2  # bump when saved window state can no longer be restored
 
@@ -95,7 +102,9 @@ class MainWindow(QMainWindow):
         self.memory = MemoryPanel()
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
-        for w, name in zip((self.chat_view, self.library_view, self.plan_view), self.TABS, strict=True):
+        for w, name in zip(
+            (self.chat_view, self.library_view, self.plan_view), self.TABS, strict=True
+        ):
             self.tabs.addTab(w, name)
         self.main_splitter = QSplitter(Qt.Orientation.Horizontal)
         self.main_splitter.setObjectName("mainSplitter")
@@ -127,12 +136,14 @@ class MainWindow(QMainWindow):
         self.chat.open_latest()
         if self.chat.recovered:
             self.statusBar().showMessage(
-                f"Recovered {self.chat.recovered} answer(s) interrupted when the app last closed", 8000
+                f"Recovered {self.chat.recovered} answer(s) interrupted when the app last closed",
+                8000,
             )
         if self.chat.store.set_aside is not None:
             self.statusBar().showMessage(
                 f"The conversation history was damaged and is kept as {self.chat.store.set_aside}; "
-                "starting with an empty history", 30000
+                "starting with an empty history",
+                30000,
             )
         if theme is not None:
             theme.changed.connect(self._on_theme)
@@ -182,8 +193,12 @@ class MainWindow(QMainWindow):
         mb = self.menuBar()
         file = mb.addMenu("&File")
         self._action(file, "&New chat", "Ctrl+N", self._new_chat)
-        self._action(file, "&Open model folder…", "Ctrl+O",
-                     lambda: (self.show_tab(1), self.library_view.open_folder()))
+        self._action(
+            file,
+            "&Open model folder…",
+            "Ctrl+O",
+            lambda: (self.show_tab(1), self.library_view.open_folder()),
+        )
         file.addSeparator()
         self._action(file, "&Settings…", QKeySequence.StandardKey.Preferences, self.show_settings)
         file.addSeparator()
@@ -206,10 +221,14 @@ class MainWindow(QMainWindow):
             theme.addAction(a)
         engine = mb.addMenu("&Engine")
         self._action(engine, "&Stop generating", None, self.chat.stop)
-        self._action(engine, "&Reload the model", None, lambda: self.load_model(self.session.model_ref))
+        self._action(
+            engine, "&Reload the model", None, lambda: self.load_model(self.session.model_ref)
+        )
         self._action(engine, "Res&tart the engine", "Ctrl+Shift+R", self.restart_engine)
         helpm = mb.addMenu("&Help")
-        self._action(helpm, "&Keyboard shortcuts", QKeySequence.StandardKey.HelpContents, self.show_shortcuts)
+        self._action(
+            helpm, "&Keyboard shortcuts", QKeySequence.StandardKey.HelpContents, self.show_shortcuts
+        )
 
     def _action(self, menu, text, shortcut, slot) -> QAction:
         a = QAction(text, self)
@@ -245,7 +264,9 @@ class MainWindow(QMainWindow):
         self.settings_dialog().exec()
 
     def show_shortcuts(self) -> None:
-        rows = "".join(f"<tr><td><b>{k}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>" for k, what in SHORTCUTS)
+        rows = "".join(
+            f"<tr><td><b>{k}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>" for k, what in SHORTCUTS
+        )
         QMessageBox.information(self, "Keyboard shortcuts", f"<table>{rows}</table>")
 
     # -- engine ------------------------------------------------------------------------------
@@ -263,8 +284,13 @@ class MainWindow(QMainWindow):
         self.engine_label.setText("" if state == "crashed" else message)
         self.engine_label.setToolTip(message)
         self.status_label.setText(
-            {"ready": "●  engine ready", "loading": "◌  loading", "starting": "◌  starting",
-             "crashed": "✕  engine stopped", "idle": "●  no model"}.get(state, state)
+            {
+                "ready": "●  engine ready",
+                "loading": "◌  loading",
+                "starting": "◌  starting",
+                "crashed": "✕  engine stopped",
+                "idle": "●  no model",
+            }.get(state, state)
         )
         if state == "crashed":
             self.memory.engine_stopped()
@@ -286,7 +312,9 @@ class MainWindow(QMainWindow):
         a = self.applied if self.applied and self.applied.target == self.session.model_ref else None
         if a is not None and a.plan.kv_mode in info.get("kv_modes", ["fp16"]):
             self.chat.set_settings({"kv_mode": a.plan.kv_mode})
-        self.chat_view.set_kv_modes(list(info.get("kv_modes", ["fp16"])), self.plan_view.unavailable)
+        self.chat_view.set_kv_modes(
+            list(info.get("kv_modes", ["fp16"])), self.plan_view.unavailable
+        )
         if a is None:
             self.planner.set_target(self.session.model_ref, info["name"])
         else:  # the plan view keeps the applied plan and its overrides
@@ -310,7 +338,9 @@ class MainWindow(QMainWindow):
         if self.applied is None:  # once a plan is applied, the panel shows that one
             self._show_expected(r)
         if self.session.info:
-            self.chat_view.set_kv_modes(list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable)
+            self.chat_view.set_kv_modes(
+                list(self.session.info.get("kv_modes", ["fp16"])), r.unavailable
+            )
 
     def _show_expected(self, r: PlanResult) -> None:
         self.memory.set_expected_peak(r.plan.process_peak)
@@ -342,7 +372,9 @@ class MainWindow(QMainWindow):
         self.session.restart(r.target, options)
         self.statusBar().showMessage(
             f"Restarting the engine with the plan for {r.label}: KV {plan.kv_mode}, "
-            f"context {plan.context_limit}", 5000)
+            f"context {plan.context_limit}",
+            5000,
+        )
 
     # -- models ------------------------------------------------------------------------------
     def refresh_models(self) -> None:
@@ -410,8 +442,10 @@ class MainWindow(QMainWindow):
     # -- persistence -------------------------------------------------------------------------
     def _splitters(self) -> dict[str, QSplitter]:
         return {
-            "main": self.main_splitter, "chat": self.chat_view.splitter,
-            "chat_left": self.chat_view.left, "library": self.library_view.splitter,
+            "main": self.main_splitter,
+            "chat": self.chat_view.splitter,
+            "chat_left": self.chat_view.left,
+            "library": self.library_view.splitter,
             "plan": self.plan_view.splitter,
         }
 
@@ -457,7 +491,9 @@ class MainWindow(QMainWindow):
         if raw:
             try:
                 d = json.loads(raw)
-                self.chat.default_settings.update({k: v for k, v in d.items() if k in self.chat.default_settings})
+                self.chat.default_settings.update(
+                    {k: v for k, v in d.items() if k in self.chat.default_settings}
+                )
             except (ValueError, TypeError, AttributeError):
                 pass  # unreadable defaults: the built-in ones
         self.chat.default_system_prompt = str(self.settings.value("chat/system_prompt", "") or "")

@@ -87,8 +87,10 @@ def paging_text(x: Sample) -> str:
     """ms per token by part, e.g. "reads 12 · read-backs 3 · pager 1 · rest 40"."""
     if math.isnan(x.ms_reads):
         return "—"
-    return (f"reads {x.ms_reads:.1f} · read-backs {x.ms_readbacks:.1f} · "
-            f"pager {x.ms_pager:.1f} · rest {x.ms_rest:.1f}")
+    return (
+        f"reads {x.ms_reads:.1f} · read-backs {x.ms_readbacks:.1f} · "
+        f"pager {x.ms_pager:.1f} · rest {x.ms_rest:.1f}"
+    )
 
 
 class MemoryHistory:
@@ -190,9 +192,15 @@ class MemoryPanel(QWidget):
         grid = QGridLayout()
         grid.setHorizontalSpacing(12)
         names = [
-            ("rss", "Engine process"), ("weights", "Dense weights"), ("experts", "Experts resident"),
-            ("kv", "KV cache"), ("tps", "Decode"), ("hit_rate", "Expert hit rate"),
-            ("ssd_mbs", "SSD reads"), ("kv_saved", "KV saved"), ("peak", "Plan's expected peak"),
+            ("rss", "Engine process"),
+            ("weights", "Dense weights"),
+            ("experts", "Experts resident"),
+            ("kv", "KV cache"),
+            ("tps", "Decode"),
+            ("hit_rate", "Expert hit rate"),
+            ("ssd_mbs", "SSD reads"),
+            ("kv_saved", "KV saved"),
+            ("peak", "Plan's expected peak"),
             ("paging_ms", "Paging ms per token"),
         ]
         for i, (key, label) in enumerate(names):
@@ -211,31 +219,46 @@ class MemoryPanel(QWidget):
         self.mem_plot = g.addPlot(row=0, col=0, colspan=2, title="Memory (GiB)")
         self.curves: dict[str, pg.PlotDataItem] = {}
         for key, _label, color, _scale in MEMORY_CURVES:
-            self.curves[key] = self.mem_plot.plot([], [], pen=pg.mkPen(color, width=2), connect="finite")
+            self.curves[key] = self.mem_plot.plot(
+                [], [], pen=pg.mkPen(color, width=2), connect="finite"
+            )
         self.legend = QLabel(
             "&nbsp;&nbsp;".join(
-                f'<span style="color:{color};">■</span>&nbsp;{label}' for _k, label, color, _s in MEMORY_CURVES
+                f'<span style="color:{color};">■</span>&nbsp;{label}'
+                for _k, label, color, _s in MEMORY_CURVES
             )
         )
         self.legend.setWordWrap(True)
         self.legend.setObjectName("legend")
         self.peak_line = pg.InfiniteLine(
-            angle=0, movable=False, pen=pg.mkPen("#8e8e93", width=1, style=Qt.PenStyle.DashLine),
-            label="expected peak", labelOpts={"position": 0.15, "color": "#8e8e93"},
+            angle=0,
+            movable=False,
+            pen=pg.mkPen("#8e8e93", width=1, style=Qt.PenStyle.DashLine),
+            label="expected peak",
+            labelOpts={"position": 0.15, "color": "#8e8e93"},
         )
         self.peak_line.hide()
         self.mem_plot.addItem(self.peak_line)
         self.tps_plot = g.addPlot(row=1, col=0, colspan=2, title="Decode tok/s")
-        self.curves["tps"] = self.tps_plot.plot([], [], pen=pg.mkPen("#0a84ff", width=2), connect="finite")
+        self.curves["tps"] = self.tps_plot.plot(
+            [], [], pen=pg.mkPen("#0a84ff", width=2), connect="finite"
+        )
         self.hit_plot = g.addPlot(row=2, col=0, title="Expert hit rate (%)")
-        self.curves["hit_rate"] = self.hit_plot.plot([], [], pen=pg.mkPen("#30d158", width=2), connect="finite")
+        self.curves["hit_rate"] = self.hit_plot.plot(
+            [], [], pen=pg.mkPen("#30d158", width=2), connect="finite"
+        )
         self.hit_plot.setYRange(0, 100)
-        self.no_pager = [pg.TextItem("no expert paging", color="#8e8e93", anchor=(0.5, 0.5))
-                         for _ in range(2)]
+        self.no_pager = [
+            pg.TextItem("no expert paging", color="#8e8e93", anchor=(0.5, 0.5)) for _ in range(2)
+        ]
         self.ssd_plot = g.addPlot(row=2, col=1, title="SSD MB/s")
-        self.curves["ssd_mbs"] = self.ssd_plot.plot([], [], pen=pg.mkPen("#ff9f0a", width=2), connect="finite")
+        self.curves["ssd_mbs"] = self.ssd_plot.plot(
+            [], [], pen=pg.mkPen("#ff9f0a", width=2), connect="finite"
+        )
         self.kv_plot = g.addPlot(row=3, col=0, colspan=2, title="KV saved vs fp16 (MiB)")
-        self.curves["kv_saved"] = self.kv_plot.plot([], [], pen=pg.mkPen("#ff375f", width=2), connect="finite")
+        self.curves["kv_saved"] = self.kv_plot.plot(
+            [], [], pen=pg.mkPen("#ff375f", width=2), connect="finite"
+        )
         self.plots = (self.mem_plot, self.tps_plot, self.hit_plot, self.ssd_plot, self.kv_plot)
         for p in self.plots:
             p.showGrid(x=True, y=True, alpha=0.15)
@@ -328,8 +351,11 @@ class MemoryPanel(QWidget):
         m["experts"].setText("not paged" if math.isnan(last.experts) else fmt_bytes(last.experts))
         m["kv"].setText(fmt_bytes(last.kv))
         tps = a["tps"][~np.isnan(a["tps"])]
-        m["tps"].setText(f"{last.tps:.1f} tok/s" if not math.isnan(last.tps)
-                         else (f"{tps[-1]:.1f} tok/s (last)" if len(tps) else "—"))
+        m["tps"].setText(
+            f"{last.tps:.1f} tok/s"
+            if not math.isnan(last.tps)
+            else (f"{tps[-1]:.1f} tok/s (last)" if len(tps) else "—")
+        )
         m["hit_rate"].setText("—" if math.isnan(last.hit_rate) else f"{last.hit_rate:.0%}")
         m["ssd_mbs"].setText("—" if math.isnan(last.ssd_mbs) else f"{last.ssd_mbs:.1f} MB/s")
         m["kv_saved"].setText(fmt_bytes(last.kv_saved))

@@ -49,7 +49,9 @@ class PlanController(QObject):
             return jobs.shared().call(plan_jobs.plan, target, label, o)
 
         self.computing.emit(label)
-        self.runner.submit("plan", run, self._done, lambda e: self.failed.emit(f"{type(e).__name__}: {e}"))
+        self.runner.submit(
+            "plan", run, self._done, lambda e: self.failed.emit(f"{type(e).__name__}: {e}")
+        )
 
     def _done(self, r) -> None:
         if r.target != self.target:

@@ -66,25 +66,43 @@ def plan_html(r: PlanResult) -> str:
     share = d["attention_share"]
     sizes = r.plan.sizes
     present = [
-        role for role in d["widths"]
+        role
+        for role in d["widths"]
         if role != "keep_float" and (sizes is None or role == "dense" or sizes.params.get(role))
     ]
     rows = [
-        ("Weights", ", ".join(f"{role} {_bits(d['widths'][role])}" for role in present)
-         + (" — fixed by the conversion" if d["widths_fixed"] else "")),
-        ("Experts", (f"paged from SSD, {gb(d['expert_budget'])} of {gb(d['expert_bytes'])} resident"
-                     if d["paging"] else f"all resident ({gb(d['expert_bytes'])})")
-         if d["expert_bytes"] else "none (dense model)"),
+        (
+            "Weights",
+            ", ".join(f"{role} {_bits(d['widths'][role])}" for role in present)
+            + (" — fixed by the conversion" if d["widths_fixed"] else ""),
+        ),
+        (
+            "Experts",
+            (
+                f"paged from SSD, {gb(d['expert_budget'])} of {gb(d['expert_bytes'])} resident"
+                if d["paging"]
+                else f"all resident ({gb(d['expert_bytes'])})"
+            )
+            if d["expert_bytes"]
+            else "none (dense model)",
+        ),
         ("KV cache", ", ".join(f"{k}: {v}" for k, v in d["kv_modes"].items()) or "none"),
         ("Context limit", f"{d['context_limit']:,} tokens (target {d['target_context']:,})"),
-        ("Attention share", f"{share['share']:.0%} of decode time at {share['context']:,} tokens "
-                            f"({'measured' if share['measured'] else 'estimated'})"),
+        (
+            "Attention share",
+            f"{share['share']:.0%} of decode time at {share['context']:,} tokens "
+            f"({'measured' if share['measured'] else 'estimated'})",
+        ),
     ]
     total = max(d["total_peak"], 1)
     peak_rows = []
     for part, nbytes in d["peak"].items():
         w = max(1, int(220 * nbytes / total)) if nbytes else 0
-        bar = f'<table cellspacing="0" cellpadding="0"><tr><td width="{w}" height="10" style="background-color:{c.accent};"></td></tr></table>' if w else ""
+        bar = (
+            f'<table cellspacing="0" cellpadding="0"><tr><td width="{w}" height="10" style="background-color:{c.accent};"></td></tr></table>'
+            if w
+            else ""
+        )
         peak_rows.append(
             f"<tr><td nowrap>{html.escape(PART_LABELS.get(part, part))}</td>"
             f'<td align="right" nowrap>&nbsp;&nbsp;{gb(nbytes)}&nbsp;&nbsp;</td><td>{bar}</td></tr>'
@@ -98,10 +116,10 @@ def plan_html(r: PlanResult) -> str:
     return (
         f'<p style="font-size:large;"><b>{html.escape(r.label)}</b></p>'
         f'<p style="color:{c.muted};">on {m["ram"] / GiB:.0f} GB {m["backend"]}{sim}: '
-        f'{gb(m["usable"])} usable by the engine · overrides: {html.escape(r.overrides.describe())}</p>'
+        f"{gb(m['usable'])} usable by the engine · overrides: {html.escape(r.overrides.describe())}</p>"
         f'<p style="font-size:x-large;">Expected peak <b>{gb(d["process_peak"])}</b> '
         f'<span style="color:{c.muted}; font-size:medium;">+ {gb(d["peak"]["os_gui_reserve"])} reserve '
-        f'= {gb(d["total_peak"])} of {gb(m["ram"])}</span></p>'
+        f"= {gb(d['total_peak'])} of {gb(m['ram'])}</span></p>"
         f"<table cellspacing='2'>{choice_rows}</table>"
         f"<p><b>Memory at the peak</b></p><table cellspacing='2'>{''.join(peak_rows)}</table>"
         f"<p><b>Why</b></p><ul>{reasons}</ul>"
@@ -133,12 +151,16 @@ class PlanView(QWidget):
         self.kv_note.setWordWrap(True)
         self.budget_auto = QCheckBox("Planner's choice")
         self.budget_auto.setChecked(True)
-        self.budget_spin = QDoubleSpinBox(minimum=0.0, maximum=4096.0, decimals=2, singleStep=0.5, suffix=" GiB")
+        self.budget_spin = QDoubleSpinBox(
+            minimum=0.0, maximum=4096.0, decimals=2, singleStep=0.5, suffix=" GiB"
+        )
         self.budget_spin.setEnabled(False)
         self.budget_auto.toggled.connect(lambda on: self.budget_spin.setEnabled(not on))
         self.context_auto = QCheckBox("Planner's choice")
         self.context_auto.setChecked(True)
-        self.context_spin = QSpinBox(minimum=256, maximum=1_048_576, singleStep=1024, value=8192, suffix=" tokens")
+        self.context_spin = QSpinBox(
+            minimum=256, maximum=1_048_576, singleStep=1024, value=8192, suffix=" tokens"
+        )
         self.context_spin.setEnabled(False)
         self.context_auto.toggled.connect(lambda on: self.context_spin.setEnabled(not on))
         self.widths_combo = QComboBox()
@@ -245,7 +267,9 @@ class PlanView(QWidget):
             spec = self.widths_edit.text().strip() or None
         return Overrides(
             kv_mode=self.kv_combo.currentData(),
-            expert_budget=None if self.budget_auto.isChecked() else int(self.budget_spin.value() * GiB),
+            expert_budget=None
+            if self.budget_auto.isChecked()
+            else int(self.budget_spin.value() * GiB),
             context=None if self.context_auto.isChecked() else self.context_spin.value(),
             widths=spec,
         )
@@ -283,7 +307,8 @@ class PlanView(QWidget):
         local = r.target == DEFAULT_MODEL_REF or Path(r.target).is_dir()
         self.apply_btn.setText("&Use this plan" if local else "&Download with this plan")
         self.apply_btn.setToolTip(
-            "Reload the model with this plan's expert budget and KV mode" if local
+            "Reload the model with this plan's expert budget and KV mode"
+            if local
             else "Download and convert this model at the plan's widths"
         )
         d = r.plan
@@ -297,7 +322,9 @@ class PlanView(QWidget):
         if r.needed is not None and r.available is not None:
             lines.append(f"Needs {gb(r.needed)}, {gb(r.available)} available.")
         if r.smallest_ram:
-            lines.append(f"The smallest machine that runs it has {r.smallest_ram // GiB} GB of RAM.")
+            lines.append(
+                f"The smallest machine that runs it has {r.smallest_ram // GiB} GB of RAM."
+            )
         if self.ctl.last is not None:
             lines.append("The plan below is the last one that fits.")
         self.refusal_text.setText("<br>".join(lines))

@@ -35,14 +35,14 @@ def split_thinking(text: str) -> tuple[str, str, bool]:
     in the prompt (Qwen3 does), so everything before it is thinking."""
     i = text.find(THINK_OPEN)
     if i >= 0:
-        rest = text[i + len(THINK_OPEN):]
+        rest = text[i + len(THINK_OPEN) :]
         j = rest.find(THINK_CLOSE)
         if j < 0:
             return rest, text[:i], True
-        return rest[:j], text[:i] + rest[j + len(THINK_CLOSE):], False
+        return rest[:j], text[:i] + rest[j + len(THINK_CLOSE) :], False
     j = text.find(THINK_CLOSE)
     if j >= 0:
-        return text[:j], text[j + len(THINK_CLOSE):], False
+        return text[:j], text[j + len(THINK_CLOSE) :], False
     return "", text, False
 
 
@@ -70,12 +70,12 @@ class ThinkSplitter:
                 if i:
                     out.append(("think" if self.thinking else "answer", s[:i]))
                 self.thinking = not self.thinking
-                s = s[i + len(tag):]
+                s = s[i + len(tag) :]
                 continue
             keep = _partial_suffix(s, tag)
             if len(s) > keep:
                 out.append(("think" if self.thinking else "answer", s[: len(s) - keep]))
-            self.held = s[len(s) - keep:]
+            self.held = s[len(s) - keep :]
             break
         return out
 
@@ -110,7 +110,7 @@ def inline(text: str, c: Colors) -> str:
     out = []
     pos = 0
     for m in _CODE_SPAN.finditer(text):
-        out.append(_inline_plain(text[pos:m.start()], c))
+        out.append(_inline_plain(text[pos : m.start()], c))
         out.append(
             f'<code style="background-color:{c.code_bg}; color:{c.code_text}; '
             f'font-family:monospace;">&nbsp;{html.escape(m.group(2).strip())}&nbsp;</code>'
@@ -122,17 +122,26 @@ def inline(text: str, c: Colors) -> str:
 
 def _inline_plain(text: str, c: Colors) -> str:
     seg = html.escape(text)
-    seg = _LINK.sub(lambda m: f'<a href="{m.group(2)}" style="color:{c.accent};">{m.group(1)}</a>', seg)
+    seg = _LINK.sub(
+        lambda m: f'<a href="{m.group(2)}" style="color:{c.accent};">{m.group(1)}</a>', seg
+    )
     seg = _BOLD.sub(lambda m: f"<b>{m.group(1) or m.group(2)}</b>", seg)
     return _ITALIC.sub(lambda m: f"<i>{m.group(1) or m.group(2)}</i>", seg)
 
 
 def code_block(code: str, lang: str, c: Colors, copy_href: str = "") -> str:
-    copy = (f'&nbsp;&nbsp;<a href="{copy_href}" style="color:{c.muted}; text-decoration:none;">'
-            "copy code</a>") if copy_href else ""
+    copy = (
+        (
+            f'&nbsp;&nbsp;<a href="{copy_href}" style="color:{c.muted}; text-decoration:none;">'
+            "copy code</a>"
+        )
+        if copy_href
+        else ""
+    )
     label = (
         f'<tr><td style="color:{c.muted}; font-size:small;">{html.escape(lang)}{copy}</td></tr>'
-        if lang or copy else ""
+        if lang or copy
+        else ""
     )
     return (
         f'<table width="100%" cellspacing="0" cellpadding="8" style="background-color:{c.code_bg}; '
@@ -178,7 +187,11 @@ def markdown_to_html(text: str, c: Colors = LIGHT, code_href=None) -> str:
     def flush_list():
         nonlocal list_tag
         if items:
-            out.append(f"<{list_tag}>" + "".join(f"<li>{inline(i, c)}</li>" for i in items) + f"</{list_tag}>")
+            out.append(
+                f"<{list_tag}>"
+                + "".join(f"<li>{inline(i, c)}</li>" for i in items)
+                + f"</{list_tag}>"
+            )
             items.clear()
         list_tag = ""
 
@@ -217,7 +230,9 @@ def markdown_to_html(text: str, c: Colors = LIGHT, code_href=None) -> str:
         elif line.startswith(">"):
             flush_para()
             flush_list()
-            out.append(f'<p style="color:{c.muted}; margin-left:12px;">{inline(line[1:].strip(), c)}</p>')
+            out.append(
+                f'<p style="color:{c.muted}; margin-left:12px;">{inline(line[1:].strip(), c)}</p>'
+            )
         else:
             if items:
                 flush_list()
@@ -246,9 +261,13 @@ def message_html(
     """One message: a header (who, copy link) and its body; thinking collapsed unless
     `expanded` (the header link toggles it)."""
     meta = meta or {}
-    links = f'&nbsp;&nbsp;<a href="copy:{mid}" style="color:{c.muted}; text-decoration:none;">copy</a>'
+    links = (
+        f'&nbsp;&nbsp;<a href="copy:{mid}" style="color:{c.muted}; text-decoration:none;">copy</a>'
+    )
     head = f'<p style="margin-top:14px; margin-bottom:2px;"><b>{html.escape(who)}</b>{links}</p>'
-    thinking, answer, still_open = split_thinking(content) if role == "assistant" else ("", content, False)
+    thinking, answer, still_open = (
+        split_thinking(content) if role == "assistant" else ("", content, False)
+    )
     body = ""
     if thinking.strip() or still_open:
         arrow = "▾" if expanded else "▸"
@@ -275,6 +294,6 @@ def message_html(
     if role == "assistant" and meta.get("decode_tps"):
         body += (
             f'<p style="color:{c.muted}; font-size:small;">{meta.get("generated_tokens", 0)} tokens · '
-            f'{meta["decode_tps"]:.1f} tok/s</p>'
+            f"{meta['decode_tps']:.1f} tok/s</p>"
         )
     return head + body

@@ -27,8 +27,13 @@ class EngineSession(QObject):
     crashed = Signal(str)
     stats = Signal(object)  # M.Stats
 
-    def __init__(self, model: str = DEFAULT_MODEL_REF, bridge: WorkerBridge | None = None,
-                 options: dict | None = None, parent=None):
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL_REF,
+        bridge: WorkerBridge | None = None,
+        options: dict | None = None,
+        parent=None,
+    ):
         super().__init__(parent)
         self.model_ref = model
         self.options = dict(options or {})

@@ -40,8 +40,14 @@ class TaskRunner(QObject):
         self.running: Task | None = None
         self._done.connect(self._finish)
 
-    def submit(self, name: str, fn: Callable[[], object], on_result=None, on_error=None,
-               replace: bool = True) -> None:
+    def submit(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        on_result=None,
+        on_error=None,
+        replace: bool = True,
+    ) -> None:
         """Queue `fn`; with `replace`, a queued task of the same name is dropped (latest wins:
         a plan asked for twice is computed once)."""
         if replace:

@@ -23,22 +23,51 @@ def _palette(dark: bool) -> QPalette:
     p = QPalette()
     if dark:
         c = {
-            "window": "#232427", "base": "#1b1c1f", "alt": "#26282c", "text": "#e8e8ea",
-            "button": "#2d2f33", "highlight": "#2f6fcf", "htext": "#ffffff", "link": "#5aa2ff",
-            "mid": "#3a3c41", "tip": "#2d2f33", "placeholder": "#8a8a90", "disabled": "#6b6b70",
+            "window": "#232427",
+            "base": "#1b1c1f",
+            "alt": "#26282c",
+            "text": "#e8e8ea",
+            "button": "#2d2f33",
+            "highlight": "#2f6fcf",
+            "htext": "#ffffff",
+            "link": "#5aa2ff",
+            "mid": "#3a3c41",
+            "tip": "#2d2f33",
+            "placeholder": "#8a8a90",
+            "disabled": "#6b6b70",
         }
     else:
         c = {
-            "window": "#f5f5f7", "base": "#ffffff", "alt": "#f0f0f3", "text": "#1d1d1f",
-            "button": "#fbfbfd", "highlight": "#0a64d8", "htext": "#ffffff", "link": "#0a64d8",
-            "mid": "#d0d0d6", "tip": "#ffffff", "placeholder": "#8a8a90", "disabled": "#a0a0a6",
+            "window": "#f5f5f7",
+            "base": "#ffffff",
+            "alt": "#f0f0f3",
+            "text": "#1d1d1f",
+            "button": "#fbfbfd",
+            "highlight": "#0a64d8",
+            "htext": "#ffffff",
+            "link": "#0a64d8",
+            "mid": "#d0d0d6",
+            "tip": "#ffffff",
+            "placeholder": "#8a8a90",
+            "disabled": "#a0a0a6",
         }
     R = QPalette.ColorRole
     roles = {
-        R.Window: "window", R.WindowText: "text", R.Base: "base", R.AlternateBase: "alt",
-        R.Text: "text", R.Button: "button", R.ButtonText: "text", R.Highlight: "highlight",
-        R.HighlightedText: "htext", R.Link: "link", R.ToolTipBase: "tip", R.ToolTipText: "text",
-        R.PlaceholderText: "placeholder", R.Mid: "mid", R.Midlight: "mid",
+        R.Window: "window",
+        R.WindowText: "text",
+        R.Base: "base",
+        R.AlternateBase: "alt",
+        R.Text: "text",
+        R.Button: "button",
+        R.ButtonText: "text",
+        R.Highlight: "highlight",
+        R.HighlightedText: "htext",
+        R.Link: "link",
+        R.ToolTipBase: "tip",
+        R.ToolTipText: "text",
+        R.PlaceholderText: "placeholder",
+        R.Mid: "mid",
+        R.Midlight: "mid",
     }
     for role, key in roles.items():
         p.setColor(role, QColor(c[key]))
@@ -111,4 +140,8 @@ def current_colors() -> render.Colors:
     app = QGuiApplication.instance()
     if app is None:
         return render.LIGHT
-    return render.DARK if app.palette().color(QPalette.ColorRole.Window).lightness() < 128 else render.LIGHT
+    return (
+        render.DARK
+        if app.palette().color(QPalette.ColorRole.Window).lightness() < 128
+        else render.LIGHT
+    )

@@ -188,8 +188,7 @@ def test_folded_combine_reuses_counter_slots_and_survives_concurrent_calls(monke
     tiny ring come round every other call and must have been reset to 0; independent calls
     queued in one graph (which may run concurrently) each draw their own slots."""
     probs = [
-        random_problem(2, 2, 4, 1, 128, 700 + 97 * i, 5, dtype=mx.float32, seed=i)
-        for i in range(6)
+        random_problem(2, 2, 4, 1, 128, 700 + 97 * i, 5, dtype=mx.float32, seed=i) for i in range(6)
     ]
     s = 1.0 / math.sqrt(128)
     with mx.stream(mx.cpu):
@@ -220,7 +219,9 @@ def test_tc16_pack_matches_packing(d):
     for off, n in [(0, 16), (5, 16), (15, 300), (3, 1)]:
         old_codes = mx.random.randint(0, 8, (2, 8, 16, d)).astype(mx.uint8)
         new_codes = mx.random.randint(0, 8, (2, 8, n, d)).astype(mx.uint8)
-        out = iq.pack_tc16(pack_codes(new_codes, 3), pack_codes_tc16(old_codes) if off else None, off)
+        out = iq.pack_tc16(
+            pack_codes(new_codes, 3), pack_codes_tc16(old_codes) if off else None, off
+        )
         pad = -(off + n) % 16
         want = mx.concatenate(
             [old_codes[:, :, :off], new_codes, mx.zeros((2, 8, pad, d), mx.uint8)], axis=2

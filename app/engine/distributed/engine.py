@@ -32,8 +32,9 @@ class StageEngine(Engine):
             path, self.group, split=options.get("split"), expert_budget=options.get("expert_budget")
         )
         # blocks stay uncompiled: a stage's layers are swapped for stand-ins and transfers
-        prepare_model(lm.model, float_dense=options.get("cpu_float_weights", True),
-                      compile_blocks=False)
+        prepare_model(
+            lm.model, float_dense=options.get("cpu_float_weights", True), compile_blocks=False
+        )
         self.unload()
         self.loaded = lm
         self.default_kv_mode = options.get("kv_mode") or "fp16"

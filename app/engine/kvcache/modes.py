@@ -61,7 +61,9 @@ def isoquant_nbytes(key_bits: int, value_bits: int, d: AttentionDims, tokens: in
 def zipfusion_nbytes(d: AttentionDims, tokens: int) -> int:
     # full pages compressed (+ 8 bytes of metadata per page, head and K/V), the last one raw
     full_pages, tail = divmod(tokens, ZIPFUSION_PAGE)
-    page = math.ceil(ZIPFUSION_PAGE * d.float_bytes_per_token * ZIPFUSION_RATIO) + 8 * 2 * d.kv_heads
+    page = (
+        math.ceil(ZIPFUSION_PAGE * d.float_bytes_per_token * ZIPFUSION_RATIO) + 8 * 2 * d.kv_heads
+    )
     return full_pages * page + tail * d.float_bytes_per_token
 
 

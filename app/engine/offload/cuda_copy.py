@@ -53,8 +53,9 @@ class DeviceCopier:
         dev = ctypes.c_int()
         self._check(lib.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
         self.ctx = ctypes.c_void_p()
-        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev),
-                    "cuDevicePrimaryCtxRetain")
+        self._check(
+            lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev), "cuDevicePrimaryCtxRetain"
+        )
         self._registered: list[int] = []
 
     @staticmethod
@@ -105,8 +106,10 @@ class DeviceCopier:
             host = np.full(1 << 16, 5, dtype=np.uint8)
             c.register(host)
             c.copy(buffer_address(a) + (1 << 16), host.ctypes.data, host.nbytes)
-            ok = a[1].astype(mx.uint32).sum().item() == 5 << 16 and \
-                a[0].astype(mx.uint32).sum().item() == 0
+            ok = (
+                a[1].astype(mx.uint32).sum().item() == 5 << 16
+                and a[0].astype(mx.uint32).sum().item() == 0
+            )
             c.unregister(host)
             return c if ok else None
         except (RuntimeError, AttributeError, OSError, ValueError, TypeError):

@@ -63,10 +63,14 @@ class _PagedSwitch(nn.Module):
         self._projs = {p: _Proj(p, quant.get(p), f"{p}.bias" in names) for p in self.PROJS}
         for p in self.PROJS:
             if f"{p}.weight" not in names:
-                raise ValueError(f"layer {layer}: expert records have no {p}.weight "
-                                 f"(have {sorted(names)})")
-            if quant.get(p) is not None and quant[p].get("mode", "affine") == "affine" and \
-                    f"{p}.scales" not in names:
+                raise ValueError(
+                    f"layer {layer}: expert records have no {p}.weight (have {sorted(names)})"
+                )
+            if (
+                quant.get(p) is not None
+                and quant[p].get("mode", "affine") == "affine"
+                and f"{p}.scales" not in names
+            ):
                 raise ValueError(f"layer {layer}: quantized {p} without scales in the records")
         self._window = self._window_slots(pager, layer)
 
@@ -83,10 +87,17 @@ class _PagedSwitch(nn.Module):
         w = arrays[f"{name}.weight"]
         if p.quant is not None:
             x = mx.gather_qmm(
-                x, w, arrays[f"{name}.scales"], arrays.get(f"{name}.biases"),
-                rhs_indices=idx, transpose=True, group_size=p.quant["group_size"],
-                bits=p.quant["bits"], mode=p.quant.get("mode", "affine"),
-                sorted_indices=sorted_)
+                x,
+                w,
+                arrays[f"{name}.scales"],
+                arrays.get(f"{name}.biases"),
+                rhs_indices=idx,
+                transpose=True,
+                group_size=p.quant["group_size"],
+                bits=p.quant["bits"],
+                mode=p.quant.get("mode", "affine"),
+                sorted_indices=sorted_,
+            )
         else:
             x = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_)
         if p.bias:
@@ -152,9 +163,10 @@ class _PagedSwitch(nn.Module):
             pad = QMV_ROWS - len(r) if n_call >= QMV_ROWS > len(r) else 0
             rp = np.concatenate([r, np.repeat(r[-1:], pad)]) if pad else r
             sp = np.concatenate([s, np.repeat(s[-1:], pad)]) if pad else s
-            part = self._experts(xf[mx.array(rp // k)], mx.array((sp - lo).astype(np.uint32)),
-                                 True, arr)
-            out.append((r, part[:len(r)] if pad else part))
+            part = self._experts(
+                xf[mx.array(rp // k)], mx.array((sp - lo).astype(np.uint32)), True, arr
+            )
+            out.append((r, part[: len(r)] if pad else part))
         return out
 
     def _call_windows(self, x, indices, slots: np.ndarray) -> mx.array:
@@ -221,15 +233,21 @@ def _check_shapes(orig, pager: ExpertPager, layer: int, projs) -> None:
     specs = {t.name: t.shape for t in pager.store.layout(layer).tensors}
     for name, p in tree_flatten(orig.parameters()):
         if name.split(".")[0] not in projs or name.rsplit(".", 1)[-1] not in (
-                "weight", "scales", "biases", "bias"):
+            "weight",
+            "scales",
+            "biases",
+            "bias",
+        ):
             continue
         if name not in specs:
-            raise ValueError(f"layer {layer}: the model expects {name} but the expert records "
-                             "do not have it")
-        if tuple(p.shape[1:]) != specs[name] or p.shape[0] != \
-                pager.store.layout(layer).num_experts:
-            raise ValueError(f"layer {layer}: {name} is {list(p.shape)} in the model, "
-                             f"{list(specs[name])} per expert in the records")
+            raise ValueError(
+                f"layer {layer}: the model expects {name} but the expert records do not have it"
+            )
+        if tuple(p.shape[1:]) != specs[name] or p.shape[0] != pager.store.layout(layer).num_experts:
+            raise ValueError(
+                f"layer {layer}: {name} is {list(p.shape)} in the model, "
+                f"{list(specs[name])} per expert in the records"
+            )
 
 
 def paged_module(orig, pager: ExpertPager, layer: int) -> _PagedSwitch:
@@ -239,8 +257,10 @@ def paged_module(orig, pager: ExpertPager, layer: int) -> _PagedSwitch:
     elif isinstance(orig, SwitchMLP):
         cls = PagedSwitchMLP
     else:
-        raise TypeError(f"layer {layer}: cannot page expert module {type(orig).__name__} "
-                        "(SwitchGLU and SwitchMLP are supported)")
+        raise TypeError(
+            f"layer {layer}: cannot page expert module {type(orig).__name__} "
+            "(SwitchGLU and SwitchMLP are supported)"
+        )
     _check_shapes(orig, pager, layer, cls.PROJS)
     return cls(pager, layer, orig.activation)
 
@@ -252,8 +272,10 @@ def install(model, pager: ExpertPager) -> list[str]:
     for layer in pager.store.layers:
         path = pager.store.layout(layer).module
         if path not in modules:
-            raise ValueError(f"layer {layer}: the model has no module {path!r} "
-                             "(records from another architecture?)")
+            raise ValueError(
+                f"layer {layer}: the model has no module {path!r} "
+                "(records from another architecture?)"
+            )
         parent_path, _, attr = path.rpartition(".")
         parent = modules[parent_path] if parent_path else model
         setattr(parent, attr, paged_module(modules[path], pager, layer))

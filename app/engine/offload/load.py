@@ -31,8 +31,11 @@ def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
     path = Path(folder).resolve()
     config, manifest = check_folder(path)
     if manifest is None or not manifest.experts:
-        raise ModelLoadError("not a converted model with expert records (experts/*.bin): "
-                             "convert it first, or load it fully resident", str(path))
+        raise ModelLoadError(
+            "not a converted model with expert records (experts/*.bin): "
+            "convert it first, or load it fully resident",
+            str(path),
+        )
     store = ExpertStore(path, manifest.experts)
     # BudgetError is a ValueError but the user's to mend, not a weights mismatch
     with weight_errors(path, keep=(BudgetError,)):

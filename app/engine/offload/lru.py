@@ -101,8 +101,10 @@ class ExpertLRU:
         misses = [k for k in keys if k not in self.slot_of]
         newly_pinned = {self.slot_of[k] for k in hits} - self.pinned
         if len(misses) > self.evictable - len(newly_pinned):
-            raise NoFreeSlot(f"{len(misses)} misses but {self.evictable - len(newly_pinned)} "
-                             f"evictable slots of {self.num_slots}")
+            raise NoFreeSlot(
+                f"{len(misses)} misses but {self.evictable - len(newly_pinned)} "
+                f"evictable slots of {self.num_slots}"
+            )
         slots = {}
         for k in hits:
             slots[k] = self.lookup(k)
@@ -146,8 +148,9 @@ class ExpertSLRU(ExpertLRU):
     @probation_min.setter
     def probation_min(self, n: int) -> None:
         self._probation_min = n
-        self.protected_cap = max(0, min(self.num_slots - n,
-                                        int(self.num_slots * self.protected_fraction)))
+        self.protected_cap = max(
+            0, min(self.num_slots - n, int(self.num_slots * self.protected_fraction))
+        )
 
     def lookup(self, key: Hashable) -> int | None:
         slot = super().lookup(key)
@@ -169,11 +172,11 @@ class ExpertSLRU(ExpertLRU):
         if self.free:
             slot = self.free.popleft()
         else:
-            evicted = next((k for k in self.probation if self.slot_of[k] not in self.pinned),
-                           None)
+            evicted = next((k for k in self.probation if self.slot_of[k] not in self.pinned), None)
             if evicted is None:
-                evicted = next((k for k in self.protected
-                                if self.slot_of[k] not in self.pinned), None)
+                evicted = next(
+                    (k for k in self.protected if self.slot_of[k] not in self.pinned), None
+                )
             if evicted is None:
                 raise NoFreeSlot(f"all {self.num_slots} slots are pinned")
             self.probation.pop(evicted, None)

@@ -54,8 +54,13 @@ from .stats import LayerStats, per_token, total
 
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
 
-_NP_STORAGE = {"uint32": np.uint32, "uint8": np.uint8, "float32": np.float32,
-               "float16": np.float16, "bfloat16": np.uint16}
+_NP_STORAGE = {
+    "uint32": np.uint32,
+    "uint8": np.uint8,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+}
 
 
 class BudgetError(EngineError, ValueError):
@@ -86,15 +91,15 @@ class PagerOptions:
 
 
 def _signature(lay: LayerLayout) -> str:
-    return json.dumps([[t.to_dict() for t in lay.tensors], lay.quantization, lay.record_size],
-                      sort_keys=True)
+    return json.dumps(
+        [[t.to_dict() for t in lay.tensors], lay.quantization, lay.record_size], sort_keys=True
+    )
 
 
 class SlotPool:
     """Slot tensors for every layer whose records share one layout, and their LRU."""
 
-    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int,
-                 policy: str = "lru"):
+    def __init__(self, layout: LayerLayout, layers: list[int], num_slots: int, policy: str = "lru"):
         import mlx.core as mx
 
         self.tensors: tuple[TensorSpec, ...] = layout.tensors
@@ -140,7 +145,7 @@ class SlotPool:
                 if not mv.c_contiguous or mv.nbytes != self.num_slots * t.nbytes:
                     raise RuntimeError(f"slot tensor {t.name} is not a plain contiguous buffer")
                 self._views[t.name] = mv.cast("B")
-        return [self._views[t.name][slot * t.nbytes:(slot + 1) * t.nbytes] for t in self.tensors]
+        return [self._views[t.name][slot * t.nbytes : (slot + 1) * t.nbytes] for t in self.tensors]
 
     def staging(self, rows: int, copier=None) -> np.ndarray:
         """Host staging (scatter path): [rows, packed] bytes, a record's tensors back to back
@@ -176,7 +181,7 @@ class SlotPool:
         mv = memoryview(self._stage[row])
         out, pos = [], 0
         for t in self.tensors:
-            out.append(mv[pos:pos + t.nbytes])
+            out.append(mv[pos : pos + t.nbytes])
             pos += t.nbytes
         return out
 
@@ -190,7 +195,7 @@ class SlotPool:
         pos = 0
         for t in self.tensors:
             store_dt = self.storage[t.name].dtype
-            part = big[:, pos:pos + t.nbytes].view(store_dt).reshape(n, *t.shape)
+            part = big[:, pos : pos + t.nbytes].view(store_dt).reshape(n, *t.shape)
             self.storage[t.name][idx] = part
             pos += t.nbytes
 
@@ -199,6 +204,7 @@ class SlotPool:
 class Group:
     """Experts of one layer call that are resident together (the call's experts exceeded the
     pool): `rows` are positions in the call's flattened (token, expert) pairs."""
+
     experts: list[int]
     rows: np.ndarray
 
@@ -225,8 +231,7 @@ def _iovecs(lay: LayerLayout, views: list[memoryview]) -> list[memoryview]:
 class ExpertPager:
     """Resident experts for every MoE layer of one model, within `budget_bytes`."""
 
-    def __init__(self, store: ExpertStore, budget_bytes: int,
-                 options: PagerOptions | None = None):
+    def __init__(self, store: ExpertStore, budget_bytes: int, options: PagerOptions | None = None):
         import mlx.core as mx
 
         self.store = store
@@ -254,7 +259,8 @@ class ExpertPager:
             if slots < 1:
                 raise BudgetError(
                     f"expert budget of {self.budget_bytes} bytes holds no expert of layer "
-                    f"{g[0]} ({b} bytes each; all experts: {self.expert_bytes} bytes)")
+                    f"{g[0]} ({b} bytes each; all experts: {self.expert_bytes} bytes)"
+                )
             pool = SlotPool(store.layout(g[0]), g, slots, options.policy)
             for layer in g:
                 pool.num_experts[layer] = store.layout(layer).num_experts
@@ -263,15 +269,18 @@ class ExpertPager:
         self.layer_stats = {layer: LayerStats() for layer in layers}
         self.base: dict[int, int] = {}  # all-resident path: slot of (layer, e) = base + e
         zc = options.zero_copy
-        self.zero_copy = (not (getattr(mx, "cuda", None) and mx.cuda.is_available())
-                          if zc is None else zc)
+        self.zero_copy = (
+            not (getattr(mx, "cuda", None) and mx.cuda.is_available()) if zc is None else zc
+        )
         self._fds: dict[int, int] = {}
-        self._pool_exec = ThreadPoolExecutor(options.read_threads) \
-            if options.read_threads > 1 else None
+        self._pool_exec = (
+            ThreadPoolExecutor(options.read_threads) if options.read_threads > 1 else None
+        )
         self._pending: list = []  # outputs since the last sync: evaluated before slots move
         self.load_bytes_read = 0
-        self._verified = {layer: np.zeros(store.layout(layer).num_experts, dtype=bool)
-                          for layer in layers}
+        self._verified = {
+            layer: np.zeros(store.layout(layer).num_experts, dtype=bool) for layer in layers
+        }
         self._first_layer = layers[0]  # its calls mark forward passes (token clock)
         self._tick: float | None = None
         self.tokens, self.token_s = 0, 0.0
@@ -307,12 +316,15 @@ class ExpertPager:
         """Plain numbers for the UI: totals, the configuration and one dict per layer."""
         sb = {layer: self.pool_of[layer].slot_bytes for layer in self.layer_stats}
         out = total(self.layer_stats, sb)
-        out.update(mode="resident" if self.no_readback else "paged",
-                   budget_bytes=self.budget_bytes, pool_bytes=self.pool_bytes,
-                   expert_bytes=self.expert_bytes,
-                   slots=sum(p.num_slots for p in self.pools),
-                   experts=sum(sum(p.num_experts.values()) for p in self.pools),
-                   layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()})
+        out.update(
+            mode="resident" if self.no_readback else "paged",
+            budget_bytes=self.budget_bytes,
+            pool_bytes=self.pool_bytes,
+            expert_bytes=self.expert_bytes,
+            slots=sum(p.num_slots for p in self.pools),
+            experts=sum(sum(p.num_experts.values()) for p in self.pools),
+            layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()},
+        )
         out.update(per_token(out, self.tokens, self.token_s))
         return out
 
@@ -361,8 +373,9 @@ class ExpertPager:
         pool = self.pool_of[layer]
         ne = pool.num_experts[layer]
         if flat.size and (flat.min() < 0 or flat.max() >= ne):
-            raise ExpertRecordError(f"router index out of range (0..{ne - 1})",
-                                    str(self.store.folder), layer)
+            raise ExpertRecordError(
+                f"router index out of range (0..{ne - 1})", str(self.store.folder), layer
+            )
         uniq = np.unique(flat)
         if len(uniq) > pool.num_slots:
             st.split_calls += 1
@@ -425,7 +438,7 @@ class ExpertPager:
         n = pool.num_slots
         groups = []
         for i in range(0, len(order), n):
-            experts = order[i:i + n]
+            experts = order[i : i + n]
             rows = np.nonzero(np.isin(flat, experts))[0]
             groups.append(Group(experts, rows))
         return Route(groups=groups, flat=flat)
@@ -489,9 +502,11 @@ class ExpertPager:
             rows = min(per, max(len(todo), 8))
             per = min(per, len(pool.staging(rows, self._copier)))
             for b in range(0, len(todo), per):
-                batch = todo[b:b + per]
-                self._map(lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
-                          list(enumerate(e for e, _ in batch)))
+                batch = todo[b : b + per]
+                self._map(
+                    lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
+                    list(enumerate(e for e, _ in batch)),
+                )
                 if self._copier is not None:
                     pool.copy_staged(self._copier, [s for _, s in batch])
                     continue
@@ -512,36 +527,50 @@ class ExpertPager:
             for _ in self._pool_exec.map(fn, items):
                 pass
 
-    def _read_direct(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int,
-                     expert: int, slot: int) -> None:
+    def _read_direct(
+        self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, expert: int, slot: int
+    ) -> None:
         self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.slot_views(slot)))
 
-    def _read_stage(self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, row: int,
-                    expert: int) -> None:
+    def _read_stage(
+        self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, row: int, expert: int
+    ) -> None:
         self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.stage_views(row)))
 
     def _preadv(self, layer: int, lay: LayerLayout, fd: int, expert: int, bufs: list) -> None:
         off = lay.record_offset(expert)
         n = os.preadv(fd, bufs, off)
         if n != lay.record_size:
-            raise ExpertRecordError(f"short read ({n} of {lay.record_size} bytes)",
-                                    str(self.store.folder / lay.file), layer, expert)
+            raise ExpertRecordError(
+                f"short read ({n} of {lay.record_size} bytes)",
+                str(self.store.folder / lay.file),
+                layer,
+                expert,
+            )
         if self.options.drop_page_cache:
             os.posix_fadvise(fd, off, lay.stride, os.POSIX_FADV_DONTNEED)
-        if self.options.verify and (self.options.verify_every_read
-                                    or not self._verified[layer][expert]):
+        if self.options.verify and (
+            self.options.verify_every_read or not self._verified[layer][expert]
+        ):
             crc = 0
             for b in bufs:
                 crc = zlib.crc32(b, crc)
             want = lay.checksums[expert] if lay.checksums else None
             if want is None:
-                raise ExpertRecordError("manifest has no checksums for this layer",
-                                        str(self.store.folder / lay.file), layer, expert)
+                raise ExpertRecordError(
+                    "manifest has no checksums for this layer",
+                    str(self.store.folder / lay.file),
+                    layer,
+                    expert,
+                )
             if crc != want:
                 raise ExpertRecordError(
                     f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): the "
                     "record is corrupt; convert the model again",
-                    str(self.store.folder / lay.file), layer, expert)
+                    str(self.store.folder / lay.file),
+                    layer,
+                    expert,
+                )
             self._verified[layer][expert] = True
 
     def _load_all(self) -> None:
@@ -553,8 +582,7 @@ class ExpertPager:
                 ne = pool.num_experts[layer]
                 allocs = [pool.lru.allocate((layer, e)) for e in range(ne)]
                 self.base[layer] = allocs[0].slot
-                assert [a.slot for a in allocs] == list(range(allocs[0].slot,
-                                                               allocs[0].slot + ne))
+                assert [a.slot for a in allocs] == list(range(allocs[0].slot, allocs[0].slot + ne))
                 self._read_into(pool, layer, [(e, a.slot) for e, a in enumerate(allocs)])
                 self.layer_stats[layer].resident = ne
                 if not self.zero_copy:

@@ -84,8 +84,7 @@ class SimResult:
     copies_per_token: float  # records copied out of the page cache per token (os only)
 
 
-def simulate(policy: str, traces: dict[int, np.ndarray], slots: int,
-             warmup: int = 0) -> SimResult:
+def simulate(policy: str, traces: dict[int, np.ndarray], slots: int, warmup: int = 0) -> SimResult:
     """Run `traces` (layer -> [steps, k]) through one pool of `slots` experts; hit rate over
     the steps after `warmup`."""
     layers = sorted(traces)
@@ -101,13 +100,18 @@ def simulate(policy: str, traces: dict[int, np.ndarray], slots: int,
                     hits += hit
     n = max(1, steps - warmup)
     misses = (total - hits) / n
-    return SimResult(policy, slots, hits / total if total else 0.0, misses,
-                     hits / n if policy == "os" else 0.0)
+    return SimResult(
+        policy, slots, hits / total if total else 0.0, misses, hits / n if policy == "os" else 0.0
+    )
 
 
-def token_seconds(r: SimResult, base_s: float, record_bytes: int, disk_Bps: float,
-                  copy_Bps: float) -> float:
+def token_seconds(
+    r: SimResult, base_s: float, record_bytes: int, disk_Bps: float, copy_Bps: float
+) -> float:
     """Expected seconds per token: the rest of the step plus reads from the disk and copies
     out of the page cache."""
-    return base_s + r.misses_per_token * record_bytes / disk_Bps + \
-        r.copies_per_token * record_bytes / copy_Bps
+    return (
+        base_s
+        + r.misses_per_token * record_bytes / disk_Bps
+        + r.copies_per_token * record_bytes / copy_Bps
+    )

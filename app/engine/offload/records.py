@@ -71,8 +71,13 @@ _DTYPES = {
 class ExpertRecordError(EngineError):
     """An expert record is missing, truncated or corrupt: names the file, layer and expert."""
 
-    def __init__(self, reason: str, path: str | None = None, layer: int | None = None,
-                 expert: int | None = None):
+    def __init__(
+        self,
+        reason: str,
+        path: str | None = None,
+        layer: int | None = None,
+        expert: int | None = None,
+    ):
         self.reason, self.path, self.layer, self.expert = reason, path, layer, expert
         where = []
         if layer is not None:
@@ -111,8 +116,13 @@ class TensorSpec:
             raise ValueError(f"{self.name}: offset {self.offset} is not {TENSOR_ALIGN}-aligned")
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorSpec:
@@ -145,12 +155,20 @@ class LayerLayout:
         if end > self.record_size:
             raise ValueError(f"layer {self.layer}: tensors overrun the record")
         if self.checksums and len(self.checksums) != self.num_experts:
-            raise ValueError(f"layer {self.layer}: {len(self.checksums)} checksums for "
-                             f"{self.num_experts} experts")
+            raise ValueError(
+                f"layer {self.layer}: {len(self.checksums)} checksums for "
+                f"{self.num_experts} experts"
+            )
 
     @classmethod
-    def plan(cls, layer: int, module: str, num_experts: int,
-             tensors: list[tuple[str, str, tuple[int, ...]]], quantization: dict) -> LayerLayout:
+    def plan(
+        cls,
+        layer: int,
+        module: str,
+        num_experts: int,
+        tensors: list[tuple[str, str, tuple[int, ...]]],
+        quantization: dict,
+    ) -> LayerLayout:
         """Lay out `tensors` [(name, dtype, shape)] inside one record, each 64-byte aligned."""
         specs, off = [], 0
         for name, dtype, shape in tensors:
@@ -163,8 +181,16 @@ class LayerLayout:
             specs.append(TensorSpec(name, dtype, tuple(int(s) for s in shape), off, n))
             off += n
         record_size = max(off, 1)
-        return cls(layer, layer_file_name(layer), module, num_experts, tuple(specs),
-                   dict(quantization), record_size, _round_up(record_size, ALIGNMENT))
+        return cls(
+            layer,
+            layer_file_name(layer),
+            module,
+            num_experts,
+            tuple(specs),
+            dict(quantization),
+            record_size,
+            _round_up(record_size, ALIGNMENT),
+        )
 
     def record_offset(self, expert: int) -> int:
         return self.data_offset + expert * self.stride
@@ -203,11 +229,15 @@ class LayerLayout:
     @classmethod
     def from_dict(cls, d: dict) -> LayerLayout:
         return cls(
-            layer=int(d["layer"]), file=d["file"], module=d["module"],
+            layer=int(d["layer"]),
+            file=d["file"],
+            module=d["module"],
             num_experts=int(d["num_experts"]),
             tensors=tuple(TensorSpec.from_dict(t) for t in d["tensors"]),
-            quantization=dict(d.get("quantization", {})), record_size=int(d["record_size"]),
-            stride=int(d["stride"]), data_offset=int(d.get("data_offset", HEADER_SIZE)),
+            quantization=dict(d.get("quantization", {})),
+            record_size=int(d["record_size"]),
+            stride=int(d["stride"]),
+            data_offset=int(d.get("data_offset", HEADER_SIZE)),
             checksums=[int(c) for c in d.get("checksums", [])],
         )
 
@@ -215,7 +245,10 @@ class LayerLayout:
 def experts_section(layouts: list[LayerLayout]) -> dict:
     """The manifest's `experts` section for these layers."""
     return {
-        "format": FORMAT, "version": VERSION, "alignment": ALIGNMENT, "dir": EXPERTS_DIR,
+        "format": FORMAT,
+        "version": VERSION,
+        "alignment": ALIGNMENT,
+        "dir": EXPERTS_DIR,
         "layers": {str(lay.layer): lay.to_dict() for lay in layouts},
     }
 
@@ -262,11 +295,13 @@ class LayerWriter:
             raise ValueError(f"layer {lay.layer}: expert {expert} out of range")
         names = {t.name for t in lay.tensors}
         if set(tensors) != names:
-            raise ValueError(f"layer {lay.layer} expert {expert}: tensors {sorted(tensors)} "
-                             f"do not match the layout {sorted(names)}")
+            raise ValueError(
+                f"layer {lay.layer} expert {expert}: tensors {sorted(tensors)} "
+                f"do not match the layout {sorted(names)}"
+            )
         buf = bytearray(lay.record_size)
         for spec in lay.tensors:
-            buf[spec.offset:spec.offset + spec.nbytes] = _to_bytes(tensors[spec.name], spec)
+            buf[spec.offset : spec.offset + spec.nbytes] = _to_bytes(tensors[spec.name], spec)
         n = os.pwrite(self._fd, buf, lay.record_offset(expert))
         if n != len(buf):
             raise OSError(f"{self.path}: short write ({n} of {len(buf)} bytes)")
@@ -305,17 +340,24 @@ class ExpertStore:
             m = Manifest.load(self.folder)
             section = m.experts if m is not None else None
             if not section:
-                raise ExpertRecordError("no expert records: manifest has no `experts` section",
-                                        str(self.folder / "rotaryquant.json"))
+                raise ExpertRecordError(
+                    "no expert records: manifest has no `experts` section",
+                    str(self.folder / "rotaryquant.json"),
+                )
         if not isinstance(section, dict):
-            raise ExpertRecordError("manifest `experts` must be an object",
-                                    str(self.folder / "rotaryquant.json"))
+            raise ExpertRecordError(
+                "manifest `experts` must be an object", str(self.folder / "rotaryquant.json")
+            )
         if section.get("format") != FORMAT:
-            raise ExpertRecordError(f"unknown experts format {section.get('format')!r}",
-                                    str(self.folder))
+            raise ExpertRecordError(
+                f"unknown experts format {section.get('format')!r}", str(self.folder)
+            )
         if int(section.get("version", 0)) > VERSION:
-            raise ExpertRecordError(f"experts format version {section.get('version')} is newer "
-                                    f"than this app reads ({VERSION})", str(self.folder))
+            raise ExpertRecordError(
+                f"experts format version {section.get('version')} is newer "
+                f"than this app reads ({VERSION})",
+                str(self.folder),
+            )
         self.layouts = self._parse_layers(section.get("layers"))
         self._fds: dict[int, int] = {}
 
@@ -324,8 +366,10 @@ class ExpertStore:
         the model folder (a manifest never makes the app open another file)."""
         where = str(self.folder / "rotaryquant.json")
         if not isinstance(layers, dict) or not layers:
-            raise ExpertRecordError("manifest `experts.layers` must map layer indices to "
-                                    f"layouts, got {layers!r:.60}", where)
+            raise ExpertRecordError(
+                f"manifest `experts.layers` must map layer indices to layouts, got {layers!r:.60}",
+                where,
+            )
         root = self.folder.resolve()
         out = {}
         for k, v in layers.items():
@@ -334,12 +378,14 @@ class ExpertStore:
                 if str(lay.layer) != str(k):
                     raise ValueError(f"key {k!r} holds layer {lay.layer}")
             except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise ExpertRecordError(f"manifest `experts.layers.{k}` is malformed: "
-                                        f"{type(e).__name__}: {e}", where) from None
+                raise ExpertRecordError(
+                    f"manifest `experts.layers.{k}` is malformed: {type(e).__name__}: {e}", where
+                ) from None
             path = (root / lay.file).resolve()
             if Path(lay.file).is_absolute() or not path.is_relative_to(root):
-                raise ExpertRecordError(f"expert file {lay.file!r} is outside the model folder",
-                                        where, lay.layer)
+                raise ExpertRecordError(
+                    f"expert file {lay.file!r} is outside the model folder", where, lay.layer
+                )
             out[lay.layer] = lay
         return out
 
@@ -351,8 +397,9 @@ class ExpertStore:
         try:
             return self.layouts[layer]
         except KeyError:
-            raise ExpertRecordError("no such MoE layer in the expert records",
-                                    str(self.folder), layer) from None
+            raise ExpertRecordError(
+                "no such MoE layer in the expert records", str(self.folder), layer
+            ) from None
 
     def expert_bytes(self) -> int:
         """Bytes of every layer's experts (what a budget of 100% holds)."""
@@ -371,10 +418,13 @@ class ExpertStore:
             if size != lay.file_size:
                 os.close(fd)
                 what = "truncated" if size < lay.file_size else "has trailing bytes"
-                raise ExpertRecordError(f"expert file {what}: expected {lay.file_size} bytes, "
-                                        f"found {size}", str(path), layer)
+                raise ExpertRecordError(
+                    f"expert file {what}: expected {lay.file_size} bytes, found {size}",
+                    str(path),
+                    layer,
+                )
             head = os.pread(fd, HEADER_SIZE, 0)
-            if head[:len(MAGIC)] != MAGIC:
+            if head[: len(MAGIC)] != MAGIC:
                 os.close(fd)
                 raise ExpertRecordError("not an expert record file (bad magic)", str(path), layer)
             self._fds[layer] = fd
@@ -383,8 +433,12 @@ class ExpertStore:
     def _check_expert(self, layer: int, expert: int) -> LayerLayout:
         lay = self.layout(layer)
         if not 0 <= expert < lay.num_experts:
-            raise ExpertRecordError(f"expert index out of range (0..{lay.num_experts - 1})",
-                                    str(self.folder / lay.file), layer, expert)
+            raise ExpertRecordError(
+                f"expert index out of range (0..{lay.num_experts - 1})",
+                str(self.folder / lay.file),
+                layer,
+                expert,
+            )
         return lay
 
     def read_raw(self, layer: int, expert: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -395,18 +449,22 @@ class ExpertStore:
         off = lay.record_offset(expert)
         if out is None:
             out = np.empty(lay.record_size, dtype=np.uint8)
-        view = memoryview(out).cast("B")[:lay.record_size]
+        view = memoryview(out).cast("B")[: lay.record_size]
         if len(view) < lay.record_size:
             raise ValueError(f"buffer of {len(view)} bytes < record size {lay.record_size}")
         if hasattr(os, "preadv"):
             n = os.preadv(fd, [view], off)
         else:  # Windows has no preadv; one pread plus a copy
             data = os.pread(fd, lay.record_size, off)
-            view[:len(data)] = data
+            view[: len(data)] = data
             n = len(data)
         if n != lay.record_size:
-            raise ExpertRecordError(f"short read ({n} of {lay.record_size} bytes)",
-                                    str(self.folder / lay.file), layer, expert)
+            raise ExpertRecordError(
+                f"short read ({n} of {lay.record_size} bytes)",
+                str(self.folder / lay.file),
+                layer,
+                expert,
+            )
         return np.frombuffer(view, dtype=np.uint8)
 
     def arrays(self, layer: int, raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -415,7 +473,7 @@ class ExpertStore:
         res = {}
         for t in lay.tensors:
             np_dtype = _DTYPES[t.dtype][0]
-            res[t.name] = raw[t.offset:t.offset + t.nbytes].view(np_dtype).reshape(t.shape)
+            res[t.name] = raw[t.offset : t.offset + t.nbytes].view(np_dtype).reshape(t.shape)
         return res
 
     def read(self, layer: int, expert: int, verify: bool = False) -> dict:
@@ -438,8 +496,10 @@ class ExpertStore:
         import mlx.core as mx
 
         lay = self.layout(layer)
-        stacked = {t.name: np.empty((lay.num_experts, *t.shape), dtype=_DTYPES[t.dtype][0])
-                   for t in lay.tensors}
+        stacked = {
+            t.name: np.empty((lay.num_experts, *t.shape), dtype=_DTYPES[t.dtype][0])
+            for t in lay.tensors
+        }
         buf = np.empty(lay.record_size, dtype=np.uint8)
         for e in range(lay.num_experts):
             self.read_raw(layer, e, out=buf)
@@ -456,13 +516,21 @@ class ExpertStore:
     def _verify_bytes(self, layer: int, expert: int, raw: np.ndarray) -> None:
         lay = self.layout(layer)
         if not lay.checksums:
-            raise ExpertRecordError("manifest has no checksums for this layer",
-                                    str(self.folder / lay.file), layer, expert)
-        crc = zlib.crc32(memoryview(raw)[:lay.record_size])
+            raise ExpertRecordError(
+                "manifest has no checksums for this layer",
+                str(self.folder / lay.file),
+                layer,
+                expert,
+            )
+        crc = zlib.crc32(memoryview(raw)[: lay.record_size])
         if crc != lay.checksums[expert]:
-            raise ExpertRecordError(f"checksum mismatch (crc32 {crc:#010x}, manifest "
-                                    f"{lay.checksums[expert]:#010x}): the file is corrupt",
-                                    str(self.folder / lay.file), layer, expert)
+            raise ExpertRecordError(
+                f"checksum mismatch (crc32 {crc:#010x}, manifest "
+                f"{lay.checksums[expert]:#010x}): the file is corrupt",
+                str(self.folder / lay.file),
+                layer,
+                expert,
+            )
 
     def verify(self, layer: int, expert: int) -> None:
         """Raise ExpertRecordError naming layer and expert if the record's size or CRC is off."""

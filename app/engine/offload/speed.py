@@ -17,8 +17,17 @@ from dataclasses import dataclass
 # hit rate of the shared pool (segmented LRU, the pager's policy) at a fraction of all experts
 # on trace routing (8 layers of 512 experts, 10 a token; policy.simulate("slru", ...) after
 # 150 warm-up tokens)
-TRACE_HITS = ((0.0, 0.0), (0.02, 0.371), (0.05, 0.561), (0.1, 0.658), (0.25, 0.744),
-              (0.5, 0.823), (0.75, 0.897), (0.9, 0.941), (1.0, 1.0))
+TRACE_HITS = (
+    (0.0, 0.0),
+    (0.02, 0.371),
+    (0.05, 0.561),
+    (0.1, 0.658),
+    (0.25, 0.744),
+    (0.5, 0.823),
+    (0.75, 0.897),
+    (0.9, 0.941),
+    (1.0, 1.0),
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,16 @@ def trace_hit_rate(fraction: float) -> float:
     return y0 + (y1 - y0) * (f - x0) / (x1 - x0)
 
 
-def step_seconds(budget: int, memory: int, expert_bytes: int, active_bytes: int,
-                 moe_layers: int, experts_per_token: int, record_bytes: int,
-                 costs: Costs) -> float:
+def step_seconds(
+    budget: int,
+    memory: int,
+    expert_bytes: int,
+    active_bytes: int,
+    moe_layers: int,
+    experts_per_token: int,
+    record_bytes: int,
+    costs: Costs,
+) -> float:
     """Expected seconds per decoded token with `budget` bytes of experts resident and
     `memory` >= budget bytes left free by the process (pool + page cache)."""
     t = active_bytes / costs.mem_Bps
@@ -60,6 +76,9 @@ def step_seconds(budget: int, memory: int, expert_bytes: int, active_bytes: int,
     pairs = moe_layers * experts_per_token
     miss_pool = (1 - trace_hit_rate(budget / expert_bytes)) * pairs
     miss_all = (1 - trace_hit_rate(memory / expert_bytes)) * pairs
-    return (t + moe_layers * costs.readback_s
-            + (miss_pool - miss_all) * record_bytes / costs.copy_Bps
-            + miss_all * record_bytes / costs.disk_Bps)
+    return (
+        t
+        + moe_layers * costs.readback_s
+        + (miss_pool - miss_all) * record_bytes / costs.copy_Bps
+        + miss_all * record_bytes / costs.disk_Bps
+    )

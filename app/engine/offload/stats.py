@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-_SUMMED = ("hits", "misses", "reads", "bytes_read", "read_s", "readback_s", "readbacks",
-           "host_s", "evictions", "resident", "split_calls")
+_SUMMED = (
+    "hits",
+    "misses",
+    "reads",
+    "bytes_read",
+    "read_s",
+    "readback_s",
+    "readbacks",
+    "host_s",
+    "evictions",
+    "resident",
+    "split_calls",
+)
 
 
 @dataclass
@@ -54,5 +65,8 @@ def per_token(out: dict, tokens: int, token_s: float) -> dict:
     ms = {k: 1000 * v / tokens for k, v in parts.items()}
     ms["rest"] = max(0.0, 1000 * token_s / tokens - sum(ms.values()))
     ms["total"] = 1000 * token_s / tokens
-    return {"tokens": tokens, "ms_per_token": ms,
-            "read_MBps": out["bytes_read"] / out["read_s"] / 1e6 if out["read_s"] else None}
+    return {
+        "tokens": tokens,
+        "ms_per_token": ms,
+        "read_MBps": out["bytes_read"] / out["read_s"] / 1e6 if out["read_s"] else None,
+    }

@@ -38,8 +38,9 @@ class TraceParams:
             raise ValueError("repeat and hot are shares: each >= 0, together <= 1")
 
 
-def expert_trace(num_experts: int, k: int, steps: int, seed: int = 0,
-                 params: TraceParams | None = None) -> np.ndarray:
+def expert_trace(
+    num_experts: int, k: int, steps: int, seed: int = 0, params: TraceParams | None = None
+) -> np.ndarray:
     """[steps, k] expert ids of one layer, distinct within each row."""
     p = params or TraceParams()
     if not 0 < k <= num_experts:
@@ -49,8 +50,7 @@ def expert_trace(num_experts: int, k: int, steps: int, seed: int = 0,
     hot_size = max(1, min(num_experts - k, round(p.hot_size * scale)))
     # the tail must leave experts to draw: at most half of the non-hot ones excluded
     tail_draws = max(1.0, (1 - p.repeat - p.hot) * k)
-    gap = int(min(round(p.tail_gap * scale * REF_K / k),
-                  (num_experts - hot_size) / 2 / tail_draws))
+    gap = int(min(round(p.tail_gap * scale * REF_K / k), (num_experts - hot_size) / 2 / tail_draws))
     hot = rng.permutation(num_experts)[:hot_size]
     w = 1.0 / np.arange(1, hot_size + 1) ** p.hot_skew
     cdf = np.cumsum(w / w.sum())
@@ -98,8 +98,8 @@ def lru_hit_rate(trace: np.ndarray, slots: int) -> float:
     return hits / total if total else 0.0
 
 
-def model_traces(layers: list[int], num_experts: int, k: int, steps: int,
-                 seed: int = 0) -> dict[int, np.ndarray]:
+def model_traces(
+    layers: list[int], num_experts: int, k: int, steps: int, seed: int = 0
+) -> dict[int, np.ndarray]:
     """One independent trace per MoE layer (layer index -> [steps, k])."""
-    return {lay: expert_trace(num_experts, k, steps, seed=seed * 100003 + lay)
-            for lay in layers}
+    return {lay: expert_trace(num_experts, k, steps, seed=seed * 100003 + lay) for lay in layers}

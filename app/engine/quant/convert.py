@@ -53,9 +53,10 @@ from .safetensors_io import OutTensor, SafetensorsReader, ShardedWriter, mx_dtyp
 from .widths import ROLES, RoleWidth, RoleWidths
 
 CHUNK_BYTES = 64 << 20  # source bytes per row block: bounds memory for 1 GB embeddings
-_SKIP_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|\.h5|\.msgpack|\.onnx|"
-                         r"^model\.safetensors\.index\.json|^config\.json|^" +
-                         re.escape(MANIFEST_NAME) + r")$")
+_SKIP_FILES = re.compile(
+    r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|\.h5|\.msgpack|\.onnx|"
+    r"^model\.safetensors\.index\.json|^config\.json|^" + re.escape(MANIFEST_NAME) + r")$"
+)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -100,7 +101,10 @@ def _quant_shapes(rows_shape: tuple, in_dims: int, dtype, w: RoleWidth) -> list[
 
     probe = mx.quantize(mx.zeros((1, in_dims), dtype=dtype), w.group_size, w.bits, mode=w.mode)
     names = ("weight", "scales", "biases")
-    return [(n, mx_dtype_name(a.dtype), (*rows_shape, a.shape[-1])) for n, a in zip(names, probe, strict=False)]
+    return [
+        (n, mx_dtype_name(a.dtype), (*rows_shape, a.shape[-1]))
+        for n, a in zip(names, probe, strict=False)
+    ]
 
 
 def _qkey(w: RoleWidth | None) -> tuple | None:
@@ -110,8 +114,11 @@ def _qkey(w: RoleWidth | None) -> tuple | None:
 def _strip_quant(config: dict) -> dict:
     cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if isinstance(cfg.get("text_config"), dict):
-        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items()
-                              if k not in ("quantization", "quantization_config")}
+        cfg["text_config"] = {
+            k: v
+            for k, v in cfg["text_config"].items()
+            if k not in ("quantization", "quantization_config")
+        }
     return cfg
 
 
@@ -158,11 +165,13 @@ def _build_model(config: dict, src: Path):
         # Built lazily: parameters are never evaluated, so this allocates nothing.
         return model_cls(args_cls.from_dict(config))
     except (ValueError, ImportError) as e:
-        raise ModelLoadError(f"mlx-lm cannot build {config['model_type']!r}: {e}",
-                             str(src / "config.json")) from e
+        raise ModelLoadError(
+            f"mlx-lm cannot build {config['model_type']!r}: {e}", str(src / "config.json")
+        ) from e
     except (TypeError, KeyError, AttributeError) as e:
-        raise ModelLoadError(f"config.json is incomplete for {config['model_type']!r}: {e}",
-                             str(src / "config.json")) from e
+        raise ModelLoadError(
+            f"config.json is incomplete for {config['model_type']!r}: {e}", str(src / "config.json")
+        ) from e
 
 
 def convert(
@@ -182,19 +191,29 @@ def convert(
     disk is too small."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if dst == src or src in dst.parents or dst in src.parents:
-        raise ConvertError(f"{dst}: the destination and the source folder {src} must not "
-                           "contain one another")
+        raise ConvertError(
+            f"{dst}: the destination and the source folder {src} must not contain one another"
+        )
     try:
         with exclusive(dst):
             _recover_interrupted(dst)
-            return _convert(src, dst, widths, progress, overwrite, chunk_bytes,
-                            max_shard_bytes, check_disk)
+            return _convert(
+                src, dst, widths, progress, overwrite, chunk_bytes, max_shard_bytes, check_disk
+            )
     except Busy as e:
         raise ConvertError(f"{e}: another conversion to it is running") from None
 
 
-def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_bytes: int,
-             max_shard_bytes: int, check_disk: bool) -> Manifest:
+def _convert(
+    src: Path,
+    dst: Path,
+    widths,
+    progress,
+    overwrite: bool,
+    chunk_bytes: int,
+    max_shard_bytes: int,
+    check_disk: bool,
+) -> Manifest:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -206,8 +225,11 @@ def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_byte
     rules = rules_for(config["model_type"])
     src_man = Manifest.load(src)
     if src_man is not None and src_man.experts:
-        raise ModelLoadError("already converted (routed experts are in experts/*.bin): "
-                             "convert the original checkpoint instead", str(src))
+        raise ModelLoadError(
+            "already converted (routed experts are in experts/*.bin): "
+            "convert the original checkpoint instead",
+            str(src),
+        )
     if not any((src / t).exists() for t in _TOKENIZER_FILES):
         raise ModelLoadError("no tokenizer (tokenizer.json or tokenizer.model)", str(src))
     if dst.exists() and not overwrite:
@@ -237,14 +259,17 @@ def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_byte
     try:
         sanitized = model.sanitize(dict(lazy)) if hasattr(model, "sanitize") else dict(lazy)
     except (KeyError, ValueError, IndexError) as e:
-        raise ModelLoadError(f"config.json does not match the weights: mlx-lm's sanitize "
-                             f"failed ({type(e).__name__}: {e})", str(src)) from e
+        raise ModelLoadError(
+            f"config.json does not match the weights: mlx-lm's sanitize "
+            f"failed ({type(e).__name__}: {e})",
+            str(src),
+        ) from e
 
     expert_prefixes = tuple(f"{m}." for m in exp_mods)
-    items = _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods,
-                        expert_prefixes, src)
-    layouts, fallback = [], [i.name for i in items
-                             if i.role != "keep_float" and i.width is None]
+    items = _plan_dense(
+        sanitized, src_of, expected, modules, rules, widths, exp_mods, expert_prefixes, src
+    )
+    layouts, fallback = [], [i.name for i in items if i.role != "keep_float" and i.width is None]
     for s in sources:
         layouts.append(_plan_layer(s, widths, expected, modules))
 
@@ -257,8 +282,10 @@ def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_byte
     if check_disk:
         free = shutil.disk_usage(dst.parent).free
         if free < need:
-            raise ConvertError(f"{dst.parent}: not enough free disk: the converted model needs "
-                               f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
+            raise ConvertError(
+                f"{dst.parent}: not enough free disk: the converted model needs "
+                f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free"
+            )
 
     tmp = dst.parent / f".{dst.name}.rq-partial-{os.getpid()}"
     tmp.mkdir()
@@ -289,15 +316,26 @@ def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_byte
         out_cfg = dict(config)
         out_cfg.pop("quantization_config", None)
         if isinstance(out_cfg.get("text_config"), dict):
-            out_cfg["text_config"] = {k: v for k, v in out_cfg["text_config"].items()
-                                      if k != "quantization_config"}
+            out_cfg["text_config"] = {
+                k: v for k, v in out_cfg["text_config"].items() if k != "quantization_config"
+            }
         out_cfg["quantization"] = quant
         out_cfg["quantization_config"] = quant
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
         for p in aux:
             shutil.copy2(p, tmp / p.name)
-        manifest = _manifest(config, src, dst, widths, stats, layouts, fallback, items,
-                             time.perf_counter() - t0, peak[0])
+        manifest = _manifest(
+            config,
+            src,
+            dst,
+            widths,
+            stats,
+            layouts,
+            fallback,
+            items,
+            time.perf_counter() - t0,
+            peak[0],
+        )
         manifest.save(tmp)
         report("finish", str(dst), 0)
         _swap_in(tmp, dst)
@@ -313,8 +351,9 @@ def _convert(src: Path, dst: Path, widths, progress, overwrite: bool, chunk_byte
     return manifest
 
 
-def _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods, expert_prefixes,
-                src) -> list[_DenseItem]:
+def _plan_dense(
+    sanitized, src_of, expected, modules, rules, widths, exp_mods, expert_prefixes, src
+) -> list[_DenseItem]:
     import mlx.core as mx
 
     names = {k for k in sanitized if not k.startswith(expert_prefixes)}
@@ -329,8 +368,11 @@ def _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods, e
         role = param_role(rules, name, quantizable)
         width = width_for(widths, role, shape[-1]) if quantizable else None
         if name not in names:
-            raise ModelLoadError(f"config.json does not match the weights: no tensor for "
-                                 f"{name} (shape {list(shape)})", str(src))
+            raise ModelLoadError(
+                f"config.json does not match the weights: no tensor for "
+                f"{name} (shape {list(shape)})",
+                str(src),
+            )
         used.add(name)
         arr = sanitized[name]
         item = _DenseItem(name, role, width, shape, [])
@@ -340,8 +382,11 @@ def _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods, e
             used |= {f"{module}.scales", f"{module}.biases"} & names
             bits, g, mode = infer_quant(arr.shape, s.shape, s.dtype, shape[-1], module)
             if arr.shape[:-1] != shape[:-1]:
-                raise ModelLoadError(f"config.json does not match the weights: {name} has "
-                                     f"shape {list(arr.shape)}, expected {list(shape)}", str(src))
+                raise ModelLoadError(
+                    f"config.json does not match the weights: {name} has "
+                    f"shape {list(arr.shape)}, expected {list(shape)}",
+                    str(src),
+                )
             item.qsrc = (arr, s, b, bits, g, mode)
             # Same bits (any group): keep the source's codes; re-grouping only adds error.
             item.passthrough = width is not None and (width.bits, width.mode) == (bits, mode)
@@ -350,8 +395,11 @@ def _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods, e
             fdtype = s.dtype if mode == "affine" else mx.bfloat16
         else:
             if tuple(arr.shape) != shape:
-                raise ModelLoadError(f"config.json does not match the weights: {name} has "
-                                     f"shape {list(arr.shape)}, expected {list(shape)}", str(src))
+                raise ModelLoadError(
+                    f"config.json does not match the weights: {name} has "
+                    f"shape {list(arr.shape)}, expected {list(shape)}",
+                    str(src),
+                )
             item.lazy = arr
             item.src_name = src_of.get(id(arr))
             fdtype = arr.dtype
@@ -365,9 +413,11 @@ def _plan_dense(sanitized, src_of, expected, modules, rules, widths, exp_mods, e
         items.append(item)
     extra = sorted(names - used)
     if extra:
-        raise ModelLoadError(f"config.json does not match the weights: unexpected tensor "
-                             f"{extra[0]}" + (f" (+{len(extra) - 1} more)" if len(extra) > 1
-                                              else ""), str(src))
+        raise ModelLoadError(
+            f"config.json does not match the weights: unexpected tensor "
+            f"{extra[0]}" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""),
+            str(src),
+        )
     return items
 
 
@@ -403,6 +453,7 @@ def _write_dense(item: _DenseItem, reader, writer, stats, chunk_bytes: int) -> N
         arr = item.lazy
         mx.eval(arr)
         if arr.ndim < 2:
+
             def blocks():
                 yield 0, arr
         else:
@@ -450,19 +501,29 @@ def _plan_layer(s, widths: RoleWidths, expected: dict, modules: dict) -> LayerLa
     for p in s.projs:
         want = expected[f"{s.module}.{p}.weight"][1:]
         w = e0[p]["w"]
-        shape = tuple(w.shape) if not isinstance(w, QuantSrc) else \
-            (*w.weight.shape[:-1], want[-1])
+        shape = tuple(w.shape) if not isinstance(w, QuantSrc) else (*w.weight.shape[:-1], want[-1])
         if shape != want:
-            raise ModelLoadError(f"config.json does not match the weights: layer {s.layer} "
-                                 f"expert {p} has shape {list(shape)}, expected {list(want)}")
-        fdtype = w.scales.dtype if isinstance(w, QuantSrc) and w.mode == "affine" else (
-            w.dequantize().dtype if isinstance(w, QuantSrc) else w.dtype)
+            raise ModelLoadError(
+                f"config.json does not match the weights: layer {s.layer} "
+                f"expert {p} has shape {list(shape)}, expected {list(want)}"
+            )
+        fdtype = (
+            w.scales.dtype
+            if isinstance(w, QuantSrc) and w.mode == "affine"
+            else (w.dequantize().dtype if isinstance(w, QuantSrc) else w.dtype)
+        )
         width = width_for(widths, "routed", want[-1])
-        if isinstance(w, QuantSrc) and width is not None and \
-                (w.bits, w.mode) == (width.bits, width.mode):
+        if (
+            isinstance(w, QuantSrc)
+            and width is not None
+            and (w.bits, w.mode) == (width.bits, width.mode)
+        ):
             width = RoleWidth(w.bits, w.group_size, w.mode)  # kept as is, as for dense
-        quant[p] = None if width is None else {"bits": width.bits, "group_size": width.group_size,
-                                               "mode": width.mode}
+        quant[p] = (
+            None
+            if width is None
+            else {"bits": width.bits, "group_size": width.group_size, "mode": width.mode}
+        )
         if width is None:
             tensors.append((f"{p}.weight", mx_dtype_name(fdtype), want))
         else:
@@ -471,12 +532,13 @@ def _plan_layer(s, widths: RoleWidths, expected: dict, modules: dict) -> LayerLa
         if e0[p]["bias"] is not None:
             bshape = tuple(e0[p]["bias"].shape)
             if (s.num_experts, *bshape) != expected.get(f"{s.module}.{p}.bias"):
-                raise ModelLoadError(f"config.json does not match the weights: layer {s.layer} "
-                                     f"expert {p}.bias has shape {list(bshape)}")
+                raise ModelLoadError(
+                    f"config.json does not match the weights: layer {s.layer} "
+                    f"expert {p}.bias has shape {list(bshape)}"
+                )
             tensors.append((f"{p}.bias", mx_dtype_name(e0[p]["bias"].dtype), bshape))
         elif f"{s.module}.{p}.bias" in expected:
-            raise ModelLoadError(f"layer {s.layer}: expert {p}.bias is missing from the "
-                                 "checkpoint")
+            raise ModelLoadError(f"layer {s.layer}: expert {p}.bias is missing from the checkpoint")
     return LayerLayout.plan(s.layer, s.module, s.num_experts, tensors, quant)
 
 
@@ -492,14 +554,20 @@ def _write_layer(s, lay: LayerLayout, folder: Path, stats, expected, report) -> 
             for p in s.projs:
                 w = exp[p]["w"]
                 q = lay.quantization[p]
-                if isinstance(w, QuantSrc) and q is not None and \
-                        (w.bits, w.group_size, w.mode) == (q["bits"], q["group_size"], q["mode"]):
+                if (
+                    isinstance(w, QuantSrc)
+                    and q is not None
+                    and (w.bits, w.group_size, w.mode) == (q["bits"], q["group_size"], q["mode"])
+                ):
                     outs = [w.weight, w.scales] + ([w.biases] if w.biases is not None else [])
                     x = w.dequantize()
                 else:
                     x = _expert_float(w, None)
-                    outs = mx.quantize(x, q["group_size"], q["bits"], mode=q["mode"]) \
-                        if q is not None else [x]
+                    outs = (
+                        mx.quantize(x, q["group_size"], q["bits"], mode=q["mode"])
+                        if q is not None
+                        else [x]
+                    )
                 per_tensor[p].add(x)
                 names = ["weight", "scales", "biases"] if q is not None else ["weight"]
                 for n, a in zip(names, outs, strict=False):
@@ -537,9 +605,13 @@ def _quant_config(widths, modules, items, layouts) -> dict:
     d = widths.dense
     top = d if d.bits is not None else RoleWidth(4, 64)
     q: dict = {"group_size": top.group_size, "bits": top.bits, "mode": top.mode}
-    quantized = {i.name.rpartition(".")[0]: None if i.width is None else
-                 {"group_size": i.width.group_size, "bits": i.width.bits, "mode": i.width.mode}
-                 for i in items if i.name.endswith(".weight")}
+    quantized = {
+        i.name.rpartition(".")[0]: None
+        if i.width is None
+        else {"group_size": i.width.group_size, "bits": i.width.bits, "mode": i.width.mode}
+        for i in items
+        if i.name.endswith(".weight")
+    }
     for lay in layouts:
         for p, qp in lay.quantization.items():
             quantized[f"{lay.module}.{p}"] = qp
@@ -553,16 +625,21 @@ def _kurt(x: float) -> float | None:
     return None if x != x else round(x, 4)  # NaN (empty or constant) -> null in JSON
 
 
-def _manifest(config, src: Path, dst: Path, widths, stats, layouts, fallback, items, seconds,
-              peak_rss) -> Manifest:
+def _manifest(
+    config, src: Path, dst: Path, widths, stats, layouts, fallback, items, seconds, peak_rss
+) -> Manifest:
     roles = {}
     for r in ROLES:
         st = stats[r]
         w = widths[r]
         ks = [k for k in st.tensor_kurtosis if k == k]
         roles[r] = {
-            "bits": w.bits, "group_size": w.group_size, "mode": w.mode,
-            "params": st.params, "bytes": st.bytes, "tensors": st.tensors,
+            "bits": w.bits,
+            "group_size": w.group_size,
+            "mode": w.mode,
+            "params": st.params,
+            "bytes": st.bytes,
+            "tensors": st.tensors,
             "kurtosis": _kurt(st.moments.excess_kurtosis),
             "kurtosis_median_tensor": _kurt(statistics.median(ks)) if ks else None,
         }
@@ -579,8 +656,11 @@ def _manifest(config, src: Path, dst: Path, widths, stats, layouts, fallback, it
         extra={
             "widths": widths.to_dict(),
             "converted_from": str(src),
-            "conversion": {"seconds": round(seconds, 2), "peak_rss_bytes": peak_rss,
-                           "format": "role-quantized; routed experts in experts/*.bin only"},
+            "conversion": {
+                "seconds": round(seconds, 2),
+                "peak_rss_bytes": peak_rss,
+                "format": "role-quantized; routed experts in experts/*.bin only",
+            },
             "unquantized_fallback": fallback,
             "requantized": [i.name for i in items if i.qsrc is not None and not i.passthrough],
         },

@@ -21,8 +21,9 @@ def is_converted(folder: str | os.PathLike) -> bool:
     return bool(m is not None and m.experts)
 
 
-def expert_weights(folder: str | os.PathLike, section: dict | None = None,
-                   verify: bool = True) -> dict:
+def expert_weights(
+    folder: str | os.PathLike, section: dict | None = None, verify: bool = True
+) -> dict:
     """All routed experts of a converted folder as mlx-lm parameters (stacked per module)."""
     out = {}
     with ExpertStore(folder, section) as store:

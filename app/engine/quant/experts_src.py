@@ -27,9 +27,12 @@ from .safetensors_io import SafetensorsReader
 _LAYER = re.compile(r"layers\.(\d+)")
 _PER_EXPERT = re.compile(
     r"^(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\."
-    r"(?P<leaf>weight|weight_scale_inv|scales|biases|bias)$")
-_FUSED = re.compile(r"^(?P<pre>.+)\.experts\.(?P<t>gate_up_proj|down_proj)"
-                    r"(?P<suf>_blocks|_scales|_bias)?$")
+    r"(?P<leaf>weight|weight_scale_inv|scales|biases|bias)$"
+)
+_FUSED = re.compile(
+    r"^(?P<pre>.+)\.experts\.(?P<t>gate_up_proj|down_proj)"
+    r"(?P<suf>_blocks|_scales|_bias)?$"
+)
 
 
 @dataclass
@@ -48,8 +51,15 @@ class QuantSrc:
 
         if dtype is None and self.mode == "affine":
             dtype = self.scales.dtype
-        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
-                             bits=self.bits, mode=self.mode, dtype=dtype or mx.bfloat16)
+        return mx.dequantize(
+            self.weight,
+            self.scales,
+            self.biases,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            dtype=dtype or mx.bfloat16,
+        )
 
 
 def infer_quant(weight_shape, scales_shape, scales_dtype, in_dims: int, where: str) -> tuple:
@@ -62,8 +72,9 @@ def infer_quant(weight_shape, scales_shape, scales_dtype, in_dims: int, where: s
         return bits, group, "affine"
     modes = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
     if (bits, group) not in modes:
-        raise ModelLoadError(f"cannot infer the quantization of {where}: {bits} bits, group "
-                             f"{group}")
+        raise ModelLoadError(
+            f"cannot infer the quantization of {where}: {bits} bits, group {group}"
+        )
     return bits, group, modes[(bits, group)]
 
 
@@ -98,11 +109,17 @@ def _layer_of(path: str) -> int | None:
 
 def _tail(path: str) -> str:
     m = _LAYER.search(path)
-    return path[m.end():] if m else path
+    return path[m.end() :] if m else path
 
 
-def find_expert_sources(reader: SafetensorsReader, rules: ArchRules, modules: dict,
-                        expected: dict, src: str, model_layers: int) -> list[ExpertSource]:
+def find_expert_sources(
+    reader: SafetensorsReader,
+    rules: ArchRules,
+    modules: dict,
+    expected: dict,
+    src: str,
+    model_layers: int,
+) -> list[ExpertSource]:
     """One ExpertSource per expert module of the model (`modules`: path -> projections;
     `expected`: mlx-lm parameter name -> shape of the float model)."""
     by_layer = {}
@@ -122,20 +139,29 @@ def find_expert_sources(reader: SafetensorsReader, rules: ArchRules, modules: di
                 return None  # multi-token-prediction layers: mlx-lm's sanitize drops them too
             raise ModelLoadError(f"expert tensor {key!r} has no MoE layer in config.json", src)
         if _tail(mod) != f"{_tail(pre)}.{rules.expert_module}":
-            raise ModelLoadError(f"expert tensor {key!r} does not match the model's expert "
-                                 f"module {mod!r}", src)
+            raise ModelLoadError(
+                f"expert tensor {key!r} does not match the model's expert module {mod!r}", src
+            )
         return mod
 
     names = list(reader.tensors)
     # 1. mlx-lm stacked layout
     for mod, projs in modules.items():
         if f"{mod}.{projs[0]}.weight" in reader:
-            keys = {f"{mod}.{p}.{leaf}" for p in projs for leaf in ("weight", "scales",
-                                                                   "biases", "bias")}
+            keys = {
+                f"{mod}.{p}.{leaf}"
+                for p in projs
+                for leaf in ("weight", "scales", "biases", "bias")
+            }
             keys &= set(names)
-            sources[mod] = ExpertSource(mod, _layer_of(mod), expected[f"{mod}.{projs[0]}.weight"][0],
-                                        projs, _stacked_fetch(reader, mod, projs, expected),
-                                        keys)
+            sources[mod] = ExpertSource(
+                mod,
+                _layer_of(mod),
+                expected[f"{mod}.{projs[0]}.weight"][0],
+                projs,
+                _stacked_fetch(reader, mod, projs, expected),
+                keys,
+            )
             consumed |= keys
     # 2. Hugging Face per-expert tensors
     per: dict[str, dict] = {}
@@ -155,18 +181,28 @@ def find_expert_sources(reader: SafetensorsReader, rules: ArchRules, modules: di
         if d["experts"] != set(range(n)):
             missing = sorted(set(range(n)) - d["experts"])
             extra = sorted(d["experts"] - set(range(n)))
-            raise ModelLoadError(f"layer {_layer_of(mod)}: config.json has {n} experts but the "
-                                 f"checkpoint " + (f"lacks expert {missing[0]}" if missing
-                                                   else f"has expert {extra[0]}"), src)
+            raise ModelLoadError(
+                f"layer {_layer_of(mod)}: config.json has {n} experts but the "
+                f"checkpoint "
+                + (f"lacks expert {missing[0]}" if missing else f"has expert {extra[0]}"),
+                src,
+            )
         hf = {p: inverse.get(p, p) for p in modules[mod]}
         for h in hf.values():
             for e in range(n):
                 key = f"{d['pre']}.experts.{e}.{h}.weight"
                 if key not in reader:
-                    raise ModelLoadError(f"layer {_layer_of(mod)}: expert tensor {key!r} is "
-                                         "missing", src)
-        sources[mod] = ExpertSource(mod, _layer_of(mod), n, modules[mod],
-                                    _per_expert_fetch(reader, d["pre"], hf, expected, mod), set())
+                    raise ModelLoadError(
+                        f"layer {_layer_of(mod)}: expert tensor {key!r} is missing", src
+                    )
+        sources[mod] = ExpertSource(
+            mod,
+            _layer_of(mod),
+            n,
+            modules[mod],
+            _per_expert_fetch(reader, d["pre"], hf, expected, mod),
+            set(),
+        )
     # 3./4. fused tensors (qwen3_5_moe, gemma4, gpt_oss)
     fused: dict[str, dict] = {}
     for k in names:
@@ -188,17 +224,25 @@ def find_expert_sources(reader: SafetensorsReader, rules: ArchRules, modules: di
                     raise ModelLoadError(f"layer {_layer_of(mod)}: experts.{t} is missing", src)
             fetch = _fused_fetch(reader, d)
         else:
-            raise ModelLoadError(f"fused expert tensors are not expected for "
-                                 f"{rules.model_type}: {next(iter(d.values()))!r}", src)
+            raise ModelLoadError(
+                f"fused expert tensors are not expected for "
+                f"{rules.model_type}: {next(iter(d.values()))!r}",
+                src,
+            )
         for t, k in d.items():
             if t != "pre" and reader.info(k).shape[0] != n:
-                raise ModelLoadError(f"{k} holds {reader.info(k).shape[0]} experts, config.json "
-                                     f"says {n}", str(reader.info(k).file))
+                raise ModelLoadError(
+                    f"{k} holds {reader.info(k).shape[0]} experts, config.json says {n}",
+                    str(reader.info(k).file),
+                )
         sources[mod] = ExpertSource(mod, _layer_of(mod), n, modules[mod], fetch, set())
     missing = [m for m in modules if m not in sources]
     if missing:
-        raise ModelLoadError(f"the checkpoint has no expert weights for {missing[0]} "
-                             "(config.json describes a MoE layer there)", src)
+        raise ModelLoadError(
+            f"the checkpoint has no expert weights for {missing[0]} "
+            "(config.json describes a MoE layer there)",
+            src,
+        )
     return [sources[m] for m in modules]
 
 
@@ -210,13 +254,17 @@ def _stacked_fetch(reader, mod, projs, expected):
             w = reader.read_rows(f"{base}.weight", e, e + 1)[0]
             if f"{base}.scales" in reader:
                 s = reader.read_rows(f"{base}.scales", e, e + 1)[0]
-                b = reader.read_rows(f"{base}.biases", e, e + 1)[0] \
-                    if f"{base}.biases" in reader else None
+                b = (
+                    reader.read_rows(f"{base}.biases", e, e + 1)[0]
+                    if f"{base}.biases" in reader
+                    else None
+                )
                 in_dims = expected[f"{base}.weight"][-1]
                 bits, g, mode = infer_quant(w.shape, s.shape, s.dtype, in_dims, base)
                 w = QuantSrc(w, s, b, bits, g, mode)
-            bias = reader.read_rows(f"{base}.bias", e, e + 1)[0] \
-                if f"{base}.bias" in reader else None
+            bias = (
+                reader.read_rows(f"{base}.bias", e, e + 1)[0] if f"{base}.bias" in reader else None
+            )
             out[p] = {"w": w, "bias": bias}
         return out
 
@@ -234,8 +282,9 @@ def _per_expert_fetch(reader, pre, hf, expected, mod):
             elif f"{base}.scales" in reader:
                 s = reader.read(f"{base}.scales")
                 b = reader.read(f"{base}.biases") if f"{base}.biases" in reader else None
-                bits, g, mode = infer_quant(w.shape, s.shape, s.dtype,
-                                            expected[f"{mod}.{p}.weight"][-1], base)
+                bits, g, mode = infer_quant(
+                    w.shape, s.shape, s.dtype, expected[f"{mod}.{p}.weight"][-1], base
+                )
                 w = QuantSrc(w, s, b, bits, g, mode)
             bias = reader.read(f"{base}.bias") if f"{base}.bias" in reader else None
             out[p] = {"w": w, "bias": bias}
@@ -249,9 +298,11 @@ def _fused_fetch(reader, d):
         gu = reader.read_rows(d["gate_up_proj"], e, e + 1)[0]  # [2I, H]: gate rows, up rows
         mid = gu.shape[0] // 2
         down = reader.read_rows(d["down_proj"], e, e + 1)[0]  # [H, I]
-        return {"gate_proj": {"w": gu[:mid], "bias": None},
-                "up_proj": {"w": gu[mid:], "bias": None},
-                "down_proj": {"w": down, "bias": None}}
+        return {
+            "gate_proj": {"w": gu[:mid], "bias": None},
+            "up_proj": {"w": gu[mid:], "bias": None},
+            "down_proj": {"w": down, "bias": None},
+        }
 
     return fetch
 
@@ -260,8 +311,11 @@ def _gpt_oss_fetch(reader, d, mod, src):
     import mlx.core as mx
 
     blocks = "gate_up_proj_blocks" in d
-    need = (["gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
-             "down_proj_scales"] if blocks else ["gate_up_proj", "down_proj"])
+    need = (
+        ["gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"]
+        if blocks
+        else ["gate_up_proj", "down_proj"]
+    )
     for t in need + ["gate_up_proj_bias", "down_proj_bias"]:
         if t not in d:
             raise ModelLoadError(f"{mod}: gpt_oss expert tensor experts.{t} is missing", src)
@@ -280,8 +334,10 @@ def _gpt_oss_fetch(reader, d, mod, src):
             gu = reader.read_rows(d["gate_up_proj"], e, e + 1)[0].T
             down = reader.read_rows(d["down_proj"], e, e + 1)[0].T
         gub = reader.read_rows(d["gate_up_proj_bias"], e, e + 1)[0]
-        return {"gate_proj": {"w": mx.contiguous(gu[0::2]), "bias": mx.contiguous(gub[0::2])},
-                "up_proj": {"w": mx.contiguous(gu[1::2]), "bias": mx.contiguous(gub[1::2])},
-                "down_proj": {"w": down, "bias": reader.read_rows(d["down_proj_bias"], e, e + 1)[0]}}
+        return {
+            "gate_proj": {"w": mx.contiguous(gu[0::2]), "bias": mx.contiguous(gub[0::2])},
+            "up_proj": {"w": mx.contiguous(gu[1::2]), "bias": mx.contiguous(gub[1::2])},
+            "down_proj": {"w": down, "bias": reader.read_rows(d["down_proj_bias"], e, e + 1)[0]},
+        }
 
     return fetch

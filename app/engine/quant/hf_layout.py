@@ -13,8 +13,13 @@ from pathlib import Path
 
 from .roles import rules_for
 
-_QWEN_NEXT_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
-                    "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+_QWEN_NEXT_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 
 
 def _experts_to_hf(weights: dict, rules, gpt_oss_format: str) -> dict:
@@ -22,8 +27,13 @@ def _experts_to_hf(weights: dict, rules, gpt_oss_format: str) -> dict:
 
     out = dict(weights)
     inverse = {v: k for k, v in rules.proj_names.items()}
-    mods = sorted({k.rsplit(".", 2)[0] for k in weights
-                   if any(k.rsplit(".", 2)[0].endswith("." + s) for s in rules.experts)})
+    mods = sorted(
+        {
+            k.rsplit(".", 2)[0]
+            for k in weights
+            if any(k.rsplit(".", 2)[0].endswith("." + s) for s in rules.experts)
+        }
+    )
     for mod in mods:
         pre = mod.removesuffix("." + rules.expert_module)
         projs = sorted({k.rsplit(".", 2)[1] for k in weights if k.startswith(mod + ".")})
@@ -35,7 +45,8 @@ def _experts_to_hf(weights: dict, rules, gpt_oss_format: str) -> dict:
                     out[f"{pre}.experts.{e}.{inverse.get(p, p)}.weight"] = arr[e]
         elif rules.hf_experts == "fused":
             out[f"{pre}.experts.gate_up_proj"] = mx.concatenate(
-                [w["gate_proj"], w["up_proj"]], axis=1)  # [E, 2I, H]
+                [w["gate_proj"], w["up_proj"]], axis=1
+            )  # [E, 2I, H]
             out[f"{pre}.experts.down_proj"] = w["down_proj"]
         elif rules.hf_experts == "gpt_oss":
             E, inter, hidden = w["gate_proj"].shape
@@ -48,7 +59,8 @@ def _experts_to_hf(weights: dict, rules, gpt_oss_format: str) -> dict:
                     q, s = mx.quantize(arr, 32, 4, mode="mxfp4")
                     rows, cols = arr.shape[1], arr.shape[2]
                     out[f"{pre}.experts.{name}_blocks"] = q.view(mx.uint8).reshape(
-                        E, rows, cols // 32, 16)
+                        E, rows, cols // 32, 16
+                    )
                     out[f"{pre}.experts.{name}_scales"] = s
             else:  # transformers BF16 export: x @ W
                 out[f"{pre}.experts.gate_up_proj"] = gu.transpose(0, 2, 1)
@@ -63,8 +75,11 @@ def _dense_to_hf(weights: dict, model_type: str) -> dict:
     for k, v in weights.items():
         if "conv1d.weight" in k and v.ndim == 3 and v.shape[-1] == 1:
             v = v.swapaxes(1, 2)  # mlx [C, K, 1] -> HF [C, 1, K]
-        if model_type in ("qwen3_next", "qwen3_5_moe") and v.ndim == 1 and any(
-                k.endswith(s) for s in _QWEN_NEXT_NORMS):
+        if (
+            model_type in ("qwen3_next", "qwen3_5_moe")
+            and v.ndim == 1
+            and any(k.endswith(s) for s in _QWEN_NEXT_NORMS)
+        ):
             v = v - 1.0  # HF stores these norms zero-centred; sanitize adds 1
         if model_type in ("qwen3_5_moe",):
             if k.startswith("language_model.model."):
@@ -75,8 +90,12 @@ def _dense_to_hf(weights: dict, model_type: str) -> dict:
     return out
 
 
-def to_hf_layout(mlx_folder: str | os.PathLike, hf_folder: str | os.PathLike, shards: int = 2,
-                 gpt_oss_format: str = "mxfp4") -> Path:
+def to_hf_layout(
+    mlx_folder: str | os.PathLike,
+    hf_folder: str | os.PathLike,
+    shards: int = 2,
+    gpt_oss_format: str = "mxfp4",
+) -> Path:
     """Write the mlx-lm folder `mlx_folder` as a Hugging Face checkpoint in `hf_folder`
     (sharded over `shards` files); returns `hf_folder`."""
     import mlx.core as mx
@@ -109,11 +128,13 @@ def to_hf_layout(mlx_folder: str | os.PathLike, hf_folder: str | os.PathLike, sh
     weight_map = {}
     for i, part in enumerate(parts):
         fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        mx.save_safetensors(str(dst / fname), {n: weights[n] for n in part},
-                            metadata={"format": "pt"})
+        mx.save_safetensors(
+            str(dst / fname), {n: weights[n] for n in part}, metadata={"format": "pt"}
+        )
         weight_map.update({n: fname for n in part})
-    (dst / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.name.startswith("tokenizer"):

@@ -27,11 +27,19 @@ class Moments:
         n = na + nb
         d = o.mean - self.mean
         d2 = d * d
-        m4 = (self.m4 + o.m4 + d2 * d2 * na * nb * (na * na - na * nb + nb * nb) / n**3
-              + 6 * d2 * (na * na * o.m2 + nb * nb * self.m2) / n**2
-              + 4 * d * (na * o.m3 - nb * self.m3) / n)
-        m3 = (self.m3 + o.m3 + d2 * d * na * nb * (na - nb) / n**2
-              + 3 * d * (na * o.m2 - nb * self.m2) / n)
+        m4 = (
+            self.m4
+            + o.m4
+            + d2 * d2 * na * nb * (na * na - na * nb + nb * nb) / n**3
+            + 6 * d2 * (na * na * o.m2 + nb * nb * self.m2) / n**2
+            + 4 * d * (na * o.m3 - nb * self.m3) / n
+        )
+        m3 = (
+            self.m3
+            + o.m3
+            + d2 * d * na * nb * (na - nb) / n**2
+            + 3 * d * (na * o.m2 - nb * self.m2) / n
+        )
         m2 = self.m2 + o.m2 + d2 * na * nb / n
         self.n, self.mean, self.m2, self.m3, self.m4 = n, self.mean + d * nb / n, m2, m3, m4
         return self
@@ -42,7 +50,7 @@ class Moments:
 
         flat = x.reshape(-1)
         for s in range(0, flat.size, _BLOCK):
-            b = flat[s:s + _BLOCK].astype(mx.float32)
+            b = flat[s : s + _BLOCK].astype(mx.float32)
             mean = mx.mean(b)
             d = b - mean
             d2 = d * d

@@ -53,27 +53,57 @@ _QWEN_SHARED = dict(
 RULES: dict[str, ArchRules] = {
     r.model_type: r
     for r in (
-        ArchRules("qwen3_moe", experts=("mlp.switch_mlp",), routers=("mlp.gate",),
-                  hf_experts="per_expert"),
+        ArchRules(
+            "qwen3_moe", experts=("mlp.switch_mlp",), routers=("mlp.gate",), hf_experts="per_expert"
+        ),
         ArchRules("qwen2_moe", **_QWEN_SHARED, hf_experts="per_expert"),
         ArchRules("qwen3_next", **_QWEN_SHARED, hf_experts="per_expert"),
         ArchRules("qwen3_5_moe", **_QWEN_SHARED, hf_experts="fused"),
         # Nemotron-H: MoEGate is not a Linear (float anyway); fc1/fc2_latent_proj are dense.
-        ArchRules("nemotron_h", experts=("mixer.switch_mlp",), routers=("mixer.gate",),
-                  shared=("mixer.shared_experts",), hf_experts="per_expert",
-                  proj_names={"up_proj": "fc1", "down_proj": "fc2"}),
+        ArchRules(
+            "nemotron_h",
+            experts=("mixer.switch_mlp",),
+            routers=("mixer.gate",),
+            shared=("mixer.shared_experts",),
+            hf_experts="per_expert",
+            proj_names={"up_proj": "fc1", "down_proj": "fc2"},
+        ),
         # Gemma 4: the per-layer dense GeGLU MLP (`mlp`) runs beside the experts: dense role.
-        ArchRules("gemma4_text", experts=("experts.switch_glu",), routers=("router.proj",),
-                  hf_experts="fused", expert_module="experts.switch_glu"),
-        ArchRules("gemma4", experts=("experts.switch_glu",), routers=("router.proj",),
-                  hf_experts="fused", expert_module="experts.switch_glu"),  # multimodal wrapper
-        ArchRules("gpt_oss", experts=("mlp.experts",), routers=("mlp.router",),
-                  hf_experts="gpt_oss", expert_module="experts"),
-        ArchRules("mixtral", experts=("block_sparse_moe.switch_mlp",),
-                  routers=("block_sparse_moe.gate",), hf_experts="per_expert",
-                  proj_names={"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
-        ArchRules("deepseek_v3", experts=("mlp.switch_mlp",), routers=("mlp.gate",),
-                  shared=("mlp.shared_experts",), hf_experts="per_expert"),
+        ArchRules(
+            "gemma4_text",
+            experts=("experts.switch_glu",),
+            routers=("router.proj",),
+            hf_experts="fused",
+            expert_module="experts.switch_glu",
+        ),
+        ArchRules(
+            "gemma4",
+            experts=("experts.switch_glu",),
+            routers=("router.proj",),
+            hf_experts="fused",
+            expert_module="experts.switch_glu",
+        ),  # multimodal wrapper
+        ArchRules(
+            "gpt_oss",
+            experts=("mlp.experts",),
+            routers=("mlp.router",),
+            hf_experts="gpt_oss",
+            expert_module="experts",
+        ),
+        ArchRules(
+            "mixtral",
+            experts=("block_sparse_moe.switch_mlp",),
+            routers=("block_sparse_moe.gate",),
+            hf_experts="per_expert",
+            proj_names={"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+        ),
+        ArchRules(
+            "deepseek_v3",
+            experts=("mlp.switch_mlp",),
+            routers=("mlp.gate",),
+            shared=("mlp.shared_experts",),
+            hf_experts="per_expert",
+        ),
         ArchRules("llama"),  # dense only (SmolLM2, Llama 3)
         ArchRules("qwen3"),  # dense only
     )

@@ -81,8 +81,9 @@ class SafetensorsReader:
                 raise ModelLoadError(f"corrupt shard index: {e}", str(index)) from e
             for f in files:
                 if not (self.folder / f).exists():
-                    raise ModelLoadError(f"missing weight shard {f} (listed in the index)",
-                                         str(self.folder / f))
+                    raise ModelLoadError(
+                        f"missing weight shard {f} (listed in the index)", str(self.folder / f)
+                    )
         else:
             weight_map = None
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -95,20 +96,26 @@ class SafetensorsReader:
                 if name == "__metadata__":
                     continue
                 if t["dtype"] not in _ST:
-                    raise ModelLoadError(f"tensor {name!r} has unsupported dtype {t['dtype']}",
-                                         str(path))
+                    raise ModelLoadError(
+                        f"tensor {name!r} has unsupported dtype {t['dtype']}", str(path)
+                    )
                 if name in self.tensors:
-                    raise ModelLoadError(f"tensor {name!r} is in two shards "
-                                         f"({self.tensors[name].file.name} and {f})", str(path))
+                    raise ModelLoadError(
+                        f"tensor {name!r} is in two shards "
+                        f"({self.tensors[name].file.name} and {f})",
+                        str(path),
+                    )
                 lo, hi = t["data_offsets"]
-                self.tensors[name] = TensorInfo(name, path, t["dtype"], tuple(t["shape"]),
-                                                data_start + lo, hi - lo)
+                self.tensors[name] = TensorInfo(
+                    name, path, t["dtype"], tuple(t["shape"]), data_start + lo, hi - lo
+                )
         if weight_map is not None:
             for name, f in weight_map.items():
                 info = self.tensors.get(name)
                 if info is None or info.file.name != f:
-                    raise ModelLoadError(f"tensor {name!r} listed in the index is not in {f}",
-                                         str(self.folder / f))
+                    raise ModelLoadError(
+                        f"tensor {name!r} listed in the index is not in {f}", str(self.folder / f)
+                    )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -127,11 +134,15 @@ class SafetensorsReader:
 
         np_dtype = _ST[info.dtype][0]
         buf = np.empty(nbytes, dtype=np.uint8)
-        n = os.preadv(self._fd(info.file), [memoryview(buf)], info.start + offset) \
-            if hasattr(os, "preadv") else _pread_into(self._fd(info.file), buf, info.start + offset)
+        n = (
+            os.preadv(self._fd(info.file), [memoryview(buf)], info.start + offset)
+            if hasattr(os, "preadv")
+            else _pread_into(self._fd(info.file), buf, info.start + offset)
+        )
         if n != nbytes:
-            raise ModelLoadError(f"tensor {info.name!r} is truncated (read {n} of {nbytes} "
-                                 "bytes)", str(info.file))
+            raise ModelLoadError(
+                f"tensor {info.name!r} is truncated (read {n} of {nbytes} bytes)", str(info.file)
+            )
         arr = mx.array(buf.view(np_dtype).reshape(shape))
         return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
 
@@ -147,8 +158,7 @@ class SafetensorsReader:
         if not info.shape or not 0 <= start < stop <= info.shape[0]:
             raise IndexError(f"{name}: rows [{start}, {stop}) of shape {info.shape}")
         row = info.nbytes // info.shape[0]
-        return self._read(info, start * row, (stop - start) * row,
-                          (stop - start, *info.shape[1:]))
+        return self._read(info, start * row, (stop - start) * row, (stop - start, *info.shape[1:]))
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -164,7 +174,7 @@ class SafetensorsReader:
 
 def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
     data = os.pread(fd, buf.nbytes, offset)
-    memoryview(buf)[:len(data)] = data
+    memoryview(buf)[: len(data)] = data
     return len(data)
 
 
@@ -186,8 +196,9 @@ class ShardedWriter:
     """Writes tensors planned up front into `model-XXXXX-of-YYYYY.safetensors` shards plus the
     index; each tensor may arrive whole or as blocks of rows, in any order."""
 
-    def __init__(self, folder: str | os.PathLike, plan: list[OutTensor],
-                 max_shard_bytes: int = 5 << 30):
+    def __init__(
+        self, folder: str | os.PathLike, plan: list[OutTensor], max_shard_bytes: int = 5 << 30
+    ):
         self.folder = Path(folder)
         shards: list[list[OutTensor]] = [[]]
         size = 0
@@ -208,8 +219,11 @@ class ShardedWriter:
             header: dict = {"__metadata__": {"format": "mlx"}}
             off = 0
             for t in tensors:
-                header[t.name] = {"dtype": _MX_TO_ST[t.dtype], "shape": list(t.shape),
-                                  "data_offsets": [off, off + t.nbytes]}
+                header[t.name] = {
+                    "dtype": _MX_TO_ST[t.dtype],
+                    "shape": list(t.shape),
+                    "data_offsets": [off, off + t.nbytes],
+                }
                 off += t.nbytes
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # safetensors: data starts 8-byte aligned
@@ -230,8 +244,11 @@ class ShardedWriter:
         import mlx.core as mx
 
         fd, off, t = self._where[name]
-        if mx_dtype_name(arr.dtype) != t.dtype or tuple(arr.shape[1:]) != t.shape[1:] or (
-                not t.shape and arr.shape != ()):
+        if (
+            mx_dtype_name(arr.dtype) != t.dtype
+            or tuple(arr.shape[1:]) != t.shape[1:]
+            or (not t.shape and arr.shape != ())
+        ):
             raise ValueError(f"{name}: got {arr.dtype} {arr.shape}, planned {t.dtype} {t.shape}")
         if t.shape and row + arr.shape[0] > t.shape[0]:
             raise ValueError(f"{name}: rows {row}..{row + arr.shape[0]} beyond {t.shape[0]}")
@@ -254,7 +271,10 @@ class ShardedWriter:
         if short:
             raise RuntimeError(f"tensors not completely written: {short[:5]}")
         total = sum(t.nbytes for _, _, t in self._where.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": dict(sorted(self.weight_map.items())),
+        }
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def abort(self) -> None:

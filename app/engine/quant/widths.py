@@ -60,8 +60,9 @@ class RoleWidths:
                 raise ValueError(f"bad width {part!r}: expected role=bits, e.g. routed=2")
             role, val = (s.strip() for s in part.split("=", 1))
             if role not in ROLES:
-                raise ValueError(f"bad width {part!r}: unknown role {role!r}; roles are "
-                                 f"{', '.join(ROLES)}")
+                raise ValueError(
+                    f"bad width {part!r}: unknown role {role!r}; roles are {', '.join(ROLES)}"
+                )
             group = w[role].group_size
             try:
                 if "/" in val:
@@ -69,8 +70,9 @@ class RoleWidths:
                     group = int(g)
                 bits = None if val in ("16", "float", "fp16", "bf16") else int(val)
             except ValueError:
-                raise ValueError(f"bad width {part!r}: expected role=bits[/group], e.g. "
-                                 "routed=2 or routed=3/32") from None
+                raise ValueError(
+                    f"bad width {part!r}: expected role=bits[/group], e.g. routed=2 or routed=3/32"
+                ) from None
             w = replace(w, **{role: RoleWidth(bits, group)})
         return w
 
@@ -79,4 +81,10 @@ class RoleWidths:
 
     @classmethod
     def from_dict(cls, d: dict) -> RoleWidths:
-        return cls(**{r: RoleWidth(v.get("bits"), v.get("group_size", 64)) for r, v in d.items() if r in ROLES})
+        return cls(
+            **{
+                r: RoleWidth(v.get("bits"), v.get("group_size", 64))
+                for r, v in d.items()
+                if r in ROLES
+            }
+        )

@@ -107,7 +107,12 @@ TINY_CONFIGS: dict[str, dict] = {
         "vocab_size_per_layer_input": TINY_VOCAB,
         "sliding_window": 16,
         "sliding_window_pattern": 2,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
         "attention_k_eq_v": True,
         "use_double_wide_mlp": False,
         "enable_moe_block": True,
@@ -132,7 +137,12 @@ TINY_CONFIGS: dict[str, dict] = {
         "num_key_value_heads": 2,
         "sliding_window": 16,
         "rope_theta": 150000,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
     },
     "llama": {
         "model_type": "llama",
@@ -200,14 +210,22 @@ def _randomize(model, seed: int, scale: float) -> None:
         if not mx.issubdtype(p.dtype, mx.floating):
             new.append((name, p))
             continue
-        k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.split(key, i + 2)[-1]
+        k = (
+            mx.random.fold_in(key, i)
+            if hasattr(mx.random, "fold_in")
+            else mx.random.split(key, i + 2)[-1]
+        )
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and leaf == "weight":
             v = 1.0 + 0.1 * mx.random.normal(p.shape, key=k)
         elif leaf in ("A_log",):
             v = mx.random.uniform(0.0, 1.0, p.shape, key=k)
         elif leaf in ("D", "dt_bias"):
-            v = mx.random.uniform(0.5, 1.5, p.shape, key=k) if leaf == "D" else mx.random.uniform(-2.0, -1.0, p.shape, key=k)
+            v = (
+                mx.random.uniform(0.5, 1.5, p.shape, key=k)
+                if leaf == "D"
+                else mx.random.uniform(-2.0, -1.0, p.shape, key=k)
+            )
         else:
             v = scale * mx.random.normal(p.shape, key=k)
         new.append((name, v.astype(p.dtype)))

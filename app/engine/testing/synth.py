@@ -34,15 +34,17 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 def _quant_outputs(name: str, shape: tuple, w, dtype: str) -> list[OutTensor]:
     module = name.rpartition(".")[0]
     rows, cols = shape[:-1], shape[-1]
-    return [OutTensor(f"{module}.weight", "uint32", (*rows, cols * w.bits // 32)),
-            OutTensor(f"{module}.scales", dtype, (*rows, cols // w.group_size)),
-            OutTensor(f"{module}.biases", dtype, (*rows, cols // w.group_size))]
+    return [
+        OutTensor(f"{module}.weight", "uint32", (*rows, cols * w.bits // 32)),
+        OutTensor(f"{module}.scales", dtype, (*rows, cols // w.group_size)),
+        OutTensor(f"{module}.biases", dtype, (*rows, cols // w.group_size)),
+    ]
 
 
 def _scales(rng, shape, fan_in: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Affine scale and bias so that codes uniform in [0, 2^b) give a zero-mean weight with
     std ~ 1/sqrt(fan_in)."""
-    levels = 2 ** bits
+    levels = 2**bits
     code_std = np.sqrt((levels * levels - 1) / 12.0)
     s = (rng.uniform(0.8, 1.2, shape) / np.sqrt(fan_in) / code_std).astype(np.float32)
     return s, -s * (levels - 1) / 2.0
@@ -100,8 +102,12 @@ def write_random_converted(
     folder = Path(folder)
     with atomic_folder(folder) as tmp:
         # dense tensors
-        per_plan = [_quant_outputs(p.name, p.shape, p.width, dtype) if p.width is not None
-                    else [OutTensor(p.name, dtype, p.shape)] for p in plans]
+        per_plan = [
+            _quant_outputs(p.name, p.shape, p.width, dtype)
+            if p.width is not None
+            else [OutTensor(p.name, dtype, p.shape)]
+            for p in plans
+        ]
         outs = [o for po in per_plan for o in po]
         layouts = []
         for mod, projs in exp_mods.items():
@@ -117,15 +123,18 @@ def write_random_converted(
                     tensors.append((f"{pr}.weight", dtype, (out_d, in_d)))
                     q[pr] = None
                 else:
-                    tensors += [(f"{pr}.weight", "uint32", (out_d, in_d * w.bits // 32)),
-                                (f"{pr}.scales", dtype, (out_d, in_d // w.group_size)),
-                                (f"{pr}.biases", dtype, (out_d, in_d // w.group_size))]
+                    tensors += [
+                        (f"{pr}.weight", "uint32", (out_d, in_d * w.bits // 32)),
+                        (f"{pr}.scales", dtype, (out_d, in_d // w.group_size)),
+                        (f"{pr}.biases", dtype, (out_d, in_d // w.group_size)),
+                    ]
                     q[pr] = {"bits": w.bits, "group_size": w.group_size, "mode": w.mode}
                 if f"{mod}.{pr}.bias" in shapes:
                     tensors.append((f"{pr}.bias", dtype, (out_d,)))
             layouts.append(LayerLayout.plan(int(m.group(1)), mod, n_exp, tensors, q))
         total = sum(o.nbytes for o in outs) + sum(
-            lay.record_size * lay.num_experts for lay in layouts)
+            lay.record_size * lay.num_experts for lay in layouts
+        )
         done = 0
 
         writer = ShardedWriter(tmp, outs, max_shard_bytes=max_shard_bytes)
@@ -138,16 +147,19 @@ def write_random_converted(
                 for r0 in range(0, rows, step):
                     r1 = min(rows, r0 + step)
                     if p.width is None:
-                        v = _float_values(rng, p.name, (r1 - r0, *p.shape[1:]) if len(
-                            p.shape) > 1 else p.shape)
+                        v = _float_values(
+                            rng, p.name, (r1 - r0, *p.shape[1:]) if len(p.shape) > 1 else p.shape
+                        )
                         writer.write(p.name, _mx(v, dtype), r0)
                         continue
                     w = p.width
                     n_words = p.shape[-1] * w.bits // 32
-                    codes = rng.integers(0, 2 ** 32, (r1 - r0, *p.shape[1:-1], n_words),
-                                         dtype=np.uint32)
-                    s, b = _scales(rng, (*codes.shape[:-1], p.shape[-1] // w.group_size),
-                                   p.shape[-1], w.bits)
+                    codes = rng.integers(
+                        0, 2**32, (r1 - r0, *p.shape[1:-1], n_words), dtype=np.uint32
+                    )
+                    s, b = _scales(
+                        rng, (*codes.shape[:-1], p.shape[-1] // w.group_size), p.shape[-1], w.bits
+                    )
                     writer.write(f"{module}.weight", mx.array(codes), r0)
                     writer.write(f"{module}.scales", _mx(s, dtype), r0)
                     writer.write(f"{module}.biases", _mx(b, dtype), r0)
@@ -164,16 +176,18 @@ def write_random_converted(
         # mlx-lm's per-module quantization, as the converter writes it
         top = widths.dense
         quant = {"group_size": top.group_size, "bits": top.bits or 4, "mode": top.mode}
-        planned = {p.name.rpartition(".")[0]: p.width for p in plans
-                   if p.name.endswith(".weight")}
+        planned = {p.name.rpartition(".")[0]: p.width for p in plans if p.name.endswith(".weight")}
         for lay in layouts:
             for pr, qp in lay.quantization.items():
                 quant[f"{lay.module}.{pr}"] = qp or False
         for path, mod in modules.items():
             if hasattr(mod, "to_quantized") and path not in quant:
                 w = planned.get(path)
-                quant[path] = {"group_size": w.group_size, "bits": w.bits,
-                               "mode": w.mode} if w is not None else False
+                quant[path] = (
+                    {"group_size": w.group_size, "bits": w.bits, "mode": w.mode}
+                    if w is not None
+                    else False
+                )
         cfg = dict(config, quantization=quant, torch_dtype=dtype)
         cfg.setdefault("eos_token_id", 2)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -181,11 +195,20 @@ def write_random_converted(
         dense_bytes = sum(o.nbytes for o in outs)
         expert_bytes = sum(lay.record_size * lay.num_experts for lay in layouts)
         man = Manifest(
-            architecture=mt, name=folder.name, source=f"random:seed={seed}",
+            architecture=mt,
+            name=folder.name,
+            source=f"random:seed={seed}",
             roles={"routed": {"bits": widths.routed.bits, "bytes": expert_bytes}},
-            experts=experts_section(layouts), total_bytes=dense_bytes + expert_bytes,
-            extra={"widths": widths.to_dict(), "synthesized": {
-                "seconds": round(time.perf_counter() - t0, 1), "dense_bytes": dense_bytes}})
+            experts=experts_section(layouts),
+            total_bytes=dense_bytes + expert_bytes,
+            extra={
+                "widths": widths.to_dict(),
+                "synthesized": {
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "dense_bytes": dense_bytes,
+                },
+            },
+        )
         man.save(tmp)
     return man
 
@@ -204,7 +227,7 @@ def _write_layer(folder: Path, lay: LayerLayout, seed: tuple, dtype: str) -> Lay
     expert (distinct experts without generating every byte), scales drawn per expert."""
     rng = np.random.default_rng(seed)
     code_bytes = sum(t.nbytes for t in lay.tensors if t.dtype == "uint32")
-    pool = rng.integers(0, 2 ** 32, (2 * code_bytes) // 4 + 1024, dtype=np.uint32)
+    pool = rng.integers(0, 2**32, (2 * code_bytes) // 4 + 1024, dtype=np.uint32)
     lw = LayerWriter(folder, lay)
     try:
         for e in range(lay.num_experts):
@@ -214,7 +237,7 @@ def _write_layer(folder: Path, lay: LayerLayout, seed: tuple, dtype: str) -> Lay
                 proj, _, leaf = t.name.rpartition(".")
                 if t.dtype == "uint32":
                     n = t.nbytes // 4
-                    rec[t.name] = pool[pos:pos + n].reshape(t.shape)
+                    rec[t.name] = pool[pos : pos + n].reshape(t.shape)
                     pos += n
                 elif leaf == "scales":
                     q = lay.quantization[proj]
@@ -234,8 +257,9 @@ def _write_layer(folder: Path, lay: LayerLayout, seed: tuple, dtype: str) -> Lay
         raise
 
 
-def _write_layers(folder: Path, layouts: list[LayerLayout], seed: int, dtype: str,
-                  done: int, total: int, progress) -> tuple[list[LayerLayout], int]:
+def _write_layers(
+    folder: Path, layouts: list[LayerLayout], seed: int, dtype: str, done: int, total: int, progress
+) -> tuple[list[LayerLayout], int]:
     """Every layer's records, several layers at once in worker processes (spawned: no MLX
     state is inherited); a layer's data depends only on (seed, layer)."""
     import multiprocessing as mp
@@ -248,12 +272,12 @@ def _write_layers(folder: Path, layouts: list[LayerLayout], seed: int, dtype: st
         ex = None
     else:
         ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-        pending = [(lay, ex.submit(_write_layer, folder, lay, (seed, lay.layer), dtype))
-                   for lay in layouts]
+        pending = [
+            (lay, ex.submit(_write_layer, folder, lay, (seed, lay.layer), dtype)) for lay in layouts
+        ]
     try:
         for lay, fut in pending:
-            done_lay = fut.result() if fut else _write_layer(folder, lay, (seed, lay.layer),
-                                                             dtype)
+            done_lay = fut.result() if fut else _write_layer(folder, lay, (seed, lay.layer), dtype)
             out.append(done_lay)
             done += lay.record_size * lay.num_experts
             if progress:
@@ -264,10 +288,17 @@ def _write_layers(folder: Path, layouts: list[LayerLayout], seed: int, dtype: st
     return out, done
 
 
-def write_random_experts(folder: str | os.PathLike, num_layers: int, num_experts: int,
-                         projs: dict[str, tuple[int, int]], bits: int = 2,
-                         group_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
-                         module: str = "backbone.layers.{layer}.mixer.switch_mlp") -> dict:
+def write_random_experts(
+    folder: str | os.PathLike,
+    num_layers: int,
+    num_experts: int,
+    projs: dict[str, tuple[int, int]],
+    bits: int = 2,
+    group_size: int = 64,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    module: str = "backbone.layers.{layer}.mixer.switch_mlp",
+) -> dict:
     """Expert records alone (no model around them) -> the manifest's `experts` section, also
     saved as `experts.json` in `folder`. `projs`: projection -> (out, in), e.g. Nemotron 3
     Super's {"fc1": (2688, 1024), "fc2": (1024, 2688)}: records of a real model's size for
@@ -278,12 +309,13 @@ def write_random_experts(folder: str | os.PathLike, num_layers: int, num_experts
     for layer in range(num_layers):
         tensors, q = [], {}
         for pr, (out_d, in_d) in projs.items():
-            tensors += [(f"{pr}.weight", "uint32", (out_d, in_d * bits // 32)),
-                        (f"{pr}.scales", dtype, (out_d, in_d // group_size)),
-                        (f"{pr}.biases", dtype, (out_d, in_d // group_size))]
+            tensors += [
+                (f"{pr}.weight", "uint32", (out_d, in_d * bits // 32)),
+                (f"{pr}.scales", dtype, (out_d, in_d // group_size)),
+                (f"{pr}.biases", dtype, (out_d, in_d // group_size)),
+            ]
             q[pr] = {"bits": bits, "group_size": group_size, "mode": "affine"}
-        layouts.append(LayerLayout.plan(layer, module.format(layer=layer), num_experts,
-                                        tensors, q))
+        layouts.append(LayerLayout.plan(layer, module.format(layer=layer), num_experts, tensors, q))
     layouts, _ = _write_layers(folder, layouts, seed, dtype, 0, 0, None)
     section = experts_section(layouts)
     (folder / "experts.json").write_text(json.dumps(section))

@@ -57,9 +57,17 @@ CORE = {
 # Fields a family needs beyond the core (a generic small value does not build it).
 OVERRIDES = {
     "stablelm": {"partial_rotary_factor": 0.25, "use_qkv_bias": False},
-    "minicpm3": {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
-                                  "long_factor": [1.0] * 8, "original_max_position_embeddings": 1024},
-                 "scale_emb": 1.0, "dim_model_base": 128, "scale_depth": 1.0},
+    "minicpm3": {
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [1.0] * 8,
+            "original_max_position_embeddings": 1024,
+        },
+        "scale_emb": 1.0,
+        "dim_model_base": 128,
+        "scale_depth": 1.0,
+    },
 }
 
 
@@ -120,7 +128,11 @@ def build(model_type: str, seed: int = 0, scale: float = 0.05):
 
     mod = importlib.import_module(f"mlx_lm.models.{model_type}")
     cfg = tiny_config(model_type)
-    args = mod.ModelArgs.from_dict(cfg) if hasattr(mod.ModelArgs, "from_dict") else mod.ModelArgs(**cfg)
+    args = (
+        mod.ModelArgs.from_dict(cfg)
+        if hasattr(mod.ModelArgs, "from_dict")
+        else mod.ModelArgs(**cfg)
+    )
     model = mod.Model(args)
     key = mx.random.key(seed)
     params = []
@@ -133,4 +145,3 @@ def build(model_type: str, seed: int = 0, scale: float = 0.05):
     model.update(tree_unflatten(params))
     mx.eval(model.parameters())
     return model, cfg
-

@@ -47,7 +47,9 @@ def make_cache(
     out = []
     for i, c in enumerate(base):
         if i in reasons and reasons[i] is None:
-            c = IsoQuantKVCache(rotation, key_bits, value_bits, window, seed, i, decoded_shadow, sink)
+            c = IsoQuantKVCache(
+                rotation, key_bits, value_bits, window, seed, i, decoded_shadow, sink
+            )
         elif reasons.get(i):
             c.fallback_reason = reasons[i]
         out.append(c)
