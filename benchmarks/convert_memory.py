@@ -31,27 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from app.engine.testing.shapes import QWEN3_30B_A3B  # noqa: E402
 
-QWEN3_30B_SHAPE = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "moe_intermediate_size": 768,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 151936,
-    "rope_theta": 1e6,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 40960,
-    "norm_topk_prob": True,
-    "torch_dtype": "bfloat16",
-}
+QWEN3_30B_SHAPE = {**QWEN3_30B_A3B, "torch_dtype": "bfloat16"}
 SMALL_SHAPE = {
     **QWEN3_30B_SHAPE,
     "hidden_size": 512,

@@ -33,34 +33,13 @@ import mlx.nn as nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-
 from record import RESULTS, write_result  # noqa: E402
 
 from app.engine import compiled  # noqa: E402
 from app.engine.generate import prepare_model, token_stream  # noqa: E402
 from app.engine.planner import prefill_chunk_for  # noqa: E402
+from app.engine.testing.shapes import QWEN3_30B_A3B  # noqa: E402
 
-# Qwen/Qwen3-30B-A3B's config.json (the fields mlx-lm reads)
-QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "intermediate_size": 6144,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "moe_intermediate_size": 768,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 151936,
-    "rope_theta": 1e6,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 40960,
-    "norm_topk_prob": True,
-}
 TINY = {
     "hidden_size": 128,
     "moe_intermediate_size": 64,

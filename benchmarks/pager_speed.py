@@ -44,31 +44,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from app.engine.testing.shapes import QWEN3_30B_A3B  # noqa: E402
 
 SUPER = "nemotron-3-super-120b-a12b"
 SUPER_RECORDS = {"fc1": (2688, 1024), "fc2": (1024, 2688)}  # (out, in): latent 1024 -> 2688
 SUPER_K, SUPER_EXPERTS, SUPER_MOE_LAYERS, SUPER_LAYERS = 22, 512, 40, 88
 SUPER_BUDGET = 17e9
-QWEN3 = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "moe_intermediate_size": 768,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 151936,
-    "rope_theta": 1e6,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 40960,
-    "norm_topk_prob": True,
-    "num_hidden_layers": 48,
-}
+QWEN3 = QWEN3_30B_A3B
 PROMPT = 4
 T0 = time.perf_counter()
 READ_PATH: dict = {}  # cpu mode: the read path's variants side by side
