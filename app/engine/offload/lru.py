@@ -65,13 +65,17 @@ class ExpertLRU:
         if self.free:
             slot = self.free.popleft()
         else:
-            evicted = next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
+            evicted = self._victim()
             if evicted is None:
                 raise NoFreeSlot(f"all {self.num_slots} slots are pinned")
             slot = self.slot_of.pop(evicted)
         self.slot_of[key] = slot
         self.key_of[slot] = key
         return Allocation(key, slot, evicted)
+
+    def _victim(self) -> Hashable | None:
+        """The key to evict: the least recently used unpinned one (None: all are pinned)."""
+        return next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
 
     def deallocate(self, key: Hashable) -> int:
         """Drop `key` (its slot goes back to the free deque); a pinned slot cannot be freed."""
@@ -167,25 +171,20 @@ class ExpertSLRU(ExpertLRU):
         return slot
 
     def allocate(self, key: Hashable) -> Allocation:
-        assert key not in self.slot_of, f"{key} is already resident"
-        evicted = None
-        if self.free:
-            slot = self.free.popleft()
-        else:
-            evicted = next((k for k in self.probation if self.slot_of[k] not in self.pinned), None)
-            if evicted is None:
-                evicted = next(
-                    (k for k in self.protected if self.slot_of[k] not in self.pinned), None
-                )
-            if evicted is None:
-                raise NoFreeSlot(f"all {self.num_slots} slots are pinned")
-            self.probation.pop(evicted, None)
-            self.protected.pop(evicted, None)
-            slot = self.slot_of.pop(evicted)
-        self.slot_of[key] = slot
-        self.key_of[slot] = key
+        a = super().allocate(key)
+        if a.evicted is not None:
+            self.probation.pop(a.evicted, None)
+            self.protected.pop(a.evicted, None)
         self.probation[key] = None
-        return Allocation(key, slot, evicted)
+        return a
+
+    def _victim(self) -> Hashable | None:
+        """Probation's least recently used unpinned key first, then protected's."""
+        for seg in (self.probation, self.protected):
+            k = next((k for k in seg if self.slot_of[k] not in self.pinned), None)
+            if k is not None:
+                return k
+        return None
 
     def deallocate(self, key: Hashable) -> int:
         slot = super().deallocate(key)
