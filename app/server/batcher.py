@@ -229,6 +229,16 @@ class Batcher:
     # -- the batcher thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # MLX's per-thread streams must go before this thread ends: their destructors
+            # otherwise take the GIL during interpreter shutdown and abort the process.
+            import mlx.core as mx
+
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
             eng = self._engine_or_loader
             self.engine = eng() if callable(eng) else eng
             self.state = "ready"
