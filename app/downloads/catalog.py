@@ -4,7 +4,6 @@ and the disk-space check shown before a download."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -92,10 +91,3 @@ def disk_check(folder: str | Path, parts: dict[str, int], reserve: int | None = 
     free = transfer.free_bytes(folder)
     keep = transfer.disk_reserve() if reserve is None else reserve
     return DiskCheck(str(folder), free, sum(parts.values()), keep, dict(parts))
-
-
-def disk_total(folder: str | Path) -> int:
-    p = Path(folder)
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).total

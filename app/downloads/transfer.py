@@ -352,9 +352,6 @@ class Downloader:
         self.meter.emit(force=True)
         return out
 
-    def discard_partials(self) -> None:
-        shutil.rmtree(self.partial, ignore_errors=True)
-
     def _fetch(self, f: hub.RemoteFile) -> str:
         """Bring one file into place, verified; returns its sha256."""
         part, side = self._part(f)

@@ -26,11 +26,6 @@ class Backend:
         """KV-cache modes this backend can run (the modes table's rows, research ones included)."""
         return kvcache.names(self.name)
 
-    @property
-    def fused_isoquant(self) -> bool:
-        """Whether IsoQuant's fused kernels (rather than the MLX-ops reference) can run."""
-        return self.metal_kernels or self.cuda_kernels
-
     def unavailable_reason(self, kv_mode: str) -> str | None:
         return kvcache.unavailable_reason(kv_mode, self.name)
 

@@ -5,7 +5,6 @@ The engine loads only local paths; nothing here talks to the hub.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import struct
@@ -188,12 +187,6 @@ def mlx_lm_has_model(model_type: str) -> bool:
     except (OSError, SyntaxError, ValueError):
         pass  # no remapping known: the module name is the model type
     return (root / "models" / f"{remap.get(model_type, model_type)}.py").is_file()
-
-
-def architecture_module(model_type: str):
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    return importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
 
 
 @contextmanager

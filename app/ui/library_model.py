@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, Signal
 from PySide6.QtGui import QColor
@@ -536,7 +535,3 @@ class CatalogModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.UserRole:
             return e.repo
         return None
-
-
-def ref_is_folder(ref: str) -> bool:
-    return ref != DEFAULT_MODEL_REF and Path(ref).is_dir()

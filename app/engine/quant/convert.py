@@ -107,10 +107,6 @@ def _quant_shapes(rows_shape: tuple, in_dims: int, dtype, w: RoleWidth) -> list[
     ]
 
 
-def _qkey(w: RoleWidth | None) -> tuple | None:
-    return None if w is None else (w.bits, w.group_size, w.mode)
-
-
 def _strip_quant(config: dict) -> dict:
     cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     if isinstance(cfg.get("text_config"), dict):

@@ -41,15 +41,6 @@ def mx_dtype_name(dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-def st_dtype(dtype) -> str:
-    """safetensors dtype string of an MLX dtype."""
-    name = mx_dtype_name(dtype)
-    try:
-        return _MX_TO_ST[name]
-    except KeyError:
-        raise ValueError(f"dtype {name} cannot be stored in safetensors") from None
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
