@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -76,13 +78,13 @@ def measure(base: str, model: str, clients: int, tokens: int, ctx: str = "") -> 
     return {"tokens": sum(results), "seconds": wall, "tps": sum(results) / wall}
 
 
-def best_of(base, model, clients, tokens, rounds, ctx="") -> dict:
-    measure(base, model, 1, min(tokens, 8), ctx)  # warm-up: kernels, caches
-    runs = [measure(base, model, clients, tokens, ctx) for _ in range(rounds)]
-    return max(runs, key=lambda r: r["tps"])
+def warm(base: str, model: str, ctx: str) -> None:
+    measure(base, model, 1, 8, ctx)  # kernels, caches, the first compile
 
 
 def wait_up(base: str, proc: subprocess.Popen | None, timeout: float = 900) -> None:
+    """Wait for a server's /v1/models to answer 200 (mlx_lm.server answers 200 and then fails
+    to list models outside a hub cache, so only the status is read)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc is not None and proc.poll() is not None:
@@ -97,55 +99,70 @@ def wait_up(base: str, proc: subprocess.Popen | None, timeout: float = 900) -> N
     raise RuntimeError(f"{base} did not come up in {timeout:.0f} s")
 
 
-def run_ours(
-    folder: str, kv_mode: str, clients: list[int], tokens: int, rounds: int, ctx: str
-) -> dict:
-    from app.engine.generate import Engine
-    from app.server.run import ApiServer
-
-    eng = Engine()
-    info = eng.load(folder, {"kv_mode": kv_mode})
-    srv = ApiServer(eng, port=0, max_batch=max(clients)).start()
-    try:
-        assert srv.batcher.wait_ready(60)
-        out = {}
-        for c in clients:
-            out[c] = best_of(srv.url, info.name, c, tokens, rounds, ctx)
-            print(
-                f"  ours {kv_mode:10s} clients={c}: {out[c]['tps']:8.1f} tok/s "
-                f"(batch up to {srv.batcher.max_batch_seen})",
-                flush=True,
-            )
-        return out
-    finally:
-        srv.stop()
-        eng.unload()
+def first_model(base: str) -> str:
+    with urllib.request.urlopen(base + "/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
 
 
-def run_mlx_lm(folder: str, clients: list[int], tokens: int, rounds: int, ctx: str) -> dict:
-    """mlx_lm.server in its own process, batching up to the largest client count (as ours)."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}/v1"
-    n = str(max(clients))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", folder, "--port", str(port),
-         "--decode-concurrency", n, "--prompt-concurrency", n, "--max-tokens", str(tokens),
-         "--prompt-cache-size", "0", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    out = {}
-    try:
-        wait_up(base, proc)
-        for c in clients:
-            out[c] = best_of(base, "default_model", c, tokens, rounds, ctx)
-            print(f"  mlx_lm.server fp16 clients={c}: {out[c]['tps']:8.1f} tok/s", flush=True)
-    finally:
-        proc.terminate()
+class Server:
+    """A server in its own process (both are: neither shares the clients' interpreter)."""
+
+    def __init__(self, argv: list[str], name: str, model: str = ""):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}/v1"
+        self.name = name
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, *argv, "--port", str(self.port)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        self.model = model  # "" = the first the server lists
+
+    def wait(self) -> Server:
+        wait_up(self.base, self.proc)
+        self.model = self.model or first_model(self.base)
+        return self
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(30)
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.proc.kill()
+
+
+def ours(folder: str, kv_mode: str, max_batch: int) -> Server:
+    argv = ["-c", "import sys; from app.cli import main; sys.exit(main())", "serve",
+            "--model", folder, "--kv-mode", kv_mode, "--max-batch", str(max_batch)]  # fmt: skip
+    return Server(argv, f"ours {kv_mode}")
+
+
+def mlx_lm_server(folder: str, tokens: int, max_batch: int) -> Server:
+    """mlx_lm.server batching up to the largest client count (as ours), no prompt cache."""
+    n = str(max_batch)
+    argv = ["-m", "mlx_lm.server", "--model", folder, "--decode-concurrency", n,
+            "--prompt-concurrency", n, "--max-tokens", str(tokens), "--prompt-cache-size", "0",
+            "--log-level", "WARNING"]  # fmt: skip
+    return Server(argv, "mlx_lm.server", model="default_model")
+
+
+def compare(a: Server, b: Server, clients: list[int], tokens: int, rounds: int, ctx: str):
+    """Rounds alternate between the two servers (a, b, a, b, ...) at each client count, so a
+    change in the machine's load falls on both; returns {clients: (a's runs, b's runs)}."""
+    for s in (a, b):
+        warm(s.base, s.model, ctx)
+    out = {}
+    for c in clients:
+        ra, rb = [], []
+        for _ in range(rounds):
+            ra.append(measure(a.base, a.model, c, tokens, ctx))
+            rb.append(measure(b.base, b.model, c, tokens, ctx))
+        out[c] = (ra, rb)
+        print(f"  clients={c}: {a.name} {median(ra):8.1f} tok/s, {b.name} {median(rb):8.1f} tok/s "
+              f"(medians of {rounds})", flush=True)  # fmt: skip
     return out
+
+
+def median(runs: list[dict]) -> float:
+    return statistics.median(r["tps"] for r in runs)
 
 
 def qwen3_config(small: bool, layers: int | None) -> dict:
@@ -233,7 +250,9 @@ def main() -> None:
     ap.add_argument("--context-words", type=int,
                     help="filler words before each question, so the KV holds compressed tokens "
                          "(default 0 here, 400 with --qwen3)")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=1, help="rounds per point (best is kept)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds per point (the median is kept)"
+    )
     ap.add_argument("--out", help="JSON path (default benchmarks/results/server.json)")
     ap.add_argument("--include", help="a JSON this script wrote on another machine: its runs "
                                       "are kept beside this run's (e.g. the H200's)")  # fmt: skip
@@ -274,15 +293,27 @@ def main() -> None:
     )
 
     load_before = os.getloadavg()[0]  # a shared machine: the figures are ratios at best
-    theirs = run_mlx_lm(folder, clients, tokens, args.rounds, ctx)
+    top = max(clients)
+    theirs = mlx_lm_server(folder, tokens, top)
     runs = []
-    for mode in args.kv_modes.split(","):
-        ours = run_ours(folder, mode, clients, tokens, args.rounds, ctx)
-        for c in clients:
-            runs.append({"machine": machine, "model": name, "kv_mode": mode, "clients": c,
-                         "ours_tps": round(ours[c]["tps"], 2),
-                         "mlx_lm_server_tps": round(theirs[c]["tps"], 2),
-                         "ours_tokens": ours[c]["tokens"], "mlx_lm_server_tokens": theirs[c]["tokens"]})  # fmt: skip
+    try:
+        theirs.wait()
+        for mode in args.kv_modes.split(","):
+            mine = ours(folder, mode, top)
+            try:
+                res = compare(mine.wait(), theirs, clients, tokens, args.rounds, ctx)
+            finally:
+                mine.stop()
+            for c in clients:
+                ra, rb = res[c]
+                runs.append({"machine": machine, "model": name, "kv_mode": mode, "clients": c,
+                             "ours_tps": round(median(ra), 2),
+                             "mlx_lm_server_tps": round(median(rb), 2),
+                             "ours_rounds": [round(r["tps"], 2) for r in ra],
+                             "mlx_lm_server_rounds": [round(r["tps"], 2) for r in rb],
+                             "ours_tokens": ra[0]["tokens"], "mlx_lm_server_tokens": rb[0]["tokens"]})  # fmt: skip
+    finally:
+        theirs.stop()
 
     print(
         "\n| kv_mode | clients | ours tok/s | mlx_lm.server tok/s (fp16) | ratio | vs our 1 client |"
@@ -300,8 +331,10 @@ def main() -> None:
                "context_words": words,
                "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
                "method": "each client one greedy chat completion, all sent at once; aggregate = "
-                         "completion tokens (usage) / wall time; mlx_lm.server with "
-                         "--decode-concurrency/--prompt-concurrency = the largest client count, no prompt cache"}  # fmt: skip
+                         "completion tokens (usage) / wall time; both servers in their own "
+                         "processes, rounds alternating between them, medians; mlx_lm.server "
+                         "with --decode-concurrency/--prompt-concurrency = the largest client "
+                         "count, no prompt cache"}  # fmt: skip
     if args.include:
         other = json.loads(Path(args.include).read_text())
         payload["runs"] += [r for r in other["runs"] if r["machine"] != machine]
