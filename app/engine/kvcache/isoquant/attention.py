@@ -110,6 +110,27 @@ def _scores_mask(mask, qlen: int, klen: int, hkv: int, groups: int):
     return mask  # [L, T] or [1, L, T]: broadcasts from the right
 
 
+# Score elements one reference call materializes at most (4 MiB of float32): a longer prompt
+# chunk is attended in blocks of queries, so a chunked prefill's temporaries stay below what
+# mlx-lm's float attention takes for the same chunk. A query row's scores, softmax and sums do
+# not depend on the other rows: blocks change its output by float rounding (BLAS blocking) only.
+SCORE_BLOCK = 1 << 20
+
+
+def _mask_rows(mask, lo: int, hi: int, qlen: int, klen: int):
+    """Rows [lo, hi) of the queries' mask (mask forms as _scores_mask takes them)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        q_pos = mx.arange(klen - qlen + lo, klen - qlen + hi)
+        return q_pos[:, None] >= mx.arange(klen)[None]  # [hi - lo, T]
+    if mask.shape[-2] == 1:
+        return mask  # one row for every query
+    return mask[..., lo:hi, :]
+
+
 def isoquant_attention_reference(
     queries: mx.array,
     keys: IsoQuantTensor,
@@ -119,7 +140,26 @@ def isoquant_attention_reference(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """queries: [B, Hq, L, D] -> [B, Hq, L, D] (queries' dtype); mask as mlx-lm passes it
-    (None, "causal", bool or additive [.., L, T]); sinks: [Hq] extra logits (gpt-oss)."""
+    (None, "causal", bool or additive [.., L, T]); sinks: [Hq] extra logits (gpt-oss).
+    Problems of more than SCORE_BLOCK scores run in blocks of query rows."""
+    b, hq, qlen, _ = queries.shape
+    t_all = keys.prefix_len + keys.compressed_len + keys.fp_len
+    rows = max(1, SCORE_BLOCK // max(1, b * hq * t_all))
+    if qlen <= rows:
+        return _attend(queries, keys, values, scale, mask, sinks)
+    # block outputs are evaluated one at a time: the lazy graph would otherwise keep every
+    # block's scores alive until the concatenation runs
+    outs = []
+    for lo in range(0, qlen, rows):
+        hi = min(qlen, lo + rows)
+        o = _attend(queries[:, :, lo:hi], keys, values, scale,
+                    _mask_rows(mask, lo, hi, qlen, t_all), sinks)  # fmt: skip
+        mx.eval(o)
+        outs.append(o)
+    return mx.concatenate(outs, axis=2)
+
+
+def _attend(queries, keys, values, scale, mask, sinks) -> mx.array:
     b, hq, qlen, d = queries.shape
     hkv = keys.codes.shape[1]
     if hq % hkv:

@@ -42,7 +42,7 @@ from .packing import (
     unpack_codes_tc16,
     unpack_v_codes,
 )
-from .quantizer import Quantizer, encode
+from .quantizer import Quantizer, decode, encode
 from .rotation import KINDS, Rotation
 
 
@@ -369,6 +369,15 @@ class IsoQuantKVCache(_BaseCache):
         if self._enc_k is not None and fk.shape[2] <= _COMPILED_MAX_TOKENS:
             return (*self._enc_k(fk), *self._enc_v(fv))
         return (*encode(fk, self.rotation, self.kq), *encode(fv, self.rotation, self.vq))
+
+    def dequantized(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """What attention reads for these float K/V [B, Hkv, n, D] once they are compressed:
+        (K̂, V̂) float32 in the original space, x̂ = Rᵀ ŷ (benchmarks and tests; the cache itself
+        never materializes them). Sets the cache up on first use; holds nothing."""
+        if self.rotation is None:
+            self._setup(keys.shape[1], keys.shape[-1], values.shape[-1])
+        kc, kn, vc, vn = self.encode_rows(keys, values)
+        return decode(kc, kn, self.rotation, self.kq), decode(vc, vn, self.rotation, self.vq)
 
     @classmethod
     def merge(cls, caches):
