@@ -52,6 +52,12 @@ from .lru import POLICIES, NoFreeSlot
 from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
 from .stats import LayerStats, per_token, total
 
+# the host's work of a paged call by part (seconds, summed; `stats()["host_parts"]` per token):
+# readback: wait for the router's indices; ids: which experts hit or miss (and the counts);
+# policy: the cache's bookkeeping (pins, recency, victims); reads: the misses' reads (wall,
+# dispatch included); scatter: staged records into the slots (not on the zero-copy path);
+# index: the slot index array the layer gathers with; graph: the layer's expert graph
+HOST_PARTS = ("readback", "ids", "policy", "reads", "scatter", "index", "graph")
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
 
 _NP_STORAGE = {
@@ -284,6 +290,7 @@ class ExpertPager:
         self._first_layer = layers[0]  # its calls mark forward passes (token clock)
         self._tick: float | None = None
         self.tokens, self.token_s = 0, 0.0
+        self.host_parts = dict.fromkeys(HOST_PARTS, 0.0)
         self._copier = None
         if not self.zero_copy and options.device_copy is not False:
             from .cuda_copy import DeviceCopier
@@ -326,6 +333,9 @@ class ExpertPager:
             layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()},
         )
         out.update(per_token(out, self.tokens, self.token_s))
+        out["token_s"] = self.token_s
+        n = self.tokens
+        out["host_parts"] = {k: 1000 * v / n for k, v in self.host_parts.items()} if n else None
         return out
 
     def reset_stats(self) -> None:
@@ -333,6 +343,7 @@ class ExpertPager:
             resident = st.resident
             self.layer_stats[layer] = LayerStats(resident=resident)
         self._tick, self.tokens, self.token_s = None, 0, 0.0
+        self.host_parts = dict.fromkeys(HOST_PARTS, 0.0)
 
     def route(self, layer: int, indices) -> Route:
         """Slots for one call of `layer`'s experts with router `indices` [..., k]."""
@@ -359,6 +370,7 @@ class ExpertPager:
         flat = np.array(indices, copy=True).reshape(-1).astype(np.int64)
         t1 = time.perf_counter()
         st.readback_s += t1 - t0
+        self.host_parts["readback"] += t1 - t0
         st.readbacks += 1
         read_before = st.read_s
         try:
@@ -369,6 +381,7 @@ class ExpertPager:
     def _route_host(self, layer: int, indices, flat: np.ndarray, st: LayerStats) -> Route:
         import mlx.core as mx
 
+        t0 = time.perf_counter()
         self.release()
         pool = self.pool_of[layer]
         ne = pool.num_experts[layer]
@@ -380,9 +393,13 @@ class ExpertPager:
         if len(uniq) > pool.num_slots:
             st.split_calls += 1
             return self._split(layer, flat, uniq)
+        self.host_parts["ids"] += time.perf_counter() - t0
         table = self._acquire(layer, uniq.tolist(), flat)
+        t1 = time.perf_counter()
         slots = table[flat].astype(np.uint32).reshape(indices.shape)
-        return Route(slot_idx=mx.array(slots), slots=slots)
+        route = Route(slot_idx=mx.array(slots), slots=slots)
+        self.host_parts["index"] += time.perf_counter() - t1
+        return route
 
     def acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
         """Pin `experts` of `layer` (reading misses); returns expert -> slot (numpy table)."""
@@ -446,9 +463,13 @@ class ExpertPager:
     def _acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
         pool = self.pool_of[layer]
         st = self.layer_stats[layer]
+        parts = self.host_parts
+        t0 = time.perf_counter()
         keys = [(layer, e) for e in experts]
         pool.pass_keys += len(keys)
         missing = {e for e in experts if (layer, e) not in pool.lru}
+        t1 = time.perf_counter()
+        parts["ids"] += t1 - t0
         try:
             slots, allocs = pool.lru.resolve(keys)
         except NoFreeSlot as e:  # callers release pins first, so this is a bug
@@ -459,19 +480,25 @@ class ExpertPager:
                 old.evictions += 1
                 old.resident -= 1
             st.resident += 1
+        t2 = time.perf_counter()
+        parts["policy"] += t2 - t1
         if allocs:
             try:
                 self._read_into(pool, layer, [(a.key[1], a.slot) for a in allocs])
             except BaseException:
                 self._free_failed(pool, allocs)
                 raise
+        t3 = time.perf_counter()
         n_miss = int(np.isin(flat, list(missing)).sum()) if missing else 0
         pairs = int(np.isin(flat, experts).sum())
         st.misses += n_miss
         st.hits += pairs - n_miss
+        t4 = time.perf_counter()
+        parts["ids"] += t4 - t3
         table = np.zeros(pool.num_experts[layer], dtype=np.int64)
         for (_, e), s in slots.items():
             table[e] = s
+        parts["index"] += time.perf_counter() - t4
         return table
 
     def _free_failed(self, pool: SlotPool, allocs: list) -> None:
@@ -495,6 +522,7 @@ class ExpertPager:
         t0 = time.perf_counter()
         lay = self.store.layout(layer)
         fd = self._layer_fd(layer)
+        scatter = 0.0
         if self.zero_copy:
             self._map(lambda es: self._read_direct(pool, layer, lay, fd, *es), todo)
         else:
@@ -507,17 +535,22 @@ class ExpertPager:
                     lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
                     list(enumerate(e for e, _ in batch)),
                 )
+                ts = time.perf_counter()
                 if self._copier is not None:
                     pool.copy_staged(self._copier, [s for _, s in batch])
-                    continue
-                pool.scatter([s for _, s in batch])
-                if b + per < len(todo):  # bound the staged copies held by the lazy scatter
-                    import mlx.core as mx
+                else:
+                    pool.scatter([s for _, s in batch])
+                    if b + per < len(todo):  # bound the staged copies held by the lazy scatter
+                        import mlx.core as mx
 
-                    mx.eval(list(pool.storage.values()))
+                        mx.eval(list(pool.storage.values()))
+                scatter += time.perf_counter() - ts
         st.reads += len(todo)
         st.bytes_read += len(todo) * lay.record_size
-        st.read_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st.read_s += dt
+        self.host_parts["reads"] += dt - scatter
+        self.host_parts["scatter"] += scatter
 
     def _map(self, fn, items: list) -> None:
         if self._pool_exec is None or len(items) < 2:
