@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -245,7 +246,10 @@ def main():
     folders = build(work)
     base = baseline_tree(a.baseline, work)
     base_rev = base.name.removeprefix("tree-")
-    trees = {"baseline": base, "current": ROOT}
+    cur = work / "tree-current"  # a copy: edits to the checkout during the run change nothing
+    shutil.rmtree(cur, ignore_errors=True)
+    shutil.copytree(ROOT / "app", cur / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    trees = {"baseline": base, "current": cur}
     rows = []
     t_start = time.perf_counter()
     for config in a.configs:
