@@ -268,6 +268,8 @@ def main():
                     "misses_per_token": rs[0]["misses_per_token"],
                     "reads_per_token": rs[0]["reads_per_token"],
                     "readbacks_per_token": rs[0]["readbacks_per_token"],
+                    "rounds_total_ms": [r["ms"]["total"] for r in rs],
+                    "rounds_readback_ms": [r["ms"]["readback"] for r in rs],
                 }
             rows.append(row)
             b, c = row["baseline"]["ms_per_token"], row["current"]["ms_per_token"]
