@@ -12,7 +12,8 @@ Two paths:
   synchronizes exactly as the resident model does.
 - paged: each MoE layer call reads its router's indices back to the host (one sync per MoE
   layer: the price of knowing what to read), pins its experts, reads the misses into free or
-  least recently used unpinned slots and remaps indices to slots. Its pins hold until the
+  least recently used unpinned slots and remaps indices to slots (a per-layer expert -> slot
+  list kept with the LRU: plain Python on the call's few ids, no numpy per call). Its pins hold until the
   next call's sync has evaluated this call's output; only then may its slots be overwritten.
 
 Prompts: a call whose (token, expert) pairs route to more distinct experts than the pool
@@ -33,7 +34,10 @@ all hit with probability 0.95^384 ~ 3e-9). Its cost is measured in benchmarks/pa
 Writes into slots: with unified memory (CPU, Apple GPU) a record is read with one `preadv`
 straight into the slot tensors' memory (zero copies; safe because only unpinned slots are
 written, after the sync that finished every computation reading them). Elsewhere (CUDA) the
-record is read into host staging and scattered into the slot tensors functionally.
+record is read into pinned host staging and copied into the slots by the driver
+(cuda_copy.py), or through MLX staging and a functional scatter where that copier is
+unavailable. A call's reads up to INLINE_BYTES run on the calling thread; larger ones are split
+over the reader threads, one share on the calling thread.
 """
 
 from __future__ import annotations
