@@ -219,20 +219,40 @@ def cmd_bench(args) -> int:
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
+    print(bench_text(res))
+    return 0
+
+
+def bench_text(res: dict) -> str:
+    """`rotaryquant bench`'s table; a paged model adds its hit rate, SSD reads and ms per
+    token by part (the last trial's)."""
     m = res["machine"]
-    print(
+    lines = [
         f"{res['model']} on {m['device']} ({m['backend']}), KV {res['kv_mode']}, "
         f"median of {res['trials']} trials"
-    )
-    rows = (
+    ]
+    rows = [
         ("prompt", f"{res['prompt_tokens']} tokens", f"{res['prompt_tps']:.1f} tok/s"),
         ("decode", f"{res['generated_tokens']:g} tokens", f"{res['decode_tps']:.1f} tok/s"),
         ("peak memory", "", size(res["peak_memory_bytes"], 2)),
         ("KV cache", "", size(res["kv_bytes"], 2)),
-    )
-    for name, n, v in rows:
-        print(f"  {name:12s} {n:>12s} {v:>12s}")
-    return 0
+    ]
+    p = res.get("pager")
+    if p:
+        hit = "—" if p.get("hit_rate") is None else f"{p['hit_rate']:.1%}"
+        rows.append(("expert hits", "", hit))
+        if p.get("MB_read_per_token") is not None:
+            rows.append(("SSD reads", "", f"{p['MB_read_per_token']:.1f} MB/token"))
+        if p.get("read_MBps"):
+            rows.append(("", "", f"{p['read_MBps']:.0f} MB/s"))
+    lines += [f"  {name:12s} {n:>12s} {v:>12s}" for name, n, v in rows]
+    ms = p.get("ms_per_token") if p else None
+    if ms:
+        lines.append(
+            f"  paging ms/token: reads {ms['reads']:.1f} · read-backs {ms['readbacks']:.1f} · "
+            f"pager {ms['pager_host']:.1f} · rest {ms['rest']:.1f} (of {ms['total']:.1f})"
+        )
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

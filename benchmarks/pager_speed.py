@@ -71,6 +71,50 @@ def machine_name() -> str:
     return f"cpu {platform.machine()} x{os.cpu_count()}"
 
 
+# -- rows ---------------------------------------------------------------------------------
+# a row's identity: one current row per key in the JSON (older runs live in git history)
+KEY = ("machine", "model", "routing", "budget_fraction", "cache")
+# what a row keeps of another read-path variant measured beside it in the same run
+VARIANT_FIELDS = (
+    "paged_tps",
+    "hit_rate",
+    "ms_per_token",
+    "read_GBps",
+    "misses_per_token",
+    "MB_read_per_token",
+    "full_model_tps_est",
+    "zero_copy",
+    "device_copy",
+    "invalid",
+    "commit",
+)
+
+
+def row_key(r: dict) -> tuple:
+    return tuple(r[k] for k in KEY)
+
+
+def add_row(rows: list[dict], r: dict) -> None:
+    """Add `r` to one run's rows: a second variant of a key already there (the same run's
+    other read path) goes under that row's `variants`; the same variant again replaces it."""
+    for i, x in enumerate(rows):
+        if row_key(x) != row_key(r):
+            continue
+        if x.get("variant", "current") == r.get("variant", "current"):
+            rows[i] = {**r, **({"variants": x["variants"]} if "variants" in x else {})}
+        else:
+            v = x.setdefault("variants", {})
+            v[r.get("variant", "current")] = {k: r[k] for k in VARIANT_FIELDS if k in r}
+        return
+    rows.append(r)
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """`new` rows replace the `old` rows of the same key (never appended beside them)."""
+    mine = {row_key(x) for x in new}
+    return [x for x in old if row_key(x) not in mine] + new
+
+
 # -- disk ---------------------------------------------------------------------------------
 def drop_page_cache(store) -> None:
     """Drop the record files' pages from the OS page cache (cold runs)."""
@@ -790,19 +834,9 @@ def main():
     old = prev_doc.get("runs", [])
     runs: list[dict] = []
 
-    def key(r):
-        return (
-            r["machine"],
-            r["model"],
-            r["routing"],
-            r["budget_fraction"],
-            r["cache"],
-            r.get("variant", "current"),
-        )
-
     def emit(r):
         r.setdefault("commit", COMMIT)
-        runs.append(r)
+        add_row(runs, r)
         ms = r["ms_per_token"]
         print(
             f"  {r['model'][:22]:22} {r['routing']:6} {r['budget_fraction']:5.0%} "
@@ -816,7 +850,6 @@ def main():
         save()
 
     def save():
-        mine = {key(x) for x in runs}
         keep = {
             k: v
             for k, v in prev_doc.items()
@@ -826,7 +859,7 @@ def main():
             "pager_speed",
             {
                 **keep,
-                "runs": [x for x in old if key(x) not in mine] + runs,
+                "runs": merge_rows(old, runs),
                 "settings": {"tokens": a.tokens, "warmup": a.warmup, "batch": 1},
                 **({"read_path": READ_PATH} if READ_PATH else {}),
             },
@@ -836,15 +869,12 @@ def main():
     if a.merge:
         other = json.loads(Path(a.merge).read_text())
         commit = a.merge_commit or other.get("commit")
-        rows = [
-            dict(r, commit=r.get("commit", commit), date=r.get("date", other.get("date")))
-            for r in other["runs"]
-        ]
-        for r in rows:  # step time x 88/22 layers (runs before 5136808 divided by the scale)
-            if r.get("layers_scale"):
+        rows: list[dict] = []
+        for r in other["runs"]:
+            r = dict(r, commit=r.get("commit", commit), date=r.get("date", other.get("date")))
+            if r.get("layers_scale"):  # step time x 88/22 layers
                 r["full_model_tps_est"] = r["paged_tps"] * r["layers_scale"]
-        mine = {key(x) for x in rows}
-        kept = [x for x in old if key(x) not in mine]
+            add_row(rows, r)
         prev = json.loads(out.read_text()) if out.exists() else {}
         extra = {"read_path_gpu": other["read_path"]} if "read_path" in other else {}
         write_result(
@@ -852,7 +882,7 @@ def main():
             {
                 **{k: v for k, v in prev.items() if k not in ("machine", "date", "commit", "runs")},
                 **extra,
-                "runs": kept + rows,
+                "runs": merge_rows(old, rows),
             },
             path=out,
         )

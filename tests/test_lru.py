@@ -173,3 +173,35 @@ def test_slru_protects_reused_keys_and_respects_pins():
     slots, allocs = lru.resolve(["c", "f"])
     assert [a.evicted for a in allocs] == ["d"] and "c" in lru.protected
     lru.check()
+
+
+def test_slru_use_matches_lookup_and_allocate_one_key_at_a_time():
+    """ExpertSLRU.use (lookups inlined) leaves exactly the state that ExpertLRU.use, which
+    calls ExpertSLRU.lookup per key, leaves: slots, both segments' order, pins."""
+    import random
+
+    from app.engine.offload.lru import ExpertLRU, ExpertSLRU
+
+    rnd = random.Random(7)
+    fast, ref = ExpertSLRU(24, protected=0.5), ExpertSLRU(24, protected=0.5)
+    for lru in (fast, ref):
+        lru.probation_min = 6
+    promoted = 0
+    for _ in range(400):
+        layer = rnd.randrange(3)
+        keys = sorted({(layer, rnd.randrange(16)) for _ in range(rnd.randint(1, 5))})
+        hits = [k for k in keys if k in ref.slot_of]
+        misses = [k for k in keys if k not in ref.slot_of]
+        promoted += sum(k in ref.probation for k in hits)
+        a = fast.use(hits, misses)
+        b = ExpertLRU.use(ref, hits, misses)
+        assert a == b
+        assert list(fast.slot_of.items()) == list(ref.slot_of.items())
+        assert list(fast.protected) == list(ref.protected)
+        assert list(fast.probation) == list(ref.probation)
+        assert fast.pinned == ref.pinned
+        if rnd.random() < 0.7:
+            fast.unpin_all()
+            ref.unpin_all()
+        fast.check()
+    assert promoted > 50 and len(fast.protected) == fast.protected_cap

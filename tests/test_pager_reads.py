@@ -47,8 +47,29 @@ def _run(pager, steps, traces):
     return out
 
 
-@pytest.mark.parametrize("threads,zero_copy", [(1, True), (4, True), (1, False), (4, False)])
-def test_paged_slots_hold_exactly_the_resident_bytes(records, threads, zero_copy):
+def _check_table(pager):
+    """The pager's expert -> slot tables say exactly what its LRUs hold."""
+    for layer, table in pager._table.items():
+        lru = pager.pool_of[layer].lru
+        lru.check()
+        want = np.full(len(table), -1)
+        for (x, e), slot in lru.slot_of.items():
+            if x == layer:
+                want[e] = slot
+        assert np.array_equal(table, want), layer
+
+
+@pytest.mark.parametrize(
+    "threads,zero_copy,inline",
+    [(1, True, True), (4, True, True), (4, True, False), (1, False, True), (4, False, False)],
+)
+def test_paged_slots_hold_exactly_the_resident_bytes(
+    records, threads, zero_copy, inline, monkeypatch
+):
+    """inline: a call's few small reads on the calling thread; else on the reader threads."""
+    import app.engine.offload.pager as pager_mod
+
+    monkeypatch.setattr(pager_mod, "INLINE_BYTES", 1 << 20 if inline else 0)
     store = _store(records)
     traces = model_traces(store.layers, EXPERTS, K, 30, seed=1)
     full = ExpertPager(store, store.expert_bytes())
@@ -62,6 +83,29 @@ def test_paged_slots_hold_exactly_the_resident_bytes(records, threads, zero_copy
     for a, b in zip(ref, got, strict=True):
         for k in a:
             assert np.array_equal(a[k], b[k]), k
+    _check_table(paged)
+
+
+def test_a_failed_read_on_the_reader_threads_frees_every_slot_of_the_call(tmp_path, monkeypatch):
+    """One corrupt record among a call's parallel reads: the call fails after every read
+    ended, and none of its experts stays resident (tables and LRU agree)."""
+    import app.engine.offload.pager as pager_mod
+
+    monkeypatch.setattr(pager_mod, "INLINE_BYTES", 0)
+    section = write_random_experts(tmp_path, 2, 16, PROJS, seed=5)
+    store = ExpertStore(tmp_path, section)
+    _corrupt(store, 1, 6)
+    pager = ExpertPager(store, store.expert_bytes() // 2, PagerOptions(read_threads=4))
+    pager.route(0, mx.array([[0, 1, 2, 3]], dtype=mx.uint32))
+    with pytest.raises(ExpertRecordError, match="layer 1, expert 6"):
+        pager.route(1, mx.array([[2, 4, 6, 8, 10]], dtype=mx.uint32))
+    assert not [k for k in pager.pool_of[1].lru.slot_of if k[0] == 1]
+    assert sorted(e for x, e in pager.pool_of[0].lru.slot_of if x == 0) == [0, 1, 2, 3]
+    _check_table(pager)
+    r = pager.route(1, mx.array([[2, 4]], dtype=mx.uint32))  # the good records read again
+    assert pager.layer_stats[1].reads == 2 and r.slots.size == 2
+    _check_table(pager)
+    pager.close()
 
 
 def _corrupt(store, layer, expert):
@@ -128,6 +172,29 @@ def test_bench_reports_paging_figures(tmp_path):
     p = res["pager"]
     assert 0 <= p["hit_rate"] < 1 and p["MB_read_per_token"] > 0
     assert set(p["ms_per_token"]) == {"reads", "readbacks", "pager_host", "rest", "total"}
+    assert p["host_ms_per_token"]["readback"] > 0 and p["host_ms_per_token"]["graph"] > 0
+    from app.cli import bench_text
+
+    text = bench_text({"model": "m", "machine": {"device": "d", "backend": "cpu"}, **res})
+    assert f"{p['hit_rate']:.1%}" in text and "paging ms/token: reads" in text
+
+
+def test_memory_panel_reads_every_paging_figure_from_the_pager(records):
+    """The worker streams pager.stats(); the panel's interval figures come from its totals."""
+    from app.ui.memory import _TIMES, _ms_parts, _pager_totals
+
+    store = _store(records)
+    pager = ExpertPager(store, store.expert_bytes() // 4)
+    _run(pager, 12, model_traces(store.layers, EXPERTS, K, 12, seed=4))
+    s = pager.stats()
+    assert all(k in s for k in _TIMES)
+    now = _pager_totals({"pager": s})
+    parts = _ms_parts(now, dict.fromkeys(now, 0.0))
+    ms = s["ms_per_token"]
+    assert parts["ms_rest"] == pytest.approx(ms["rest"]) and ms["rest"] > 0
+    assert parts["ms_reads"] == pytest.approx(ms["reads"])
+    assert parts["ms_pager"] == pytest.approx(ms["pager_host"])
+    pager.close()
 
 
 class _HostCopier:

@@ -80,5 +80,6 @@ def pager_summary(s: dict) -> dict:
         "hit_rate": s["hit_rate"],
         "read_MBps": s.get("read_MBps"),
         "ms_per_token": s.get("ms_per_token"),
+        "host_ms_per_token": s.get("host_parts"),  # the pager's host work by part
         "MB_read_per_token": s["bytes_read"] / n / 1e6 if n else None,
     }

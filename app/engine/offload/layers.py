@@ -17,6 +17,7 @@ rows, since below 8 rows MLX CUDA switches to its matrix-vector kernel (other ro
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -114,6 +115,14 @@ class _PagedSwitch(nn.Module):
         route = pager.route(self._layer, indices)
         if route.slot_idx is None:
             return self._call_groups(x, indices, route)
+        t0 = time.perf_counter()
+        try:
+            return self._call_route(x, indices, route)
+        finally:
+            pager.host_parts["graph"] += time.perf_counter() - t0
+
+    def _call_route(self, x, indices, route: Route) -> mx.array:
+        pager = self._pager
         arrays = pager.arrays(self._layer)
         idx = route.slot_idx
         if self._window is not None:

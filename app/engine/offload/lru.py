@@ -103,23 +103,29 @@ class ExpertLRU:
         keys = list(dict.fromkeys(keys))
         hits = [k for k in keys if k in self.slot_of]
         misses = [k for k in keys if k not in self.slot_of]
-        newly_pinned = {self.slot_of[k] for k in hits} - self.pinned
-        if len(misses) > self.evictable - len(newly_pinned):
+        allocs = self.use(hits, misses)
+        return {k: self.slot_of[k] for k in keys}, allocs
+
+    def use(self, hits: list, misses: list) -> list[Allocation]:
+        """`resolve(hits + misses)` for a caller that knows which keys are resident: `hits`
+        (resident, distinct) are marked used and pinned in order, then each of `misses` (not
+        resident, distinct) gets a slot, pinned. Atomic like resolve."""
+        pinned, slot_of = self.pinned, self.slot_of
+        newly = sum(1 for k in hits if slot_of[k] not in pinned)
+        if len(misses) > self.evictable - newly:
             raise NoFreeSlot(
-                f"{len(misses)} misses but {self.evictable - len(newly_pinned)} "
+                f"{len(misses)} misses but {self.evictable - newly} "
                 f"evictable slots of {self.num_slots}"
             )
-        slots = {}
+        lookup = self.lookup
         for k in hits:
-            slots[k] = self.lookup(k)
-            self.pin(slots[k])
+            pinned.add(lookup(k))
         allocs = []
         for k in misses:
             a = self.allocate(k)
-            self.pin(a.slot)
-            slots[k] = a.slot
+            pinned.add(a.slot)
             allocs.append(a)
-        return slots, allocs
+        return allocs
 
     def check(self) -> None:
         """Invariants (for tests and debugging)."""
@@ -169,6 +175,34 @@ class ExpertSLRU(ExpertLRU):
                 old, _ = self.protected.popitem(last=False)
                 self.probation[old] = None
         return slot
+
+    def use(self, hits: list, misses: list) -> list[Allocation]:
+        """ExpertLRU.use with `lookup` inlined (the decode path's per-key cost)."""
+        pinned, slot_of = self.pinned, self.slot_of
+        newly = sum(1 for k in hits if slot_of[k] not in pinned)
+        if len(misses) > self.evictable - newly:
+            raise NoFreeSlot(
+                f"{len(misses)} misses but {self.evictable - newly} "
+                f"evictable slots of {self.num_slots}"
+            )
+        prot, prob, cap = self.protected, self.probation, self.protected_cap
+        for k in hits:
+            slot_of.move_to_end(k)
+            if k in prot:
+                prot.move_to_end(k)
+            else:
+                del prob[k]
+                prot[k] = None
+                while len(prot) > cap:
+                    old, _ = prot.popitem(last=False)
+                    prob[old] = None
+            pinned.add(slot_of[k])
+        allocs = []
+        for k in misses:
+            a = self.allocate(k)
+            pinned.add(a.slot)
+            allocs.append(a)
+        return allocs
 
     def allocate(self, key: Hashable) -> Allocation:
         a = super().allocate(key)

@@ -12,7 +12,8 @@ Two paths:
   synchronizes exactly as the resident model does.
 - paged: each MoE layer call reads its router's indices back to the host (one sync per MoE
   layer: the price of knowing what to read), pins its experts, reads the misses into free or
-  least recently used unpinned slots and remaps indices to slots. Its pins hold until the
+  least recently used unpinned slots and remaps indices to slots (a per-layer expert -> slot
+  list kept with the LRU: plain Python on the call's few ids, no numpy per call). Its pins hold until the
   next call's sync has evaluated this call's output; only then may its slots be overwritten.
 
 Prompts: a call whose (token, expert) pairs route to more distinct experts than the pool
@@ -33,7 +34,10 @@ all hit with probability 0.95^384 ~ 3e-9). Its cost is measured in benchmarks/pa
 Writes into slots: with unified memory (CPU, Apple GPU) a record is read with one `preadv`
 straight into the slot tensors' memory (zero copies; safe because only unpinned slots are
 written, after the sync that finished every computation reading them). Elsewhere (CUDA) the
-record is read into host staging and scattered into the slot tensors functionally.
+record is read into pinned host staging and copied into the slots by the driver
+(cuda_copy.py), or through MLX staging and a functional scatter where that copier is
+unavailable. A call's reads up to INLINE_BYTES run on the calling thread; larger ones are split
+over the reader threads, one share on the calling thread.
 """
 
 from __future__ import annotations
@@ -52,7 +56,15 @@ from .lru import POLICIES, NoFreeSlot
 from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
 from .stats import LayerStats, per_token, total
 
+# the host's work of a paged call by part (seconds, summed; `stats()["host_parts"]` per token):
+# readback: wait for the router's indices; ids: which experts hit or miss (and the counts);
+# policy: the cache's bookkeeping (pins, recency, victims); reads: the misses' reads (wall,
+# dispatch included); scatter: staged records into the slots (not on the zero-copy path);
+# index: the slot index array the layer gathers with; graph: the layer's expert graph
+HOST_PARTS = ("readback", "ids", "policy", "reads", "scatter", "index", "graph")
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
+INLINE_BYTES = 1 << 20  # a call's reads up to this size run on the calling thread: a round
+# trip through the reader threads costs more than copying this much out of the page cache
 
 _NP_STORAGE = {
     "uint32": np.uint32,
@@ -119,6 +131,8 @@ class SlotPool:
             mx.eval(a)
             self.storage[t.name] = a
         self._views: dict[str, memoryview] | None = None
+        self._iov: dict[int, list[memoryview]] = {}  # slot -> its preadv buffers (zero-copy)
+        self._arrays: dict | None = None  # the slot tensors in their MLX dtypes (evaluated)
         self._stage: np.ndarray | None = None  # scatter path's host staging
         self._bases: dict[str, int] | None = None  # slot tensors' addresses (device copies)
 
@@ -127,14 +141,29 @@ class SlotPool:
         return self.num_slots * self.slot_bytes
 
     def arrays(self) -> dict:
-        """The slot tensors by record name, in their MLX dtypes."""
+        """The slot tensors by record name, in their MLX dtypes: made once and evaluated
+        (a bfloat16 view shares its storage's buffer, so reads into the storage show through
+        it and no call adds a view to its graph); the scatter path replaces the storage and
+        makes them again."""
         import mlx.core as mx
 
-        out = {}
-        for t in self.tensors:
-            a = self.storage[t.name]
-            out[t.name] = a.view(mx.bfloat16) if t.dtype == "bfloat16" else a
-        return out
+        if self._arrays is None:
+            out = {}
+            for t in self.tensors:
+                a = self.storage[t.name]
+                out[t.name] = a.view(mx.bfloat16) if t.dtype == "bfloat16" else a
+            mx.eval(list(out.values()))
+            self._arrays = out
+        return self._arrays
+
+    def slot_iovecs(self, slot: int, lay: LayerLayout) -> list[memoryview]:
+        """One slot's preadv buffers for a record of this pool's layout (zero-copy path):
+        each tensor straight into the slot, the record's gaps into the slot's own scratch.
+        Made once per slot."""
+        bufs = self._iov.get(slot)
+        if bufs is None:
+            bufs = self._iov[slot] = _iovecs(lay, self.slot_views(slot))
+        return bufs
 
     def slot_views(self, slot: int) -> list[memoryview]:
         """Writable byte views of one slot in every slot tensor (zero-copy path)."""
@@ -198,6 +227,7 @@ class SlotPool:
             part = big[:, pos : pos + t.nbytes].view(store_dt).reshape(n, *t.shape)
             self.storage[t.name][idx] = part
             pos += t.nbytes
+        self._arrays = None  # the storage arrays are new ones
 
 
 @dataclass
@@ -281,9 +311,13 @@ class ExpertPager:
         self._verified = {
             layer: np.zeros(store.layout(layer).num_experts, dtype=bool) for layer in layers
         }
+        # expert -> slot of every layer (-1: not resident), kept with the pools' LRUs: a
+        # call's hits, misses and slot indices are list lookups
+        self._table = {layer: [-1] * store.layout(layer).num_experts for layer in layers}
         self._first_layer = layers[0]  # its calls mark forward passes (token clock)
         self._tick: float | None = None
         self.tokens, self.token_s = 0, 0.0
+        self.host_parts = dict.fromkeys(HOST_PARTS, 0.0)
         self._copier = None
         if not self.zero_copy and options.device_copy is not False:
             from .cuda_copy import DeviceCopier
@@ -326,6 +360,9 @@ class ExpertPager:
             layers={str(k): v.to_dict(sb[k]) for k, v in self.layer_stats.items()},
         )
         out.update(per_token(out, self.tokens, self.token_s))
+        out["token_s"] = self.token_s
+        n = self.tokens
+        out["host_parts"] = {k: 1000 * v / n for k, v in self.host_parts.items()} if n else None
         return out
 
     def reset_stats(self) -> None:
@@ -333,6 +370,7 @@ class ExpertPager:
             resident = st.resident
             self.layer_stats[layer] = LayerStats(resident=resident)
         self._tick, self.tokens, self.token_s = None, 0, 0.0
+        self.host_parts = dict.fromkeys(HOST_PARTS, 0.0)
 
     def route(self, layer: int, indices) -> Route:
         """Slots for one call of `layer`'s experts with router `indices` [..., k]."""
@@ -356,37 +394,48 @@ class ExpertPager:
         t0 = time.perf_counter()
         # the last call's output must be computed before any of its slots is overwritten
         mx.eval(indices, *self._pending)
-        flat = np.array(indices, copy=True).reshape(-1).astype(np.int64)
+        ids = np.asarray(indices).ravel().tolist()  # plain ints: a decode call has a few
         t1 = time.perf_counter()
         st.readback_s += t1 - t0
+        self.host_parts["readback"] += t1 - t0
         st.readbacks += 1
         read_before = st.read_s
         try:
-            return self._route_host(layer, indices, flat, st)
+            return self._route_host(layer, indices, ids, st)
         finally:
             st.host_s += time.perf_counter() - t1 - (st.read_s - read_before)
 
-    def _route_host(self, layer: int, indices, flat: np.ndarray, st: LayerStats) -> Route:
+    def _route_host(self, layer: int, indices, ids: list[int], st: LayerStats) -> Route:
+        """Plain Python on the call's few ids: for a decode call's 8-22 ids, list and dict
+        operations cost a fraction of numpy's per-call overhead."""
         import mlx.core as mx
 
+        t0 = time.perf_counter()
         self.release()
         pool = self.pool_of[layer]
-        ne = pool.num_experts[layer]
-        if flat.size and (flat.min() < 0 or flat.max() >= ne):
+        table = self._table[layer]
+        ne = len(table)
+        if ids and (min(ids) < 0 or max(ids) >= ne):
             raise ExpertRecordError(
                 f"router index out of range (0..{ne - 1})", str(self.store.folder), layer
             )
-        uniq = np.unique(flat)
+        uniq = sorted(set(ids))
         if len(uniq) > pool.num_slots:
             st.split_calls += 1
-            return self._split(layer, flat, uniq)
-        table = self._acquire(layer, uniq.tolist(), flat)
-        slots = table[flat].astype(np.uint32).reshape(indices.shape)
-        return Route(slot_idx=mx.array(slots), slots=slots)
+            return self._split(layer, np.asarray(ids, dtype=np.int64), np.asarray(uniq))
+        self.host_parts["ids"] += time.perf_counter() - t0
+        self._acquire(layer, uniq, ids)
+        t1 = time.perf_counter()
+        slots = np.array([table[e] for e in ids], dtype=np.uint32).reshape(indices.shape)
+        route = Route(slot_idx=mx.array(slots), slots=slots)
+        self.host_parts["index"] += time.perf_counter() - t1
+        return route
 
     def acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
-        """Pin `experts` of `layer` (reading misses); returns expert -> slot (numpy table)."""
-        return self._acquire(layer, experts, flat)
+        """Pin `experts` of `layer` (reading misses) for the pairs `flat`; returns the
+        layer's expert -> slot table (numpy, -1: not resident)."""
+        self._acquire(layer, [int(e) for e in experts], flat.tolist())
+        return np.asarray(self._table[layer], dtype=np.int64)
 
     def track(self, out) -> None:
         """Keep a call's output: the next call evaluates it before moving its slots."""
@@ -443,36 +492,43 @@ class ExpertPager:
             groups.append(Group(experts, rows))
         return Route(groups=groups, flat=flat)
 
-    def _acquire(self, layer: int, experts: list[int], flat: np.ndarray) -> np.ndarray:
+    def _acquire(self, layer: int, experts: list[int], ids: list[int]) -> None:
+        """Pin `experts` (distinct; their order is the policy's order of use) for the pairs
+        `ids`, reading the misses into the slots the policy gives them."""
         pool = self.pool_of[layer]
         st = self.layer_stats[layer]
-        keys = [(layer, e) for e in experts]
-        pool.pass_keys += len(keys)
-        missing = {e for e in experts if (layer, e) not in pool.lru}
+        parts = self.host_parts
+        tables = self._table
+        table = tables[layer]
+        t0 = time.perf_counter()
+        hits = [(layer, e) for e in experts if table[e] >= 0]
+        misses = [(layer, e) for e in experts if table[e] < 0]
+        n_miss = sum(1 for e in ids if table[e] < 0) if misses else 0
+        pool.pass_keys += len(experts)
+        t1 = time.perf_counter()
+        parts["ids"] += t1 - t0
         try:
-            slots, allocs = pool.lru.resolve(keys)
+            allocs = pool.lru.use(hits, misses)
         except NoFreeSlot as e:  # callers release pins first, so this is a bug
             raise RuntimeError(f"layer {layer}: {e}") from None
         for a in allocs:
             if a.evicted is not None:
-                old = self.layer_stats[a.evicted[0]]
+                old_layer, old_e = a.evicted
+                tables[old_layer][old_e] = -1
+                old = self.layer_stats[old_layer]
                 old.evictions += 1
                 old.resident -= 1
+            table[a.key[1]] = a.slot
             st.resident += 1
+        parts["policy"] += time.perf_counter() - t1
         if allocs:
             try:
                 self._read_into(pool, layer, [(a.key[1], a.slot) for a in allocs])
             except BaseException:
                 self._free_failed(pool, allocs)
                 raise
-        n_miss = int(np.isin(flat, list(missing)).sum()) if missing else 0
-        pairs = int(np.isin(flat, experts).sum())
         st.misses += n_miss
-        st.hits += pairs - n_miss
-        table = np.zeros(pool.num_experts[layer], dtype=np.int64)
-        for (_, e), s in slots.items():
-            table[e] = s
-        return table
+        st.hits += len(ids) - n_miss
 
     def _free_failed(self, pool: SlotPool, allocs: list) -> None:
         """A read of this call failed (corrupt or short record): free every slot it was
@@ -480,6 +536,7 @@ class ExpertPager:
         for a in allocs:
             pool.lru.unpin(a.slot)
             pool.lru.deallocate(a.key)
+            self._table[a.key[0]][a.key[1]] = -1
             self.layer_stats[a.key[0]].resident -= 1
 
     def _layer_fd(self, layer: int) -> int:
@@ -495,47 +552,62 @@ class ExpertPager:
         t0 = time.perf_counter()
         lay = self.store.layout(layer)
         fd = self._layer_fd(layer)
+        scatter = 0.0
         if self.zero_copy:
-            self._map(lambda es: self._read_direct(pool, layer, lay, fd, *es), todo)
+            jobs = [(e, pool.slot_iovecs(s, lay)) for e, s in todo]
+            self._reads(layer, lay, fd, jobs)
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
             rows = min(per, max(len(todo), 8))
             per = min(per, len(pool.staging(rows, self._copier)))
             for b in range(0, len(todo), per):
                 batch = todo[b : b + per]
-                self._map(
-                    lambda ie: self._read_stage(pool, layer, lay, fd, *ie),
-                    list(enumerate(e for e, _ in batch)),
-                )
+                jobs = [(e, _iovecs(lay, pool.stage_views(i))) for i, (e, _) in enumerate(batch)]
+                self._reads(layer, lay, fd, jobs)
+                ts = time.perf_counter()
                 if self._copier is not None:
                     pool.copy_staged(self._copier, [s for _, s in batch])
-                    continue
-                pool.scatter([s for _, s in batch])
-                if b + per < len(todo):  # bound the staged copies held by the lazy scatter
-                    import mlx.core as mx
+                else:
+                    pool.scatter([s for _, s in batch])
+                    if b + per < len(todo):  # bound the staged copies held by the lazy scatter
+                        import mlx.core as mx
 
-                    mx.eval(list(pool.storage.values()))
+                        mx.eval(list(pool.storage.values()))
+                scatter += time.perf_counter() - ts
         st.reads += len(todo)
         st.bytes_read += len(todo) * lay.record_size
-        st.read_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st.read_s += dt
+        self.host_parts["reads"] += dt - scatter
+        self.host_parts["scatter"] += scatter
 
-    def _map(self, fn, items: list) -> None:
-        if self._pool_exec is None or len(items) < 2:
-            for it in items:
-                fn(it)
-        else:
-            for _ in self._pool_exec.map(fn, items):
-                pass
+    def _reads(self, layer: int, lay: LayerLayout, fd: int, jobs: list) -> None:
+        """Read records `jobs` [(expert, preadv buffers)]: on the calling thread up to
+        INLINE_BYTES, else split over the reader threads with one share on this thread.
+        Every read has ended when this returns, also when one failed (its slots are then
+        freed: no thread may still be writing into them)."""
+        ex = self._pool_exec
+        if ex is None or len(jobs) < 2 or len(jobs) * lay.record_size <= INLINE_BYTES:
+            self._read_chunk(layer, lay, fd, jobs)
+            return
+        n = min(self.options.read_threads, len(jobs))
+        futures = [ex.submit(self._read_chunk, layer, lay, fd, jobs[i::n]) for i in range(1, n)]
+        error = None
+        try:
+            self._read_chunk(layer, lay, fd, jobs[0::n])
+        except BaseException as e:
+            error = e
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
-    def _read_direct(
-        self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, expert: int, slot: int
-    ) -> None:
-        self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.slot_views(slot)))
-
-    def _read_stage(
-        self, pool: SlotPool, layer: int, lay: LayerLayout, fd: int, row: int, expert: int
-    ) -> None:
-        self._preadv(layer, lay, fd, expert, _iovecs(lay, pool.stage_views(row)))
+    def _read_chunk(self, layer: int, lay: LayerLayout, fd: int, jobs: list) -> None:
+        for expert, bufs in jobs:
+            self._preadv(layer, lay, fd, expert, bufs)
 
     def _preadv(self, layer: int, lay: LayerLayout, fd: int, expert: int, bufs: list) -> None:
         off = lay.record_offset(expert)
@@ -582,6 +654,7 @@ class ExpertPager:
                 ne = pool.num_experts[layer]
                 allocs = [pool.lru.allocate((layer, e)) for e in range(ne)]
                 self.base[layer] = allocs[0].slot
+                self._table[layer][:] = [a.slot for a in allocs]
                 assert [a.slot for a in allocs] == list(range(allocs[0].slot, allocs[0].slot + ne))
                 self._read_into(pool, layer, [(e, a.slot) for e, a in enumerate(allocs)])
                 self.layer_stats[layer].resident = ne
