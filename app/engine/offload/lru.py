@@ -106,17 +106,21 @@ class ExpertLRU:
         allocs = self.use(hits, misses)
         return {k: self.slot_of[k] for k in keys}, allocs
 
-    def use(self, hits: list, misses: list) -> list[Allocation]:
-        """`resolve(hits + misses)` for a caller that knows which keys are resident: `hits`
-        (resident, distinct) are marked used and pinned in order, then each of `misses` (not
-        resident, distinct) gets a slot, pinned. Atomic like resolve."""
-        pinned, slot_of = self.pinned, self.slot_of
-        newly = sum(1 for k in hits if slot_of[k] not in pinned)
+    def _check_room(self, hits: list, misses: list) -> None:
+        """Raise NoFreeSlot unless every miss can get a slot once `hits` are pinned."""
+        newly = sum(1 for k in hits if self.slot_of[k] not in self.pinned)
         if len(misses) > self.evictable - newly:
             raise NoFreeSlot(
                 f"{len(misses)} misses but {self.evictable - newly} "
                 f"evictable slots of {self.num_slots}"
             )
+
+    def use(self, hits: list, misses: list) -> list[Allocation]:
+        """`resolve(hits + misses)` for a caller that knows which keys are resident: `hits`
+        (resident, distinct) are marked used and pinned in order, then each of `misses` (not
+        resident, distinct) gets a slot, pinned. Atomic like resolve."""
+        pinned = self.pinned
+        self._check_room(hits, misses)
         lookup = self.lookup
         for k in hits:
             pinned.add(lookup(k))
@@ -179,12 +183,7 @@ class ExpertSLRU(ExpertLRU):
     def use(self, hits: list, misses: list) -> list[Allocation]:
         """ExpertLRU.use with `lookup` inlined (the decode path's per-key cost)."""
         pinned, slot_of = self.pinned, self.slot_of
-        newly = sum(1 for k in hits if slot_of[k] not in pinned)
-        if len(misses) > self.evictable - newly:
-            raise NoFreeSlot(
-                f"{len(misses)} misses but {self.evictable - newly} "
-                f"evictable slots of {self.num_slots}"
-            )
+        self._check_room(hits, misses)
         prot, prob, cap = self.protected, self.probation, self.protected_cap
         for k in hits:
             slot_of.move_to_end(k)
