@@ -212,8 +212,8 @@ def follow(engine, group, watchdog) -> None:
 
 
 def serve_root(args, engine, options: dict, peers, watchdog) -> int:
-    """Rank 0: the API on args.host:args.port over the pipeline until Ctrl+C (or a lost host).
-    Returns the process's exit status."""
+    """Rank 0: the API on args.host:args.port over the pipeline until Ctrl+C, `quit` on stdin
+    or a lost host. Returns the process's exit status."""
     from ...server.run import ApiServer
     from .rank import EXIT_ERROR
 
@@ -244,6 +244,14 @@ def serve_root(args, engine, options: dict, peers, watchdog) -> int:
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, on_signal)
+
+    def read_quit():  # the app's engine ends the session with a line on stdin
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                stop.set()
+                return
+
+    threading.Thread(target=read_quit, daemon=True, name="rq-stdin").start()
     srv.start()  # uvicorn on a thread: these handlers, not uvicorn's, get the signals
     print(f"serving on {srv.url} (loading the model…)", flush=True)
     announced = False
