@@ -194,7 +194,8 @@ def _hosts(path: Path) -> Path:
 def _rank_pid(proc, rank: int) -> int:
     import psutil
 
-    for p in psutil.Process(proc.pid).children(recursive=True):
+    pid = proc if isinstance(proc, int) else proc.pid
+    for p in psutil.Process(pid).children(recursive=True):
         try:
             if "app.engine.distributed.rank" in " ".join(p.cmdline()):
                 if p.environ().get("MLX_RANK") == str(rank):
@@ -289,3 +290,51 @@ def test_serve_over_two_ranks_answers_as_one_process_and_names_a_lost_host(
         reader.join(10)
         proc.stdout.close()
         proc.stderr.close()
+
+
+@pytest.mark.slow
+def test_the_app_worker_runs_the_model_over_two_ranks_and_outlives_a_lost_host(
+    smollm2_path, single, tmp_path
+):
+    """The window's engine worker with Load(hosts=...): the ranks start from it, its Generate
+    streams the distributed server's answer; a killed rank fails the answer in flight with the
+    host's name, HostLost follows, and the same worker loads the model on this machine."""
+    from app.engine import messages as M
+    from app.engine.worker import WorkerClient
+
+    hosts = str(_hosts(tmp_path / "hosts.json"))
+    msgs = [{"role": "user", "content": QUESTIONS[0]}]
+    settings = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    with WorkerClient(env={"OPENBLAS_NUM_THREADS": "1"}) as c:
+        info = c.load(smollm2_path, {"hosts": hosts}, timeout=900)
+        assert info["backend"] == "2 machines (ring)"
+        assert info["extra"]["hosts"] == ["mac-a", "mac-b"]
+        out = list(c.generate(msgs, settings))
+        done = out[-1]
+        assert isinstance(done, M.Done) and done.text == single[QUESTIONS[0]]
+        assert "".join(m.text for m in out if isinstance(m, M.Token)) == done.text
+        assert done.prompt_tokens > 0 and done.generated_tokens > 0
+
+        rid = c.next_id()
+        story = [{"role": "user", "content": "Write a long story."}]
+        c.send(M.Generate(rid, story, {"max_tokens": 4000, "temperature": 0}))
+        tokens = 0
+        while tokens < 3:
+            m = c.replies.get(timeout=300)  # hang guard
+            tokens += isinstance(m, M.Token) and m.req_id == rid
+        os.kill(_rank_pid(c.pid, 1), 9)
+        error = lost = None
+        while error is None or lost is None:
+            m = c.replies.get(timeout=120)  # hang guard
+            if isinstance(m, M.Error) and m.req_id == rid:
+                error = m
+            elif isinstance(m, M.HostLost):
+                lost = m
+            assert not isinstance(m, M.WorkerDied), m
+        assert error.kind == "HostLost" and "lost rank 1 on host mac-b" in error.message
+        assert "mac-b" in lost.message
+        assert c.is_alive()
+        info = c.load(smollm2_path, {"plan": True}, timeout=600)  # on this machine alone
+        assert "machines" not in info["backend"]
+        out = list(c.generate(msgs, settings))
+        assert out[-1].text == single[QUESTIONS[0]]
