@@ -85,10 +85,10 @@ class _Watchdog:
         self.ended.append(cause)
 
 
-def test_broadcast_and_agree_on_one_rank():
+def test_broadcast_and_agreement_on_one_rank():
     import mlx.core as mx
 
-    from app.engine.distributed.serve import agree, broadcast_json, request_settings
+    from app.engine.distributed.serve import Agreement, broadcast_json, request_settings
     from app.server.batcher import Completion
 
     g = mx.distributed.init()
@@ -96,7 +96,9 @@ def test_broadcast_and_agree_on_one_rank():
     obj = {"ids": [1, 2, 65000], "settings": {"temperature": 0.7, "text": "héllo"}}
     assert broadcast_json(obj, g) == obj
     assert broadcast_json(None, g) is None  # the end of the session
-    assert agree(True, g) is True and agree(False, g) is False
+    # rank 0's answer, one call late: the step in flight is never waited for
+    a = Agreement(g)
+    assert [a(True), a(False), a(False), a(True), a(True)] == [False, True, False, False, True]
     # sampling without a seed gets one drawn by rank 0 (every rank must draw the same tokens)
     s = request_settings(Completion([1], 8, lambda e: None, temperature=0.8))
     assert isinstance(s["seed"], int)

@@ -67,8 +67,8 @@ def _labels(hosts_path: str | None, size: int) -> list[str]:
 
 
 def _check(engine, spec: dict, out: Path, watchdog) -> None:
-    """Every run of `spec`: {"runs": [{"model", "kv_mode", "expert_budget", "split"}],
-    "prompt": [ids], "max_tokens": n}."""
+    """Every run of `spec`: {"runs": [{"model", "kv_mode", "expert_budget", "split",
+    "agree_each_token"}], "prompt": [ids], "max_tokens": n}."""
     import mlx.core as mx
 
     from ..generate import GenerationSettings
@@ -93,8 +93,15 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
         first = {}  # time and bytes sent when the first token came out (decode starts)
         watchdog.arm()
 
-        def beat(i, first=first, stage=stage):
+        from .serve import Agreement
+
+        # as serve.py's ranks do: the stop-or-go-on all_sum after every token
+        agreement = Agreement(engine.group) if run.get("agree_each_token") else None
+
+        def beat(i, first=first, stage=stage, agreement=agreement):
             watchdog.beat()
+            if agreement is not None:
+                agreement()
             if i == 1:
                 first.update(t=time.perf_counter(), sent=stage.traffic.sent)
             print(f"rank {rank} token {i}", flush=True)

@@ -6,7 +6,8 @@ settings (with a seed it draws when sampling has none, so that every rank draws 
 tokens); every rank then runs the same `Engine.generate`, whose model call carries the hidden
 state between the stages (stage.py). Whether to go on after each token (a stop string, a client
 that went away, the server stopping) is rank 0's alone to know: one 4-byte all_sum per token
-hands its answer to every rank, so all of them end a request at the same step.
+hands its answer to every rank, a step late (`Agreement`), so all of them end a request at
+the same step.
 
 Why not mlx-lm's BatchGenerator as the one-machine server does: every rank would have to mirror
 each change of the batch (requests joining with left padding, leaving, being filtered) in the
@@ -42,22 +43,45 @@ LOST_GRACE_S = 2.0  # rank 0 answers 503 naming the lost host this long before i
 HOST_LOST = "host_lost"  # the error code clients get
 
 
+def _stream():
+    """The model's own stream: a collective on another stream could run before or after the
+    step in flight, in a different order on each rank, and the ranks would wait on each other."""
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
+
+
 def broadcast_json(obj, group):
     """Rank 0's JSON-able `obj` on every rank (the others pass None); None ends the session."""
     root = group.rank() == 0
     data = json.dumps(obj).encode() if root and obj is not None else b""
-    n = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=group).item()
+    size = mx.array([len(data)], dtype=mx.int32)
+    n = mx.distributed.all_sum(size, group=group, stream=_stream()).item()
     if n == 0:
         return None
     raw = np.frombuffer(data, dtype=np.uint8) if root else np.zeros(n, dtype=np.uint8)
-    got = mx.distributed.all_sum(mx.array(raw.astype(np.int32)), group=group)
+    got = mx.distributed.all_sum(mx.array(raw.astype(np.int32)), group=group, stream=_stream())
     return json.loads(np.array(got).astype(np.uint8).tobytes().decode())
 
 
-def agree(flag: bool, group) -> bool:
-    """Rank 0's `flag` on every rank (the others pass False)."""
-    x = mx.array([1 if flag and group.rank() == 0 else 0], dtype=mx.int32)
-    return mx.distributed.all_sum(x, group=group).item() > 0
+class Agreement:
+    """Rank 0's stop-or-go-on on every rank, one step late: each call queues this step's
+    4-byte all_sum behind the step in flight and answers with the previous call's, which is
+    done once the token just read is. Waiting for this call's own would wait for the next step
+    too and lose the overlap of building one step while the device runs the last (measured
+    here: a quarter of the decode speed of two local ranks). Every rank answers the same at
+    every call, so all end at the same step; rank 0 drops the one token past a stop."""
+
+    def __init__(self, group):
+        self.group = group
+        self.pending = None
+
+    def __call__(self, flag: bool = False) -> bool:
+        x = mx.array([1 if flag and self.group.rank() == 0 else 0], dtype=mx.int32)
+        x = mx.distributed.all_sum(x, group=self.group, stream=_stream())
+        mx.async_eval(x)
+        prev, self.pending = self.pending, x
+        return prev is not None and prev.item() > 0
 
 
 def request_settings(req: Completion) -> dict:
@@ -158,10 +182,11 @@ class PipelineBatcher(Batcher):
         settings = request_settings(req)
         live = _Live(req, self.engine.loaded.tokenizer)
         think = self._think_ids()
-        hit = [False]  # a stop string ended the text: every rank ends at this step
+        hit = [False]  # a stop string ended the text: every rank ends a step later
+        agreement = Agreement(self.group)
 
         def should_stop() -> bool:
-            return agree(hit[0] or req.cancelled.is_set() or self._stop.is_set(), self.group)
+            return agreement(hit[0] or req.cancelled.is_set() or self._stop.is_set())
 
         self._current = req
         reason = "length"
@@ -199,7 +224,7 @@ def follow(engine, group, watchdog) -> None:
         watchdog.arm()
         try:
             settings = GenerationSettings.from_dict(header["settings"])
-            for _ in engine.generate(header["ids"], settings, lambda: agree(False, group)):
+            for _ in engine.generate(header["ids"], settings, Agreement(group)):
                 watchdog.beat()
         except RuntimeError as e:
             if is_link_error(e):
