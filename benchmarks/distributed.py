@@ -1,5 +1,6 @@
 """Pipeline over local ranks against one process, same model: decode tok/s, bytes each rank
-sends per decoded token, and whether the greedy tokens are the single process's.
+sends per decoded token, and whether the greedy tokens are the single process's; the ranks
+also with the server's per-token agreement (serve.py), side by side in the same launch.
 
     .venv/bin/python benchmarks/distributed.py            # -> results/distributed.json
     .venv/bin/python benchmarks/distributed.py --tokens 32 --models qwen3_moe
@@ -61,9 +62,14 @@ def _env() -> dict:
     return env
 
 
-def run(folder: Path, ranks: int, tokens: int, work: Path) -> list[dict]:
+def run(folder: Path, ranks: int, tokens: int, work: Path, agree: bool = False) -> list[dict]:
+    """Each rank's results; with `agree`, runs alternate without and with the server's
+    per-token agreement (one 4-byte all_sum a token), twice each, in one launch."""
+    runs = [{"model": str(folder), "kv_mode": "fp16"}]
+    if agree:
+        runs = [dict(runs[0], agree_each_token=bool(i % 2)) for i in range(4)]
     spec = {
-        "runs": [{"model": str(folder), "kv_mode": "fp16"}],
+        "runs": runs,
         "prompt": PROMPT,
         "max_tokens": tokens,
         "logprobs": False,
@@ -82,7 +88,23 @@ def run(folder: Path, ranks: int, tokens: int, work: Path) -> list[dict]:
     if p.returncode != 0:
         raise SystemExit(f"{folder.name} x{ranks} failed:\n{p.stderr[-3000:]}")
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
-    return [dict(r["runs"][0], message_seconds=r["message_seconds"]) for r in res]
+    if not agree:
+        return [dict(r["runs"][0], message_seconds=r["message_seconds"]) for r in res]
+    rows = []
+    for r in res:  # per rank: the plain and the agreeing runs' decode seconds, averaged
+        plain = [x for x, s in zip(r["runs"], runs, strict=True) if not s["agree_each_token"]]
+        agreeing = [x for x, s in zip(r["runs"], runs, strict=True) if s["agree_each_token"]]
+        for kind, group in (("plain", plain), ("agree", agreeing)):
+            rows.append(
+                dict(
+                    group[0],
+                    kind=kind,
+                    decode_seconds=sum(x["decode_seconds"] for x in group) / len(group),
+                    same_tokens=all(x["tokens"] == group[0]["tokens"] for x in r["runs"]),
+                    message_seconds=r["message_seconds"],
+                )
+            )
+    return rows
 
 
 def main() -> None:
@@ -120,31 +142,36 @@ def main() -> None:
                 }
             )
             for n in map(int, a.ranks.split(",")):
-                res = run(folder, n, a.tokens, work)
-                dec = max(r["decode_seconds"] for r in res)
-                sent = sum(r["decode_bytes"] for r in res)  # all ranks' sends
-                rows.append(
-                    {
-                        "machine": label,
-                        "model": f"random {arch} (hidden 512)",
-                        "ranks": n,
-                        "split": "pipeline",
-                        "tps": round(n_dec / dec, 2),
-                        "bytes_per_token": int(sent / n_dec),
-                        "tokens_equal_single": all(r["tokens"] == single["tokens"] for r in res),
-                        "layers": [r["stage"]["layers"] for r in res],
-                        "message_ms": round(1e3 * max(r["message_seconds"] for r in res), 3),
-                    }
-                )
+                both = run(folder, n, a.tokens, work, agree=True)
+                for kind in ("plain", "agree"):
+                    res = [r for r in both if r["kind"] == kind]
+                    dec = max(r["decode_seconds"] for r in res)
+                    sent = sum(r["decode_bytes"] for r in res)  # all ranks' sends
+                    same = all(r["tokens"] == single["tokens"] and r["same_tokens"] for r in res)
+                    rows.append(
+                        {
+                            "machine": label,
+                            "model": f"random {arch} (hidden 512)",
+                            "ranks": n,
+                            "split": "pipeline",
+                            "tps": round(n_dec / dec, 2),
+                            "bytes_per_token": int(sent / n_dec),
+                            "tokens_equal_single": same,
+                            "per_token_agreement": kind == "agree",
+                            "layers": [r["stage"]["layers"] for r in res],
+                            "message_ms": round(1e3 * max(r["message_seconds"] for r in res), 3),
+                        }
+                    )
     print(
-        f"{'model':32s} {'ranks':>5s} {'tok/s':>7s} {'vs 1':>6s} {'bytes/token':>12s} {'msg ms':>7s} {'tokens = 1':>10s}"
+        f"{'model':32s} {'ranks':>5s} {'agree':>5s} {'tok/s':>7s} {'vs 1':>6s} {'bytes/token':>12s} {'msg ms':>7s} {'tokens = 1':>10s}"
     )
     base = {}
     for r in rows:
         if r["ranks"] == 1:
             base[r["model"]] = r["tps"]
         print(
-            f"{r['model']:32s} {r['ranks']:5d} {r['tps']:7.2f} {r['tps'] / base[r['model']]:6.2f} "
+            f"{r['model']:32s} {r['ranks']:5d} {'yes' if r.get('per_token_agreement') else '':>5s} "
+            f"{r['tps']:7.2f} {r['tps'] / base[r['model']]:6.2f} "
             f"{r['bytes_per_token']:12d} {r.get('message_ms', 0):7.2f} "
             f"{str(r['tokens_equal_single']):>10s}"
         )
@@ -157,7 +184,10 @@ def main() -> None:
         "notes": "ranks are local processes on one machine sharing its cores (loopback "
         "ring); tok/s are decode, after a 64-token prompt, greedy; bytes_per_token "
         "sums every rank's sends (pipeline send + ring all_gather); message_ms: median "
-        "one-element all_sum between the local ranks, measured before the run",
+        "one-element all_sum between the local ranks, measured before the run; "
+        "per_token_agreement: the ranks also run serve --hosts's one 4-byte all_sum per token "
+        "(not counted in bytes_per_token), alternating with plain runs in the same launch, "
+        "two of each averaged",
     }
     write_result("distributed", payload, path=Path(a.out) if a.out else None)
 

@@ -136,6 +136,14 @@ class Stats:
 
 
 @dataclass
+class HostLost:
+    """The machines a model ran over stopped: a host dropped out (the message names it). The
+    worker lives on with no model loaded."""
+
+    message: str
+
+
+@dataclass
 class WorkerDied:
     """Synthesised by the client when the worker process ends without a Shutdown."""
 

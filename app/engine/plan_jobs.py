@@ -103,3 +103,45 @@ def plan(target: str, label: str, o: Overrides, emit=None) -> PlanResult | Refus
             target, label, o, e.setting, e.reason, str(e), e.needed, e.available, e.smallest_ram
         )
     return PlanResult(target, label, o, p, unavailable_kv_modes())
+
+
+@dataclass(frozen=True)
+class MachinesPlan:
+    """A model planned over the machines of a hosts.json (distributed/plan.py), for the
+    window's Machines section; `error` instead of `plan` when the file or the plan fails."""
+
+    target: str
+    hosts_path: str
+    hosts: tuple[tuple[str, int | None], ...]  # (name, RAM bytes) per host, rank 0 first
+    plan: dict | None  # DistPlan.to_dict()
+    error: str = ""
+
+    def start_options(self) -> dict:
+        """The worker's Load options that run the model as planned over these machines."""
+        p = self.plan or {}
+        budgets = [s["expert_budget"] if s["paging"] else None for s in p.get("stages", ())]
+        return {
+            "hosts": self.hosts_path,
+            "split": list(p.get("split") or []) or None,
+            "expert_budget": budgets if any(b is not None for b in budgets) else None,
+            "kv_mode": (p.get("kv_modes") or {}).get("full", "fp16"),
+        }
+
+
+def plan_machines(target: str, hosts_path: str, emit=None) -> MachinesPlan:
+    """The plan of `target` over the hosts of `hosts_path`, or why there is none."""
+    from .distributed.hosts import load_hosts
+    from .distributed.plan import plan_hosts
+    from .errors import EngineError
+    from .planner import PlanRefused
+
+    try:
+        hosts = load_hosts(hosts_path)
+    except EngineError as e:
+        return MachinesPlan(target, hosts_path, (), None, str(e))
+    rows = tuple((h.label, h.ram) for h in hosts.hosts)
+    try:
+        p = plan_hosts(resolve_target(target), hosts)
+    except (PlanRefused, EngineError, ValueError, OSError) as e:
+        return MachinesPlan(target, hosts_path, rows, None, str(e))
+    return MachinesPlan(target, hosts_path, rows, p.to_dict())

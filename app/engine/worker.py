@@ -58,6 +58,11 @@ def describe(msg) -> str:
 # ---------------------------------------------------------------------------------------------
 def _worker_main(conn, env: dict) -> None:
     os.environ.update(env)
+    if hasattr(os, "setpgid"):
+        try:  # its own process group: the ranks it may start end with it (WorkerClient.kill)
+            os.setpgid(0, 0)
+        except OSError:
+            pass
     from ..paths import log_dir
 
     handler = _PrivateLog(log_dir() / "worker.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)
@@ -137,6 +142,7 @@ class _Worker:
             msg = self.requests.get()
             if isinstance(msg, M.Shutdown):
                 self._stop_api()
+                self.engine.unload()  # ranks on other machines end too
                 return
             try:
                 self.handle(msg)
@@ -148,7 +154,7 @@ class _Worker:
         if isinstance(msg, M.Load):
             serving = self.api_settings if self.api is not None else None
             self._stop_api()  # the API's batch must not run while the model changes
-            info = self.engine.load(msg.path, msg.options)
+            info = self._load(msg.path, msg.options)
             self.send(M.Loaded(msg.req_id, asdict(info)))
             if serving:
                 self._start_api(msg.req_id, **serving)
@@ -165,8 +171,29 @@ class _Worker:
         else:
             raise ValueError(f"unknown request {type(msg).__name__}")
 
+    def _load(self, path: str, options: dict):
+        """Load on this machine, or with options["hosts"] over the machines of that hosts.json
+        (distributed/remote.py: the ranks run the model, this process drives them)."""
+        from .distributed.remote import RemoteEngine
+        from .generate import Engine
+
+        remote = bool(options.get("hosts"))
+        if remote != isinstance(self.engine, RemoteEngine) or remote:
+            self.engine.unload()  # the memory (or the ranks) of the model it replaces
+            self.engine = RemoteEngine(self._host_lost) if remote else Engine()
+        return self.engine.load(path, options)
+
+    def _host_lost(self, message: str) -> None:
+        """The ranks ended by themselves (on their own thread): the window keeps the chat."""
+        log.error("the machines stopped: %s", message)
+        self.send(M.HostLost(message))
+
     def _start_api(self, req_id: int, host: str, port: int, api_key: str | None) -> None:
         """Serve the loaded model (one model in memory: the window and the API share it)."""
+        if self.engine.info is not None and self.engine.loaded is None:  # over several machines
+            self.send(M.Serving(req_id, "", host, port, error="the model runs over several "
+                                "machines: serve it with `rotaryquant serve --hosts`"))  # fmt: skip
+            return
         if self.engine.loaded is None:
             raise ValueError("load a model before serving it")
         from ..server.run import ApiServer
@@ -276,6 +303,22 @@ class WorkerError(RuntimeError):
     pass
 
 
+def _end_group(pid: int | None) -> None:
+    """Kill the worker's process group (the worker leads its own: _worker_main), so ranks it
+    started do not outlive it. Nothing happens if it never became a group leader."""
+    if pid is None or not hasattr(os, "killpg"):
+        return
+    try:
+        if os.getpgid(pid) != pid:
+            return
+    except OSError:
+        pass  # the leader is gone; its group may still have members
+    try:
+        os.killpg(pid, 9)
+    except OSError:
+        pass
+
+
 class WorkerClient:
     """Spawns and talks to the worker. Replies go to `on_message` (called on the reader
     thread) or, when it is None, into `self.replies` for synchronous use (CLI, tests)."""
@@ -360,6 +403,7 @@ class WorkerClient:
         with self._reap_lock:
             proc.join(timeout=5)
             code = proc.exitcode
+        _end_group(proc.pid)  # what it started (the ranks of a split model) ends with it
         if not self._stopping and proc is self.proc:
             if broken is not None:
                 what = f"a message from the engine could not be read ({type(broken).__name__})"
@@ -397,6 +441,7 @@ class WorkerClient:
         self._stopping = True
         with self._reap_lock:
             if self.proc is not None and self.proc.is_alive():
+                _end_group(self.proc.pid)
                 self.proc.kill()
                 self.proc.join(5)
         if self.conn is not None:

@@ -194,7 +194,7 @@ class Api:
                 content.append(ev.content)
                 reasoning.append(ev.reasoning)
             elif isinstance(ev, Failed):
-                raise ApiError(500, ev.message, type_="server_error")
+                raise ApiError(ev.status, ev.message, code=ev.code, type_="server_error")
             elif isinstance(ev, Done):
                 done = ev
         return "".join(content), "".join(reasoning), done
@@ -303,7 +303,7 @@ class Api:
                         "message": ev.message,
                         "type": "server_error",
                         "param": None,
-                        "code": None,
+                        "code": ev.code,
                     }
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return

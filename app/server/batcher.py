@@ -39,6 +39,8 @@ class Done:
 @dataclass
 class Failed:
     message: str
+    status: int = 500  # the HTTP status a request that has not started answering gets
+    code: str | None = None
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`rotaryquant serve`: the API over one model, in the foreground."""
+"""`rotaryquant serve`: the API over one model, in the foreground (on this machine, or split over
+the machines of --hosts)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def cmd_serve(args) -> int:
     from .run import ApiServer
 
     path = _resolve(args.model)
+    if args.hosts:
+        return _serve_hosts(args, path)
     options = {"plan": bool(args.plan)}
     if args.kv_mode != "auto":
         options["kv_mode"] = args.kv_mode
@@ -52,6 +55,22 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _serve_hosts(args, path: str) -> int:
+    """The model split over the machines of hosts.json (app/engine/distributed/serve.py)."""
+    from ..engine.distributed.commands import cmd_serve_hosts
+    from ..engine.generate import DEFAULT_MODEL_REF
+    from .address import is_loopback
+
+    if path == DEFAULT_MODEL_REF:
+        from ..engine.embedded import ensure_default_model
+
+        path = str(ensure_default_model())  # the same folder must exist on every host
+    if not is_loopback(args.host):
+        print(f"warning: rank 0 listens on {args.host}: other machines on the network can use "
+              "this model" + ("" if args.api_key else " (no --api-key set)"), file=sys.stderr)  # fmt: skip
+    return cmd_serve_hosts(args, path)
+
+
 def add_commands(sub) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "serve", help="an OpenAI-compatible API (and Anthropic's /v1/messages) on this model"
@@ -66,4 +85,9 @@ def add_commands(sub) -> None:
     p.add_argument("--plan", action="store_true", help="apply the auto-planner's choices")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--context", type=int, help="longest prompt + completion (default: the model's)")
+    p.add_argument(
+        "--hosts",
+        help="hosts.json: split the model over these machines (mlx.launch; the first host "
+        "serves the API, one request at a time; --plan applies the plan for the machines)",
+    )
     p.set_defaults(func=cmd_serve)

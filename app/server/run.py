@@ -19,7 +19,7 @@ class ApiServer:
 
     def __init__(self, engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 context: int | None = None):  # fmt: skip
+                 context: int | None = None, batcher: Batcher | None = None):  # fmt: skip
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -30,7 +30,8 @@ class ApiServer:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
         self.sock.listen(1024)  # connections queue from now on, before uvicorn's loop runs
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.batcher = Batcher(engine, max_batch=max_batch, context=context)
+        # `batcher`: one already running over `engine` (the pipeline's, one request at a time)
+        self.batcher = batcher or Batcher(engine, max_batch=max_batch, context=context)
         config = uvicorn.Config(create_app(self.batcher, api_key), log_level="warning",
                                 access_log=False, lifespan="off")  # fmt: skip
         self.server = uvicorn.Server(config)

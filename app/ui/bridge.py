@@ -42,6 +42,7 @@ class WorkerBridge(QObject):
     stats = Signal(object)  # M.Stats
     died = Signal(object)  # M.WorkerDied
     serving = Signal(object)  # M.Serving
+    host_lost = Signal(object)  # M.HostLost
     _incoming = Signal(object)  # from the reader thread
 
     def __init__(self, parent=None, env: dict | None = None):
@@ -159,6 +160,8 @@ class WorkerBridge(QObject):
             if msg.req_id is not None and msg.req_id == self.current:
                 self.current = None
             self.error.emit(msg)
+        elif isinstance(msg, M.HostLost):
+            self.host_lost.emit(msg)
         elif isinstance(msg, M.WorkerDied):
             self.starting = False
             self.current = None

@@ -70,6 +70,7 @@ class ChatModel(QObject):
         b.done.connect(self._on_done)
         b.error.connect(self._on_error)
         session.crashed.connect(self._on_crashed)
+        session.hosts_lost.connect(self._on_crashed)  # an answer in flight ends, kept as it is
 
     # -- conversations -----------------------------------------------------------------------
     def conversations(self) -> list[Conversation]:

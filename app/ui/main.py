@@ -32,6 +32,7 @@ from .chat_model import ChatModel
 from .chat_view import ChatView
 from .library_model import LibraryController, embedded_row
 from .library_view import LibraryView
+from .machines import MachinesController, MachinesDialog, MachinesView
 from .memory import MemoryPanel
 from .plan_model import PlanController, PlanResult
 from .plan_view import PlanView
@@ -93,6 +94,8 @@ class MainWindow(QMainWindow):
         self.chat = ChatModel(self.session, parent=self)
         self.library = library or LibraryController(parent=self)
         self.planner = PlanController(self)
+        self.machines = MachinesController(self)
+        self.machines.hosts_path = str(self.settings.value("machines/hosts", "") or "")
         self.applied: PlanResult | None = None  # the plan the engine runs, once applied
         self._restore_chat_defaults()
 
@@ -100,6 +103,8 @@ class MainWindow(QMainWindow):
         self.library_view = LibraryView(self.library)
         self.plan_view = PlanView(self.planner)
         self.memory = MemoryPanel()
+        self.machines_view = MachinesView(self.machines)
+        self.machines_dialog = MachinesDialog(self.machines_view, self)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         for w, name in zip(
@@ -184,7 +189,11 @@ class MainWindow(QMainWindow):
         self.restart_btn.clicked.connect(self.restart_engine)
         self.fallback_btn = QPushButton("Load the built-in model")
         self.fallback_btn.clicked.connect(lambda: self.load_model(DEFAULT_MODEL_REF))
+        self.local_btn = QPushButton("Continue on this Mac")
+        self.local_btn.setToolTip("Load the model on this machine alone (paged if it must be)")
+        self.local_btn.clicked.connect(self.run_locally)
         bl.addWidget(self.banner_text, 1)
+        bl.addWidget(self.local_btn)
         bl.addWidget(self.fallback_btn)
         bl.addWidget(self.restart_btn)
         self.banner.hide()
@@ -225,6 +234,8 @@ class MainWindow(QMainWindow):
             engine, "&Reload the model", None, lambda: self.load_model(self.session.model_ref)
         )
         self._action(engine, "Res&tart the engine", "Ctrl+Shift+R", self.restart_engine)
+        engine.addSeparator()
+        self._action(engine, "&Machines…", None, self.show_machines)
         helpm = mb.addMenu("&Help")
         self._action(
             helpm, "&Keyboard shortcuts", QKeySequence.StandardKey.HelpContents, self.show_shortcuts
@@ -254,6 +265,8 @@ class MainWindow(QMainWindow):
         self.library.entries_changed.connect(self.refresh_models)
         self.planner.plan_ready.connect(self._on_plan)
         self.plan_view.apply_requested.connect(self.apply_plan)
+        self.machines_view.start_requested.connect(self.start_on_machines)
+        self.machines_view.local_requested.connect(self.run_locally)
 
     def settings_dialog(self):
         from .settings_dialog import SettingsDialog
@@ -274,6 +287,32 @@ class MainWindow(QMainWindow):
         self.applied = None
         self.session.load(ref, options)
         self._select_model(ref)
+
+    def show_machines(self) -> None:
+        self.machines.set_target(self.session.model_ref, self.model_combo.currentText())
+        if self.machines.hosts_path and self.machines.last is None:
+            self.machines.compute()
+        self.machines_dialog.show()
+        self.machines_dialog.raise_()
+
+    def start_on_machines(self, options: dict) -> None:
+        """Load the current model split over the machines of options["hosts"] (the worker
+        starts the ranks); the conversation stays as it is."""
+        if self.session.generating:
+            self.statusBar().showMessage("Stop the answer (Esc) before changing machines", 5000)
+            return
+        self.settings.setValue("machines/hosts", options["hosts"])
+        self.load_model(self.session.model_ref, options)
+        self.statusBar().showMessage(
+            f"Starting the model over the machines of {options['hosts']}…", 8000
+        )
+
+    def run_locally(self) -> None:
+        """The current model on this machine alone, planned for it (after a host dropped out)."""
+        if self.session.generating:
+            self.statusBar().showMessage("Stop the answer (Esc) first", 5000)
+            return
+        self.load_model(self.session.model_ref, {"plan": True})
 
     def restart_engine(self) -> None:
         self.banner.hide()
@@ -297,12 +336,17 @@ class MainWindow(QMainWindow):
             self.banner_text.setText(message)
             self.restart_btn.show()
             self.fallback_btn.hide()
+            self.local_btn.hide()
             self.banner.show()
         elif state == "idle":
             self.banner_text.setText(message)
             self.restart_btn.hide()
-            self.fallback_btn.setVisible(self.session.model_ref != DEFAULT_MODEL_REF)
+            lost = bool(self.session.lost)  # a host of the split model dropped out
+            self.local_btn.setVisible(lost)
+            self.fallback_btn.setVisible(not lost and self.session.model_ref != DEFAULT_MODEL_REF)
             self.banner.show()
+            if lost:
+                self.machines_view.set_running(None)
         else:
             self.banner.hide()
         self.model_combo.setEnabled(state in ("ready", "idle"))
@@ -322,6 +366,9 @@ class MainWindow(QMainWindow):
         self.memory.set_note(
             f"{info['name']}: {info['num_layers']} layers, {info['architecture']}, on {info['backend']}."
         )
+        self.machines.set_target(self.session.model_ref, info["name"])
+        hosts = (info.get("extra") or {}).get("hosts") if self.session.split else None
+        self.machines_view.set_running(hosts)
 
     def _on_prompt(self, msg) -> None:
         self.memory.history.context_tokens = msg.prompt_tokens

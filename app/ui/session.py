@@ -1,7 +1,7 @@
 """The engine as the GUI sees it: one worker, one loaded model, and a small state machine.
 
 States: starting → loading → ready; a model that fails to load leaves the engine "idle" with
-the error; a worker that dies makes it "crashed" until `restart()`, which starts a new worker
+the error, as does a host of a split model that drops out (`hosts_lost`); a worker that dies makes it "crashed" until `restart()`, which starts a new worker
 and loads the same model again. A pipe broken by an unreadable frame restarts it at once (once
 until a model loads again).
 """
@@ -25,6 +25,7 @@ class EngineSession(QObject):
     model_loaded = Signal(dict)  # ModelInfo fields
     load_failed = Signal(str)
     crashed = Signal(str)
+    hosts_lost = Signal(str)  # the machines a split model ran over stopped (names the host)
     stats = Signal(object)  # M.Stats
 
     def __init__(
@@ -44,12 +45,14 @@ class EngineSession(QObject):
         self.device = ""
         self.backend = ""
         self.load_req: int | None = None
+        self.lost = ""  # the last lost host's report, while no model runs since
         self._auto_restarted = False
         b = self.bridge
         b.ready.connect(self._on_ready)
         b.loaded.connect(self._on_loaded)
         b.error.connect(self._on_error)
         b.died.connect(self._on_died)
+        b.host_lost.connect(self._on_host_lost)
         b.stats.connect(self.stats)
         self.poll = QTimer(self)
         self.poll.setInterval(STATS_IDLE_INTERVAL_MS)
@@ -83,6 +86,7 @@ class EngineSession(QObject):
 
     def _load(self) -> None:
         self.info = None
+        self.lost = ""
         self._set("loading", f"Loading {_short(self.model_ref)}…")
         self.load_req = self.bridge.load(self.model_ref, self.options)
 
@@ -123,6 +127,21 @@ class EngineSession(QObject):
         if msg.req_id is not None and msg.req_id == self.load_req and self.state == "loading":
             self._set("idle", f"Could not load {_short(self.model_ref)}: {msg.message}")
             self.load_failed.emit(msg.message)
+
+    @property
+    def split(self) -> bool:
+        """The model runs over several machines (a hosts.json was given)."""
+        return bool(self.options.get("hosts"))
+
+    def _on_host_lost(self, msg: M.HostLost) -> None:
+        """A host of a split model dropped out: the worker lives on with no model; the window
+        keeps the conversation and offers to go on on this machine."""
+        if not self.split:
+            return
+        self.info = None
+        self.lost = msg.message
+        self._set("idle", f"A machine dropped out: {msg.message}. Your conversation is kept.")
+        self.hosts_lost.emit(msg.message)
 
     def _on_died(self, msg: M.WorkerDied) -> None:
         self.poll.stop()

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -125,13 +126,24 @@ class Peers:
 
 class Watchdog:
     """Ends this process with a report when an armed step outlives `timeout_s`: a collective
-    blocked in MLX cannot be interrupted from Python, and a hung rank must not hang the rest."""
+    blocked in MLX cannot be interrupted from Python, and a hung rank must not hang the rest.
 
-    def __init__(self, peers: Peers, timeout_s: float, exit_code: int = 3):
+    `on_end(err)`, when given, runs before the process ends (the server's rank 0 answers its
+    clients with the report there); the process ends when it returns."""
+
+    def __init__(
+        self,
+        peers: Peers,
+        timeout_s: float,
+        exit_code: int = 3,
+        on_end: Callable[[PeerLost], None] | None = None,
+    ):
         self.peers, self.timeout_s, self.exit_code = peers, timeout_s, exit_code
+        self.on_end = on_end
         self._deadline: float | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._ending = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rq-watchdog", daemon=True)
         self._thread.start()
 
@@ -162,7 +174,23 @@ class Watchdog:
                 self._end(f"no step finished in {self.timeout_s:g} s")
 
     def _end(self, cause: str) -> None:
-        report(self.peers.failure(cause))
+        self.end(cause)
+
+    def end(self, cause: str) -> None:
+        """Report the lost peer and end the process (from any thread; the first caller does
+        it, later ones wait for the exit)."""
+        if not self._ending.acquire(blocking=False):
+            while True:
+                time.sleep(3600)
+        err = self.peers.failure(cause)
+        report(err)
+        if self.on_end is not None:
+            try:
+                self.on_end(err)
+            except Exception as e:  # the report is out; the exit must still happen
+                print(f"error: while ending: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(self.exit_code)
 
 

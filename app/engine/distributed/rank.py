@@ -3,6 +3,8 @@ command): `python -m app.engine.distributed.rank MODEL [--chat | --check SPEC.js
 
 --chat   rank 0 reads one user message per line from stdin and prints the answer; every rank
          generates alongside (the prompt's ids are broadcast from rank 0).
+--serve  rank 0 serves the OpenAI-compatible API on --host/--port, one request at a time;
+         the other ranks follow it (serve.py; `rotaryquant serve --hosts` builds the command).
 --check  runs the greedy generations listed in SPEC.json and writes each rank's tokens,
          log-probabilities and traffic to OUT/rank{r}.json (tests and benchmarks/distributed.py).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -64,8 +67,8 @@ def _labels(hosts_path: str | None, size: int) -> list[str]:
 
 
 def _check(engine, spec: dict, out: Path, watchdog) -> None:
-    """Every run of `spec`: {"runs": [{"model", "kv_mode", "expert_budget", "split"}],
-    "prompt": [ids], "max_tokens": n}."""
+    """Every run of `spec`: {"runs": [{"model", "kv_mode", "expert_budget", "split",
+    "agree_each_token"}], "prompt": [ids], "max_tokens": n}."""
     import mlx.core as mx
 
     from ..generate import GenerationSettings
@@ -90,8 +93,15 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
         first = {}  # time and bytes sent when the first token came out (decode starts)
         watchdog.arm()
 
-        def beat(i, first=first, stage=stage):
+        from .serve import Agreement
+
+        # as serve.py's ranks do: the stop-or-go-on all_sum after every token
+        agreement = Agreement(engine.group) if run.get("agree_each_token") else None
+
+        def beat(i, first=first, stage=stage, agreement=agreement):
             watchdog.beat()
+            if agreement is not None:
+                agreement()
             if i == 1:
                 first.update(t=time.perf_counter(), sent=stage.traffic.sent)
             print(f"rank {rank} token {i}", flush=True)
@@ -198,8 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--chat", action="store_true")
+    mode.add_argument("--serve", action="store_true")
     mode.add_argument("--check", help="SPEC.json of greedy runs (writes --out/rank{r}.json)")
     p.add_argument("--out", default=".")
+    p.add_argument("--host", default="127.0.0.1", help="--serve: rank 0's address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="--serve: rank 0's port (0: any)")
+    p.add_argument("--context", type=int, help="--serve: longest prompt + completion")
+    p.add_argument(
+        "--api-key-stdin",
+        action="store_true",
+        help="--serve: rank 0 reads the API key from the first line of stdin",
+    )
     args = p.parse_args(argv)
 
     from ..errors import EngineError
@@ -207,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     from .group import Peers, Watchdog, init_group, is_link_error, report
 
     peers = None
+    if args.serve and os.environ.get("MLX_RANK", "0") != "0":
+        # Ctrl+C reaches every local rank: rank 0 ends the session, the others follow it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.cpu:
         import mlx.core as mx
 
@@ -226,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             "split": [int(x) for x in args.split.split(",")] if args.split else None,
             "expert_budget": _budget(args.expert_budget, group.rank(), parse_size),
         }
+        if args.serve:
+            from .serve import follow, serve_root
+
+            if group.rank() == 0:
+                return serve_root(args, engine, opts, peers, watchdog)
+            engine.load(args.model, opts)
+            follow(engine, group, watchdog)
+            return 0
         engine.load(args.model, opts)
         _chat(engine, args, watchdog)
         return 0
