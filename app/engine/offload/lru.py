@@ -106,6 +106,15 @@ class ExpertLRU:
         allocs = self.use(hits, misses)
         return {k: self.slot_of[k] for k in keys}, allocs
 
+    def _allocate_pinned(self, misses: list) -> list[Allocation]:
+        """A slot for each of `misses` (not resident, distinct, room checked), pinned."""
+        allocs = []
+        for k in misses:
+            a = self.allocate(k)
+            self.pinned.add(a.slot)
+            allocs.append(a)
+        return allocs
+
     def _check_room(self, hits: list, misses: list) -> None:
         """Raise NoFreeSlot unless every miss can get a slot once `hits` are pinned."""
         newly = sum(1 for k in hits if self.slot_of[k] not in self.pinned)
@@ -124,12 +133,7 @@ class ExpertLRU:
         lookup = self.lookup
         for k in hits:
             pinned.add(lookup(k))
-        allocs = []
-        for k in misses:
-            a = self.allocate(k)
-            pinned.add(a.slot)
-            allocs.append(a)
-        return allocs
+        return self._allocate_pinned(misses)
 
     def check(self) -> None:
         """Invariants (for tests and debugging)."""
@@ -196,12 +200,7 @@ class ExpertSLRU(ExpertLRU):
                     old, _ = prot.popitem(last=False)
                     prob[old] = None
             pinned.add(slot_of[k])
-        allocs = []
-        for k in misses:
-            a = self.allocate(k)
-            pinned.add(a.slot)
-            allocs.append(a)
-        return allocs
+        return self._allocate_pinned(misses)
 
     def allocate(self, key: Hashable) -> Allocation:
         a = super().allocate(key)
