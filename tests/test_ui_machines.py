@@ -111,6 +111,7 @@ def test_a_lost_host_keeps_the_conversation_and_goes_on_on_this_mac(qtbot, windo
     assert win.settings.value("machines/hosts") == hosts  # the next start offers the same file
 
     chat = win.chat
+    chat.new_conversation()  # the chat history is the test run's, shared with earlier tests
     assert chat.send("Tell me a story")
     bridge.play_tokens(["Once", " upon"])
     # the answer in flight fails with the server's report, then the ranks are gone
