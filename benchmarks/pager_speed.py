@@ -82,6 +82,7 @@ VARIANT_FIELDS = (
     "read_GBps",
     "misses_per_token",
     "MB_read_per_token",
+    "host_parts_ms_per_token",
     "full_model_tps_est",
     "zero_copy",
     "device_copy",
@@ -295,6 +296,7 @@ def row(
         "misses_per_token": s["misses"] / n,
         "MB_read_per_token": s["bytes_read"] / n / 1e6,
         "pager_ms_per_token": s.get("ms_per_token"),  # the pager's own clock (stats.per_token)
+        "host_parts_ms_per_token": s.get("host_parts"),  # the host's work by part (pager timers)
         **extra,
     }
 
@@ -847,6 +849,9 @@ def main():
             f"{r['read_GBps'] or 0:.2f} / bound {r['pread_bound_GBps']:.2f} GB/s",
             flush=True,
         )
+        if r.get("host_parts_ms_per_token"):
+            hp = r["host_parts_ms_per_token"]
+            print("    host parts ms/tok: " + " ".join(f"{k} {v:.1f}" for k, v in hp.items()))
         save()
 
     def save():

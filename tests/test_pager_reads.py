@@ -3,6 +3,7 @@ through staging land the exact record bytes, a record is CRC-checked on its firs
 the per-token breakdown adds up."""
 
 import os
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -199,10 +200,14 @@ def test_memory_panel_reads_every_paging_figure_from_the_pager(records):
 
 class _HostCopier:
     """The device copier's interface with memmove: on the CPU an MLX array's memory is host
-    memory, so this checks the pager's staging rows and slot addresses."""
+    memory, so this checks the pager's staging rows and slot addresses. Queued copies run
+    only at sync(), as a stream would run them later: staging reused before the pager waits
+    for its copies would land the wrong bytes."""
 
     def __init__(self):
-        self.registered, self.copies = 0, 0
+        self.registered, self.copies, self.syncs = 0, 0, 0
+        self.queued = []
+        self.lock = threading.Lock()
 
     def register(self, host):
         self.registered += 1
@@ -213,11 +218,19 @@ class _HostCopier:
     def unregister(self, host):
         pass
 
-    def copy(self, dst, src, nbytes):
+    def copy_async(self, dst, src, nbytes):
+        with self.lock:
+            self.queued.append((dst, src, nbytes))
+
+    def sync(self):
         import ctypes
 
-        ctypes.memmove(dst, src, nbytes)
-        self.copies += 1
+        with self.lock:
+            for dst, src, nbytes in self.queued:
+                ctypes.memmove(dst, src, nbytes)
+            self.copies += len(self.queued)
+            self.queued.clear()
+            self.syncs += 1
 
     def close(self):
         pass
@@ -235,6 +248,7 @@ def test_device_copies_land_the_exact_record_bytes(records):
     paged._copier = copier = _HostCopier()
     got = _run(paged, 30, traces)
     assert copier.registered == 1 and copier.copies == paged.stats()["reads"] * 6
+    assert not copier.queued and 0 < copier.syncs <= paged.stats()["reads"]
     for a, b in zip(ref, got, strict=True):
         for k in a:
             assert np.array_equal(a[k], b[k]), k

@@ -48,6 +48,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -191,20 +192,17 @@ class SlotPool:
                 copier.register(self._stage)
         return self._stage
 
-    def copy_staged(self, copier, slots: list[int]) -> None:
-        """Staged rows 0 .. len(slots) - 1 into `slots` with the device copier (in place: the
-        slots are unpinned and no computation reading them is in flight)."""
+    def copy_row(self, copier, row: int, slot: int) -> None:
+        """Queue the copy of staged row `row` into `slot` on the device copier's stream (the
+        slot is unpinned and no computation reading it is in flight); lands by copier.sync()."""
         from .cuda_copy import buffer_address
 
         if self._bases is None:
             self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
-        copier.bind()  # the thread that generates may not be the one that loaded
-        row0 = self._stage.ctypes.data
-        for i, slot in enumerate(slots):
-            pos = row0 + i * self.slot_bytes
-            for t in self.tensors:
-                copier.copy(self._bases[t.name] + slot * t.nbytes, pos, t.nbytes)
-                pos += t.nbytes
+        pos = self._stage.ctypes.data + row * self.slot_bytes
+        for t in self.tensors:
+            copier.copy_async(self._bases[t.name] + slot * t.nbytes, pos, t.nbytes)
+            pos += t.nbytes
 
     def stage_views(self, row: int) -> list[memoryview]:
         mv = memoryview(self._stage[row])
@@ -553,27 +551,42 @@ class ExpertPager:
         lay = self.store.layout(layer)
         fd = self._layer_fd(layer)
         scatter = 0.0
+        copier = self._copier
         if self.zero_copy:
-            jobs = [(e, pool.slot_iovecs(s, lay)) for e, s in todo]
+            jobs = [(e, pool.slot_iovecs(s, lay), None) for e, s in todo]
             self._reads(layer, lay, fd, jobs)
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
             rows = min(per, max(len(todo), 8))
-            per = min(per, len(pool.staging(rows, self._copier)))
+            per = min(per, len(pool.staging(rows, copier)))
             for b in range(0, len(todo), per):
                 batch = todo[b : b + per]
-                jobs = [(e, _iovecs(lay, pool.stage_views(i))) for i, (e, _) in enumerate(batch)]
-                self._reads(layer, lay, fd, jobs)
-                ts = time.perf_counter()
-                if self._copier is not None:
-                    pool.copy_staged(self._copier, [s for _, s in batch])
-                else:
+                # device copier: each record's copy is queued by the thread that read it as
+                # soon as its read ends (overlapping the other reads); the batch then waits
+                # for the copier's stream once (also after a failed read: staging is reused)
+                jobs = [
+                    (
+                        e,
+                        _iovecs(lay, pool.stage_views(i)),
+                        None if copier is None else partial(pool.copy_row, copier, i, s),
+                    )
+                    for i, (e, s) in enumerate(batch)
+                ]
+                try:
+                    self._reads(layer, lay, fd, jobs)
+                finally:
+                    if copier is not None:
+                        ts = time.perf_counter()
+                        copier.sync()
+                        scatter += time.perf_counter() - ts
+                if copier is None:
+                    ts = time.perf_counter()
                     pool.scatter([s for _, s in batch])
                     if b + per < len(todo):  # bound the staged copies held by the lazy scatter
                         import mlx.core as mx
 
                         mx.eval(list(pool.storage.values()))
-                scatter += time.perf_counter() - ts
+                    scatter += time.perf_counter() - ts
         st.reads += len(todo)
         st.bytes_read += len(todo) * lay.record_size
         dt = time.perf_counter() - t0
@@ -582,7 +595,8 @@ class ExpertPager:
         self.host_parts["scatter"] += scatter
 
     def _reads(self, layer: int, lay: LayerLayout, fd: int, jobs: list) -> None:
-        """Read records `jobs` [(expert, preadv buffers)]: on the calling thread up to
+        """Read records `jobs` [(expert, preadv buffers, then: called after the record's
+        read and check, or None)]: on the calling thread up to
         INLINE_BYTES, else split over the reader threads with one share on this thread.
         Every read has ended when this returns, also when one failed (its slots are then
         freed: no thread may still be writing into them)."""
@@ -606,8 +620,10 @@ class ExpertPager:
             raise error
 
     def _read_chunk(self, layer: int, lay: LayerLayout, fd: int, jobs: list) -> None:
-        for expert, bufs in jobs:
+        for expert, bufs, then in jobs:
             self._preadv(layer, lay, fd, expert, bufs)
+            if then is not None:
+                then()
 
     def _preadv(self, layer: int, lay: LayerLayout, fd: int, expert: int, bufs: list) -> None:
         off = lay.record_offset(expert)
