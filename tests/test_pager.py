@@ -229,6 +229,31 @@ def test_corrupt_record_found_while_paging(converted, tmp_path):
         _generate(lm.model, n=2)
 
 
+def test_verify_records_checks_each_record_once_and_names_a_corrupt_one(converted, tmp_path):
+    """The up-front check (benchmarks' steady state, or an idle pass) covers every record not
+    checked yet, skips the decode path's first-read CRC afterwards, and names a bad record."""
+    folder, _, _ = converted("qwen3_moe")
+    first, _ = _generate(load_paged(folder, expert_bytes(folder) // 2).model, n=2)
+    lm = load_paged(folder, expert_bytes(folder) // 2)
+    pager = lm.model.rq_pager
+    total = sum(len(v) for v in pager._verified.values())
+    some = next(iter(pager._verified))
+    pager._verified[some][:2] = True  # as if the decode path had read two of them
+    assert pager.verify_records(threads=3) == total - 2
+    assert all(v.all() for v in pager._verified.values())
+    assert pager.verify_records() == 0
+    assert _generate(lm.model, n=2)[0] == first  # the flags change no computation
+
+    bad = _copy(folder, tmp_path / "bad")
+    with ExpertStore(bad) as st:
+        layer = st.layers[1]
+    _flip_byte(bad, layer, 6, at=3)
+    lm = load_paged(bad, expert_bytes(bad) // 2)
+    with pytest.raises(ExpertRecordError, match=rf"layer {layer}, expert 6: checksum mismatch"):
+        lm.model.rq_pager.verify_records(threads=2)
+    assert not lm.model.rq_pager._verified[layer][6]
+
+
 def test_truncated_expert_file_is_refused_at_load(converted, tmp_path):
     folder, _, _ = converted("nemotron_h")
     bad = _copy(folder, tmp_path / "bad")
