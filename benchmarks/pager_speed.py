@@ -342,8 +342,8 @@ def read_path(
     ]
     for batch in todo:  # every record read (and checked) once: page cache warm, CRCs known
         for p in pagers.values():
-            p._read_into(p.pools[0], layer, batch)
-    mx.eval([a for p in pagers.values() for a in p.pools[0].storage.values()])
+            p._read_into(p.pool_of[layer], layer, batch)
+    mx.eval([a for p in pagers.values() for a in p.pool_of[layer].storage.values()])
     fd = os.open(store.folder / lay.file, os.O_RDONLY)
     ring = np.ones((calls * SUPER_K, lay.record_size), np.uint8)  # touched, like slots
     views = [memoryview(r) for r in ring]
@@ -369,8 +369,8 @@ def read_path(
         for k, p in pagers.items():
             t = time.perf_counter()
             for batch in todo:
-                p._read_into(p.pools[0], layer, batch)
-            mx.eval(list(p.pools[0].storage.values()))  # staged copies land (lazy scatter)
+                p._read_into(p.pool_of[layer], layer, batch)
+            mx.eval(list(p.pool_of[layer].storage.values()))  # staged copies land (lazy scatter)
             secs[k].append(time.perf_counter() - t)
     for p in pagers.values():
         p.close()

@@ -329,6 +329,37 @@ def test_slot_windows_are_bit_identical(converted, monkeypatch, frac):
     assert (len(calls) > 0) == (frac < 1.0)  # all resident: each layer's own 8 slots, no split
 
 
+@pytest.mark.parametrize("frac", [1.0, 0.4])
+def test_pools_split_into_banks_under_the_index_limit_are_bit_identical(converted, frac):
+    """A pool wider than the index limit (CUDA: 32-bit weight offsets) is split into banks of
+    contiguous layers, each within the limit: every call gathers from its bank in one call
+    (no slot windows), with the budget shared out, and the tokens stay the resident ones."""
+    from app.engine.offload import layers
+
+    folder, toks, lps = converted("qwen3_moe")
+    with ExpertStore(folder) as st:
+        per, n_layers = st.layout(st.layers[0]).slot_elements, len(st.layers)
+    budget = int(expert_bytes(folder) * frac)
+    one = load_paged(folder, budget).model.rq_pager
+    assert len(one.pools) == 1
+    limit = (one.pools[0].num_slots // 3) * per + 1  # three banks or more
+    lm = load_paged(folder, budget, bank_elements=limit)
+    pager = lm.model.rq_pager
+    assert 3 <= len(pager.pools) <= n_layers
+    assert all(p.num_slots <= (limit - 1) // per for p in pager.pools)
+    assert sum(p.num_slots for p in pager.pools) <= one.pools[0].num_slots
+    assert sorted(x for p in pager.pools for x in p.layers) == sorted(one.pools[0].layers)
+    mods = [m for _, m in lm.model.named_modules() if isinstance(m, PagedSwitchGLU)]
+    assert mods and all(m._window is None for m in mods)
+    orig = layers._index_limit
+    try:  # the layers see the same limit the banks were cut for
+        layers._index_limit = lambda: limit
+        assert all(m._window_slots(pager, m._layer) is None for m in mods)
+    finally:
+        layers._index_limit = orig
+    _assert_same(lm.model, toks, lps, n=24)
+
+
 @pytest.mark.slow
 def test_groups_with_slot_windows_are_bit_identical(converted, monkeypatch):
     from app.engine.offload import layers

@@ -30,10 +30,9 @@ from mlx_lm.models.switch_layers import (
     _scatter_unsort,
 )
 
-from .pager import ExpertPager, Route
+from .pager import INDEX_LIMIT, ExpertPager, Route
 
 SORT_FROM = 64  # mlx-lm sorts (token, expert) pairs by expert from this many pairs on
-INDEX_LIMIT = 1 << 31  # MLX CUDA quantized/gathered matmuls: weight offsets in 32-bit ints
 QMV_ROWS = 8  # MLX CUDA gather_qmm: a matrix-vector kernel below this many rows (M * B)
 
 

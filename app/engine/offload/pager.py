@@ -63,6 +63,7 @@ from .stats import LayerStats, per_token, total
 # dispatch included); scatter: staged records into the slots (not on the zero-copy path);
 # index: the slot index array the layer gathers with; graph: the layer's expert graph
 HOST_PARTS = ("readback", "ids", "policy", "reads", "scatter", "index", "graph")
+INDEX_LIMIT = 1 << 31  # MLX CUDA quantized/gathered matmuls: weight offsets in 32-bit ints
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
 INLINE_BYTES = 1 << 20  # a call's reads up to this size run on the calling thread: a round
 # trip through the reader threads costs more than copying this much out of the page cache
@@ -93,6 +94,9 @@ class PagerOptions:
     # Python builds the graph to the next sync); measured in benchmarks, off until it pays
     device_copy: bool | None = None  # CUDA: records through pinned staging, copied into the
     # slots by the driver (cuda_copy.py); None: where its self-test passes
+    bank_elements: int | None = None  # weight elements one slot pool may span: larger pools
+    # are split into banks of layers (None: MLX CUDA's 32-bit weight offsets there, else no
+    # limit; 0: never split)
     policy: str = "slru"  # eviction: segmented LRU beat LRU on trace routing and tied on
     # random (benchmarks/pager_policy.py); "lru" is plain LRU
 
@@ -101,6 +105,39 @@ class PagerOptions:
             raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+
+
+def _bank_limit(options: PagerOptions) -> int | None:
+    """Weight elements one slot pool may span (None: no limit)."""
+    if options.bank_elements is not None:
+        return options.bank_elements or None
+    import mlx.core as mx
+
+    return INDEX_LIMIT if getattr(mx, "cuda", None) and mx.cuda.is_available() else None
+
+
+def _banks(
+    store: ExpertStore, layers: list[int], slots: int, per_slot: int, limit: int | None
+) -> list[tuple[list[int], int]]:
+    """Split one layout's layers into banks of contiguous layers, each a pool under `limit`
+    weight elements, the slots shared out by experts: [(layers, slots)]. One bank where the
+    pool fits (or no limit). A bank's call then gathers from its whole pool in one call
+    instead of one call per window of slots."""
+    experts = [store.layout(x).num_experts for x in layers]
+    total = sum(experts)
+    if limit is None or slots <= (limit - 1) // per_slot:
+        return [(layers, slots)]
+    most = max(1, (limit - 1) // per_slot)  # slots a bank may hold
+    for k in range(-(-slots // most), len(layers) + 1):
+        bounds = [round(i * len(layers) / k) for i in range(k + 1)]
+        out = []
+        for a, z in zip(bounds, bounds[1:], strict=False):
+            n = sum(experts[a:z])
+            out.append((layers[a:z], max(1, min(n, slots * n // total))))
+        if all(s <= most for _, s in out):
+            return out
+    # a layer alone exceeds the limit: one bank per layer (its calls use slot windows)
+    return [([x], max(1, min(n, slots * n // total))) for x, n in zip(layers, experts, strict=True)]
 
 
 def _signature(lay: LayerLayout) -> str:
@@ -282,6 +319,7 @@ class ExpertPager:
         self.full = self.budget_bytes >= self.expert_bytes
         self.pools: list[SlotPool] = []
         self.pool_of: dict[int, SlotPool] = {}
+        limit = _bank_limit(options)
         for g, n, b in zip(groups, experts, slot_bytes, strict=True):
             slots = n if self.full else min(n, self.budget_bytes * n // self.expert_bytes)
             if slots < 1:
@@ -289,11 +327,13 @@ class ExpertPager:
                     f"expert budget of {self.budget_bytes} bytes holds no expert of layer "
                     f"{g[0]} ({b} bytes each; all experts: {self.expert_bytes} bytes)"
                 )
-            pool = SlotPool(store.layout(g[0]), g, slots, options.policy)
-            for layer in g:
-                pool.num_experts[layer] = store.layout(layer).num_experts
-                self.pool_of[layer] = pool
-            self.pools.append(pool)
+            per_slot = store.layout(g[0]).slot_elements
+            for bank, bank_slots in _banks(store, g, slots, per_slot, limit):
+                pool = SlotPool(store.layout(bank[0]), bank, bank_slots, options.policy)
+                for layer in bank:
+                    pool.num_experts[layer] = store.layout(layer).num_experts
+                    self.pool_of[layer] = pool
+                self.pools.append(pool)
         self.layer_stats = {layer: LayerStats() for layer in layers}
         self.base: dict[int, int] = {}  # all-resident path: slot of (layer, e) = base + e
         zc = options.zero_copy
