@@ -205,3 +205,114 @@ def test_expert_ranges_and_the_refused_models(tiny_model_path):
 def test_killed_rank_is_named_within_10s_under_the_expert_split(models, tmp_path):
     folder, _, _ = models["gpt_oss"]
     kill_mid_generation(tmp_path, folder, ["mac-a", "mac-b"], split="experts")
+
+
+# --- planning and choosing the split ---------------------------------------------------------
+
+GPT_OSS = "/work/shared/configs/gpt-oss-120b.json"
+SUPER = "/work/shared/configs/nemotron-3-super-120b-a12b.json"
+
+
+def _hosts(n=2, ram="32GB", link="thunderbolt5", **extra):
+    from app.engine.distributed.hosts import parse_hosts
+
+    hosts = [{"ssh": f"mac-{i}.local", "ram": ram, "name": f"mac-{i}"} for i in range(n)]
+    return parse_hosts({"backend": "ring", "link": link, "hosts": hosts, **extra})
+
+
+def test_planner_keeps_the_pipeline_over_tcp_and_says_why():
+    from app.engine.distributed.plan import plan_hosts
+
+    auto = plan_hosts(GPT_OSS, _hosts())  # 2 x 32 GB over TCP on Thunderbolt (300 us)
+    exp = plan_hosts(GPT_OSS, _hosts(), split="experts")
+    assert auto.kind == "pipeline" and exp.kind == "experts" and exp.split == "experts"
+    assert exp.tok_s < auto.tok_s
+    assert any("pipeline chosen over the expert split" in r for r in auto.reasons)
+    # one all_sum per MoE layer (all 36), a 2-rank ring's 2 messages each
+    assert exp.extra["all_sums_per_token"] == 36 and exp.extra["messages_per_token"] == 72
+    assert exp.link_seconds_per_token > 36 * 2 * 300e-6
+    # every rank holds every layer and half of each layer's 128 experts
+    assert [s.experts for s in exp.stages] == [(0, 64), (64, 128)]
+    assert all(s.layers == (0, 36) for s in exp.stages)
+    assert sum(s.expert_bytes for s in exp.stages) == pytest.approx(
+        exp.extra["expert_bytes"], rel=1e-6
+    )
+    assert exp.to_dict()["split"] == "experts" and exp.to_dict()["stages"][1]["experts"] == [
+        64,
+        128,
+    ]
+
+
+def test_planner_picks_experts_on_a_fast_link_or_where_the_ranks_page():
+    from app.engine.distributed.plan import plan_hosts
+
+    fast = plan_hosts(GPT_OSS, _hosts(link={"gbps": 80, "latency_us": 3}))
+    assert fast.kind == "experts" and not fast.paging
+    assert any("expert split chosen" in r for r in fast.reasons)
+    # 2 x 16 GB: both splits page; an expert split's ranks read their SSDs side by side
+    small = plan_hosts(GPT_OSS, _hosts(ram="16GB"))
+    pipe = plan_hosts(GPT_OSS, _hosts(ram="16GB"), split="pipeline")
+    assert small.kind == "experts" and small.paging and pipe.paging
+    assert small.tok_s > pipe.tok_s
+    assert max(s.miss_per_token for s in small.stages) < sum(s.miss_per_token for s in pipe.stages)
+    # hosts.json's `split` chooses as --split does
+    assert plan_hosts(GPT_OSS, _hosts(split="experts")).kind == "experts"
+    assert plan_hosts(GPT_OSS, _hosts(ram="16GB", split="pipeline")).kind == "pipeline"
+
+
+def test_planner_refuses_experts_for_a_shared_expert_model():
+    from app.engine.distributed.plan import plan_hosts
+    from app.engine.planner import PlanRefused
+
+    with pytest.raises(PlanRefused, match="nemotron_h.*shared expert"):
+        plan_hosts(SUPER, _hosts(), split="experts")
+    auto = plan_hosts(SUPER, _hosts())
+    assert auto.kind == "pipeline" and any("expert split not chosen" in r for r in auto.reasons)
+    with pytest.raises(ValueError, match="split"):
+        _hosts(split="tensor")
+
+
+def test_cli_passes_the_split_to_the_ranks(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from app.cli import main
+    from app.engine.distributed.commands import _planned, rank_args, serve_rank_args
+
+    path = tmp_path / "hosts.json"
+    hosts = {"backend": "ring", "hosts": [{"ssh": f"m{i}", "ram": "32GB"} for i in range(2)]}
+    path.write_text(json.dumps(hosts))
+    assert main(["plan", GPT_OSS, "--hosts", str(path), "--split", "experts", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["split"] == "experts" and d["split_kind"] == "experts"
+    assert main(["plan", GPT_OSS, "--hosts", str(path), "--split", "experts"]) == 0
+    assert "experts 64-127 of each MoE layer" in capsys.readouterr().out
+    args = SimpleNamespace(model="m", hosts=str(path), max_tokens=4, temp=0.0, kv_mode="fp16")
+    args.seed = None
+    argv = rank_args(args, "experts", None)
+    assert argv[argv.index("--split") + 1] == "experts"
+    argv = serve_rank_args("m", str(path), host="127.0.0.1", port=1, split="experts")
+    assert argv[argv.index("--split") + 1] == "experts"
+    # without --plan: the chosen split, every expert resident
+    from app.engine.distributed.hosts import load_hosts
+
+    assert _planned("m", load_hosts(path), False, "experts") == ("experts", None, "fp16")
+    assert _planned("m", load_hosts(path), False, None) == (None, None, "fp16")
+
+
+def test_a_share_of_the_records_reads_the_same_experts(models):
+    folder, _, _ = models["gpt_oss"]
+    from app.engine.distributed.experts import share_section
+    from app.engine.manifest import Manifest
+
+    section = Manifest.load(folder).experts
+    layers = [int(k) for k in section["layers"]]
+    mine = share_section(section, dict.fromkeys(layers, (5, 8)))
+    with ExpertStore(folder) as whole, ExpertStore(folder, mine) as part:
+        for layer in layers:
+            assert part.layout(layer).num_experts == 3
+            got = part.read_layer(layer, verify=True)  # the share's checksums are its own
+            want = whole.read_layer(layer)
+            for name, arr in got.items():
+                assert mx.array_equal(arr, want[name][5:8]).item()
+        with pytest.raises(Exception, match="out of range"):
+            part.read(layers[0], 3)
