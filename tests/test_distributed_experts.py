@@ -284,6 +284,9 @@ def test_cli_passes_the_split_to_the_ranks(tmp_path, capsys):
     assert main(["plan", GPT_OSS, "--hosts", str(path), "--split", "experts", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["split"] == "experts" and d["split_kind"] == "experts"
+    from app.engine.plan_jobs import MachinesPlan  # the app's Start over these machines
+
+    assert MachinesPlan("m", str(path), (), d).start_options()["split"] == "experts"
     assert main(["plan", GPT_OSS, "--hosts", str(path), "--split", "experts"]) == 0
     assert "experts 64-127 of each MoE layer" in capsys.readouterr().out
     args = SimpleNamespace(model="m", hosts=str(path), max_tokens=4, temp=0.0, kv_mode="fp16")
