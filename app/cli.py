@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="hosts.json: run the model split over these machines "
             "(mlx.launch's hostfile; see docs/distributed.md)",
         )
+        sp.add_argument(
+            "--split",
+            choices=("auto", "pipeline", "experts"),
+            help="with --hosts: pipeline (layers per host), experts (each host a share of every MoE "
+            "layer's experts) or auto (the planner's pick; default: hosts.json's `split`)",
+        )
     add("models", cmd_models, "list local models")
     sp = add("bench", cmd_bench, "prompt/decode tok/s and peak memory")
     if sp:

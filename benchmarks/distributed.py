@@ -1,6 +1,7 @@
-"""Pipeline over local ranks against one process, same model: decode tok/s, bytes each rank
-sends per decoded token, and whether the greedy tokens are the single process's; the ranks
-also with the server's per-token agreement (serve.py), side by side in the same launch.
+"""Pipeline and expert split over local ranks against one process, same model: decode tok/s,
+bytes each rank sends per decoded token, and whether the greedy tokens are the single
+process's; the pipeline's ranks also with the server's per-token agreement (serve.py), side by
+side in the same launch. The expert split (experts.py) runs for the models it supports.
 
     .venv/bin/python benchmarks/distributed.py            # -> results/distributed.json
     .venv/bin/python benchmarks/distributed.py --tokens 32 --models qwen3_moe
@@ -30,6 +31,7 @@ from distributed_projection import projection  # noqa: E402
 from record import write_result  # noqa: E402
 
 from app.engine.distributed.launch import launch_argv  # noqa: E402
+from app.engine.distributed.plan import EXPERT_SPLIT_ARCHS  # noqa: E402
 from app.engine.testing.random_models import TINY_CONFIGS, make_random_model  # noqa: E402
 
 # Small enough for a shared 2-core CPU, large enough that a step is not all overhead.
@@ -62,10 +64,12 @@ def _env() -> dict:
     return env
 
 
-def run(folder: Path, ranks: int, tokens: int, work: Path, agree: bool = False) -> list[dict]:
+def run(
+    folder: Path, ranks: int, tokens: int, work: Path, agree: bool = False, split: str = "pipeline"
+) -> list[dict]:
     """Each rank's results; with `agree`, runs alternate without and with the server's
     per-token agreement (one 4-byte all_sum a token), twice each, in one launch."""
-    runs = [{"model": str(folder), "kv_mode": "fp16"}]
+    runs = [{"model": str(folder), "kv_mode": "fp16", "split": split}]
     if agree:
         runs = [dict(runs[0], agree_each_token=bool(i % 2)) for i in range(4)]
     spec = {
@@ -75,7 +79,7 @@ def run(folder: Path, ranks: int, tokens: int, work: Path, agree: bool = False) 
         "logprobs": False,
         "latency_probe": 50,  # one-element all_sums before the run: the link's latency here
     }
-    out = work / f"{folder.name}-{ranks}"
+    out = work / f"{folder.name}-{ranks}-{split}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
     args = ["x", "--check", str(out / "spec.json"), "--out", str(out), "--step-timeout", "300"]
@@ -162,15 +166,33 @@ def main() -> None:
                             "message_ms": round(1e3 * max(r["message_seconds"] for r in res), 3),
                         }
                     )
+                if arch not in EXPERT_SPLIT_ARCHS:
+                    continue
+                res = run(folder, n, a.tokens, work, split="experts")
+                rows.append(
+                    {
+                        "machine": label,
+                        "model": f"random {arch} (hidden 512)",
+                        "ranks": n,
+                        "split": "experts",
+                        "tps": round(n_dec / max(r["decode_seconds"] for r in res), 2),
+                        "bytes_per_token": int(sum(r["decode_bytes"] for r in res) / n_dec),
+                        "tokens_equal_single": all(r["tokens"] == single["tokens"] for r in res),
+                        "per_token_agreement": False,
+                        "experts": [r["stage"]["experts"] for r in res],
+                        "message_ms": round(1e3 * max(r["message_seconds"] for r in res), 3),
+                    }
+                )
     print(
-        f"{'model':32s} {'ranks':>5s} {'agree':>5s} {'tok/s':>7s} {'vs 1':>6s} {'bytes/token':>12s} {'msg ms':>7s} {'tokens = 1':>10s}"
+        f"{'model':32s} {'ranks':>5s} {'split':>8s} {'agree':>5s} {'tok/s':>7s} {'vs 1':>6s} {'bytes/token':>12s} {'msg ms':>7s} {'tokens = 1':>10s}"
     )
     base = {}
     for r in rows:
         if r["ranks"] == 1:
             base[r["model"]] = r["tps"]
         print(
-            f"{r['model']:32s} {r['ranks']:5d} {'yes' if r.get('per_token_agreement') else '':>5s} "
+            f"{r['model']:32s} {r['ranks']:5d} {r['split']:>8s} "
+            f"{'yes' if r.get('per_token_agreement') else '':>5s} "
             f"{r['tps']:7.2f} {r['tps'] / base[r['model']]:6.2f} "
             f"{r['bytes_per_token']:12d} {r.get('message_ms', 0):7.2f} "
             f"{str(r['tokens_equal_single']):>10s}"
@@ -183,7 +205,8 @@ def main() -> None:
         "projection": proj,
         "notes": "ranks are local processes on one machine sharing its cores (loopback "
         "ring); tok/s are decode, after a 64-token prompt, greedy; bytes_per_token "
-        "sums every rank's sends (pipeline send + ring all_gather); message_ms: median "
+        "sums every rank's sends (pipeline: send + ring all_gather; experts: one ring all_sum "
+        "of the hidden state per MoE layer, 2 (N-1)/N of it per rank); message_ms: median "
         "one-element all_sum between the local ranks, measured before the run; "
         "per_token_agreement: the ranks also run serve --hosts's one 4-byte all_sum per token "
         "(not counted in bytes_per_token), alternating with plain runs in the same launch, "

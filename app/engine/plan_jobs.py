@@ -122,7 +122,9 @@ class MachinesPlan:
         budgets = [s["expert_budget"] if s["paging"] else None for s in p.get("stages", ())]
         return {
             "hosts": self.hosts_path,
-            "split": list(p.get("split") or []) or None,
+            "split": p["split"]
+            if isinstance(p.get("split"), str)
+            else list(p.get("split") or []) or None,
             "expert_budget": budgets if any(b is not None for b in budgets) else None,
             "kv_mode": (p.get("kv_modes") or {}).get("full", "fp16"),
         }

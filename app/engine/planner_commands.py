@@ -39,6 +39,12 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--hosts", help="plan for the machines of hosts.json (split, paging, tok/s)")
+    p.add_argument(
+        "--split",
+        choices=("auto", "pipeline", "experts"),
+        help="with --hosts: pipeline (layers per host), experts (each host a share of every MoE "
+        "layer's experts) or auto (the planner's pick; default: hosts.json's `split`)",
+    )
     p.set_defaults(func=cmd_plan)
 
     s = subparsers.add_parser(

@@ -90,4 +90,10 @@ def add_commands(sub) -> None:
         help="hosts.json: split the model over these machines (mlx.launch; the first host "
         "serves the API, one request at a time; --plan applies the plan for the machines)",
     )
+    p.add_argument(
+        "--split",
+        choices=("auto", "pipeline", "experts"),
+        help="with --hosts: pipeline (layers per host), experts (each host a share of every MoE "
+        "layer's experts) or auto (the planner's pick; default: hosts.json's `split`)",
+    )
     p.set_defaults(func=cmd_serve)

@@ -79,6 +79,9 @@ def role(stage: dict) -> tuple[str, str]:
     """(layers, experts) of one planned host."""
     a, b = stage["layers"]
     layers = f"layers {a}–{b - 1}" + (" (first)" if a == 0 else "")
+    if stage.get("experts"):  # an expert split: every layer, a share of each layer's experts
+        lo, hi = stage["experts"]
+        layers = f"all layers, experts {lo}–{hi - 1} of each"
     if not stage["expert_bytes"]:
         experts = "—"
     elif stage["paging"]:
@@ -177,8 +180,12 @@ class MachinesView(QWidget):
         if r.plan:
             link = p["link"]
             self.summary.setText(
-                f"Split {' / '.join(map(str, p['split']))} layers (rank 0 first) · "
-                f"{'some experts paged' if p['paging'] else 'everything resident'} · expected "
+                (
+                    "Split by experts (each host a share of every MoE layer's experts) · "
+                    if isinstance(p["split"], str)
+                    else f"Split {' / '.join(map(str, p['split']))} layers (rank 0 first) · "
+                )
+                + f"{'some experts paged' if p['paging'] else 'everything resident'} · expected "
                 f"{p['expected_tok_s']:.1f} tok/s over {link['name']} "
                 f"({link['latency_us']:g} µs per message)\n"
                 + "\n".join(f"• {reason}" for reason in p.get("reasons", ()))

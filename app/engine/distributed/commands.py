@@ -22,6 +22,7 @@ def cmd_plan_hosts(args) -> int:
             args.kv_mode,
             backend=args.backend or "metal",
             ram=args.ram,
+            split=getattr(args, "split", None),
         )
     except ValueError as e:
         if isinstance(e, EngineError):
@@ -31,8 +32,14 @@ def cmd_plan_hosts(args) -> int:
     return 0
 
 
+def _split_arg(split: list[int] | str | None) -> list[str]:
+    if not split:
+        return []
+    return ["--split", split if isinstance(split, str) else ",".join(map(str, split))]
+
+
 def rank_args(
-    args, split: list[int] | None, budgets: list[int] | None, kv_mode: str = "fp16"
+    args, split: list[int] | str | None, budgets: list[int] | None, kv_mode: str = "fp16"
 ) -> list[str]:
     """The rank processes' arguments for a chat (every rank gets the same line)."""
     out = [
@@ -49,21 +56,22 @@ def rank_args(
     ]
     if args.seed is not None:
         out += ["--seed", str(args.seed)]
-    if split:
-        out += ["--split", ",".join(map(str, split))]
+    out += _split_arg(split)
     if budgets:
         out += ["--expert-budget", ",".join(str(b) for b in budgets)]
     return out
 
 
-def _planned(model: str, hosts, use_plan: bool):
-    """(split, budgets, kv_mode) for the ranks: the plan's with `use_plan`, else an even split
-    with every expert resident and FP16 KV."""
+def _planned(model: str, hosts, use_plan: bool, split: str | None = None):
+    """(split, budgets, kv_mode) for the ranks: the plan's with `use_plan` (`split`, else
+    hosts.json's, else the planner's pick), else every expert resident and FP16 KV, split
+    evenly by layers or, asked for, by experts."""
+    split = split or hosts.split
     if not use_plan:
-        return None, None, "fp16"
+        return ("experts" if split == "experts" else None), None, "fp16"
     from .plan import plan_hosts
 
-    plan = plan_hosts(model, hosts)
+    plan = plan_hosts(model, hosts, split=split)
     budgets = [s.expert_budget if s.paging else None for s in plan.stages]
     print(plan.summary(), flush=True)
     return (
@@ -87,7 +95,7 @@ def serve_rank_args(
     port: int,
     kv_mode: str = "fp16",
     context: int | None = None,
-    split: list[int] | None = None,
+    split: list[int] | str | None = None,
     budgets: list[int | None] | None = None,
     api_key: bool = False,
 ) -> list[str]:
@@ -97,8 +105,7 @@ def serve_rank_args(
     out += ["--host", host, "--port", str(port)]
     if context:
         out += ["--context", str(context)]
-    if split:
-        out += ["--split", ",".join(map(str, split))]
+    out += _split_arg(split)
     if budgets:
         out += ["--expert-budget", ",".join(str(b) for b in budgets)]
     if api_key:
@@ -112,7 +119,7 @@ def cmd_serve_hosts(args, model: str) -> int:
     from .launch import free_port_base, launch_argv, run_launch
 
     hosts = load_hosts(args.hosts)
-    split, budgets, kv_mode = _planned(model, hosts, args.plan)
+    split, budgets, kv_mode = _planned(model, hosts, args.plan, getattr(args, "split", None))
     ranks = serve_rank_args(
         model,
         args.hosts,
@@ -141,7 +148,7 @@ def cmd_chat_hosts(args) -> int:
     if not args.model:
         raise EngineError("--hosts needs --model: a folder present at the same path on every host")
     hosts = load_hosts(args.hosts)
-    split, budgets, kv_mode = _planned(args.model, hosts, args.plan)
+    split, budgets, kv_mode = _planned(args.model, hosts, args.plan, getattr(args, "split", None))
     argv = launch_argv(
         rank_args(args, split, budgets, kv_mode),
         hostfile=args.hosts,

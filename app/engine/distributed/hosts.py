@@ -5,6 +5,7 @@ file both plans and launches:
 
     {"backend": "ring",                      # mlx.launch's: ring | jaccl | mpi | nccl
      "link": "thunderbolt5",                 # a preset of plan.LINKS, or {"gbps": .., "latency_us": ..}
+     "split": "auto",                        # auto (the planner's pick) | pipeline | experts
      "hosts": [{"ssh": "studio.local", "ips": ["10.0.0.1"], "ram": "32GB", "name": "studio"},
                {"ssh": "mbp.local", "ips": ["10.0.0.2"], "ram": "32GB"}]}
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import EngineError
+
+SPLITS = ("auto", "pipeline", "experts")
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,13 @@ class Hosts:
     link: str | dict = "thunderbolt5"
     path: str = ""
     raw: dict = field(default_factory=dict, compare=False)
+    split: str = "auto"  # auto (the planner's choice) | pipeline | experts
 
     def __post_init__(self):
         if not self.hosts:
             raise ValueError("hosts.json lists no hosts")
+        if self.split not in SPLITS:
+            raise ValueError(f"split {self.split!r}: one of {', '.join(SPLITS)}")
 
     def __len__(self) -> int:
         return len(self.hosts)
@@ -92,6 +98,7 @@ def parse_hosts(data, path: str = "") -> Hosts:
         link=meta.get("link", "thunderbolt5"),
         path=path,
         raw=meta,
+        split=str(meta.get("split") or "auto"),
     )
 
 

@@ -31,7 +31,7 @@ from ..planner import (
     parse_size,
 )
 from ..sizes import ModelSizes, load_config, sizes_for, tensors
-from .hosts import Hosts
+from .hosts import SPLITS, Hosts
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # An M4 Pro Mac mini (the 32 GB Mac of Apple's TN3205 cluster): 273 GB/s unified memory
@@ -184,6 +184,7 @@ class StagePlan:
     read_per_token: int  # bytes from memory per decoded token
     miss_per_token: int  # expected bytes from SSD per decoded token (uniform routing)
     seconds_per_token: float
+    experts: tuple[int, int] | None = None  # an expert split: [lo, hi) of each MoE layer's
 
     @property
     def paging(self) -> bool:
@@ -208,6 +209,7 @@ class StagePlan:
             "read_bytes_per_token": self.read_per_token,
             "ssd_bytes_per_token": self.miss_per_token,
             "seconds_per_token": self.seconds_per_token,
+            **({"experts": list(self.experts)} if self.experts else {}),
         }
 
 
@@ -222,17 +224,24 @@ class DistPlan:
     link_seconds_per_token: float
     reasons: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
+    kind: str = "pipeline"  # or "experts": every rank runs every layer with a share of experts
 
     def __post_init__(self):
         covered = sorted(s.layers for s in self.stages)
-        if any(a[1] != b[0] for a, b in itertools.pairwise(covered)) or covered[0][0] != 0:
+        if self.kind == "experts":
+            if any(c != covered[-1] or c[0] != 0 for c in covered):
+                raise ValueError(f"an expert split runs every layer on every rank: {covered}")
+        elif any(a[1] != b[0] for a, b in itertools.pairwise(covered)) or covered[0][0] != 0:
             raise ValueError(f"stages {covered} do not cover the layers contiguously")
         for s in self.stages:
             if s.peak > s.usable:
                 raise ValueError(f"{s.host}: expected peak {gb(s.peak)} exceeds {gb(s.usable)}")
 
     @property
-    def split(self) -> list[int]:
+    def split(self) -> list[int] | str:
+        """Layers per rank (rank 0 first), or "experts"."""
+        if self.kind == "experts":
+            return "experts"
         return [s.layers[1] - s.layers[0] for s in self.stages]
 
     @property
@@ -241,7 +250,10 @@ class DistPlan:
 
     @property
     def seconds_per_token(self) -> float:
-        return sum(s.seconds_per_token for s in self.stages) + self.link_seconds_per_token
+        # a pipeline's ranks run one after another; an expert split's side by side
+        ranks = [s.seconds_per_token for s in self.stages]
+        combine = max if self.kind == "experts" else sum
+        return combine(ranks) + self.link_seconds_per_token
 
     @property
     def tok_s(self) -> float:
@@ -252,6 +264,7 @@ class DistPlan:
             "model": self.model,
             "ranks": len(self.stages),
             "split": self.split,
+            "split_kind": self.kind,
             "paging": self.paging,
             "kv_modes": dict(self.kv_modes),
             "context": self.context,
@@ -273,14 +286,22 @@ class DistPlan:
         lines = [
             f"Plan for {self.model} over {len(self.stages)} machines "
             f"({self.link.name}, {self.link.latency_us:g} us per message)",
-            f"  split (layers per rank, rank 0 first): {self.split}",
+            f"  split (layers per rank, rank 0 first): {self.split}"
+            if self.kind == "pipeline"
+            else "  split: experts (every rank runs every layer with a share of each MoE "
+            "layer's routed experts)",
             f"  KV: {', '.join(f'{k} {m}' for k, m in self.kv_modes.items()) or 'none'}; "
             f"context {self.context}",
             f"  expected decode: {self.tok_s:.1f} tok/s",
         ]
         for s in self.stages:
+            where = (
+                f"experts {s.experts[0]}-{s.experts[1] - 1} of each MoE layer"
+                if s.experts
+                else f"layers {s.layers[0]}-{s.layers[1] - 1}"
+            )
             lines.append(
-                f"  rank {s.rank} {s.host}: layers {s.layers[0]}-{s.layers[1] - 1}, "
+                f"  rank {s.rank} {s.host}: {where}, "
                 f"experts {'paged' if s.paging else 'resident'} {gb(s.expert_budget)} of "
                 f"{gb(s.expert_bytes)}, peak {gb(s.peak)} of {gb(s.usable)} usable, "
                 f"{s.seconds_per_token * 1e3:.1f} ms/token"
@@ -347,7 +368,111 @@ def _splits(n_layers: int, hosts: list[HostSpec]):
     yield share
 
 
+# MoE blocks whose partial outputs mlx-lm sums over ranks (`sharding_group`) and that have no
+# shared expert (the sum would count it once per rank): experts.py's expert split runs these
+EXPERT_SPLIT_ARCHS = ("qwen3_moe", "gpt_oss")
+
+
+def expert_split_refusal(config: dict, s: ModelSizes, n_hosts: int) -> str | None:
+    """Why `config` cannot be split by experts over `n_hosts` ranks; None when it can."""
+    arch = config.get("model_type", "?")
+    if not s.moe_layers:
+        return f"{arch} has no routed experts"
+    if arch not in EXPERT_SPLIT_ARCHS or config.get("shared_expert_intermediate_size"):
+        return (
+            f"{arch}: built for {', '.join(EXPERT_SPLIT_ARCHS)} (MoE blocks mlx-lm sums over "
+            "ranks, without a shared expert)"
+        )
+    if s.experts_per_layer < n_hosts:
+        return f"{s.experts_per_layer} experts per layer for {n_hosts} hosts"
+    return None
+
+
+def _basis(model: str, hosts: list[HostSpec], context: int | None, kv_mode: str | None):
+    """What both kinds of split share: sizes, KV modes and context, per-layer bytes."""
+    config, name, _ = load_config(model)
+    s = sizes_for(model)
+    # KV mode and context: the single-machine rules on the first host
+    try:
+        base = make_plan(s, hosts[0].machine, context, kv_mode=kv_mode)
+        modes, ctx = dict(base.kv_modes), base.context_limit
+    except PlanRefused:  # the model may fit only when split: keep the wanted context, fp16
+        modes, ctx = {k.kind: "fp16" for k in s.kv}, context or 8192
+    layers, replicated = layer_bytes(config, s, ctx, modes)
+    return config, name, s, modes, ctx, layers, replicated
+
+
+def _overhead(s: ModelSizes, ctx: int, host: HostSpec) -> int:
+    return activation_bytes(s, ctx, host.machine) + host.machine.runtime_base + COMPUTE_ALLOWANCE
+
+
 def plan_split(
+    model: str,
+    hosts: list[HostSpec],
+    link: Link,
+    context: int | None = None,
+    kv_mode: str | None = None,
+    split: list[int] | str | None = None,
+) -> DistPlan:
+    """The plan of `model` over `hosts` (rank 0 first): `split` "pipeline" (the best layer
+    split), layers per rank, "experts", or "auto"/None: the faster of the two that fit."""
+    if split is None or split == "auto":
+        return _plan_auto(model, hosts, link, context, kv_mode)
+    if split == "experts":
+        return plan_experts(model, hosts, link, context, kv_mode)
+    if isinstance(split, str) and split != "pipeline":
+        raise ValueError(f"unknown split {split!r}: {', '.join(SPLITS)} or layers per rank")
+    return plan_pipeline(
+        model, hosts, link, context, kv_mode, None if split == "pipeline" else split
+    )
+
+
+def _plan_auto(model, hosts, link, context, kv_mode) -> DistPlan:
+    from dataclasses import replace
+
+    pipe = err = None
+    try:
+        pipe = plan_pipeline(model, hosts, link, context, kv_mode)
+    except PlanRefused as e:
+        err = e
+    if len(hosts) == 1:
+        if pipe is None:
+            raise err
+        return pipe
+    config, _, _ = load_config(model)
+    why_not = expert_split_refusal(config, sizes_for(model), len(hosts))
+    exp = None
+    if why_not is None:
+        try:
+            exp = plan_experts(model, hosts, link, context, kv_mode)
+        except PlanRefused as e:
+            why_not = f"does not fit: {e.reason}"
+    if exp is None:
+        if pipe is None:
+            raise err
+        return replace(pipe, reasons=(*pipe.reasons, f"expert split not chosen: {why_not}"))
+    if pipe is None or exp.tok_s > pipe.tok_s:
+        why = (
+            f"the pipeline does not fit ({err.reason})"
+            if pipe is None
+            else f"{exp.tok_s:.1f} tok/s against the pipeline's {pipe.tok_s:.1f}: the ranks "
+            f"read (and page) their experts side by side, which pays more than "
+            f"{exp.link_seconds_per_token * 1e3:.2f} ms of all_sums costs"
+        )
+        return replace(exp, reasons=(*exp.reasons, f"expert split chosen: {why}"))
+    return replace(
+        pipe,
+        reasons=(
+            *pipe.reasons,
+            f"pipeline chosen over the expert split ({exp.tok_s:.1f} tok/s expected): its "
+            f"{exp.extra['all_sums_per_token']} all_sums per token cost "
+            f"{exp.link_seconds_per_token * 1e3:.2f} ms on this link, more than reading the "
+            "experts side by side saves",
+        ),
+    )
+
+
+def plan_pipeline(
     model: str,
     hosts: list[HostSpec],
     link: Link,
@@ -356,28 +481,16 @@ def plan_split(
     split: list[int] | None = None,
 ) -> DistPlan:
     """The best pipeline split of `model` over `hosts` (rank 0 first), or the given `split`."""
-    config, name, _ = load_config(model)
-    s = sizes_for(model)
+    config, name, s, modes, ctx, layers, replicated = _basis(model, hosts, context, kv_mode)
     if len(hosts) > s.layers:
         raise PlanRefused("hosts", f"{len(hosts)} hosts for {s.layers} layers")
-    # KV mode and context: the single-machine rules on the first host
-    try:
-        base = make_plan(s, hosts[0].machine, context, kv_mode=kv_mode)
-        modes, ctx = dict(base.kv_modes), base.context_limit
-    except PlanRefused:  # the model may fit only when split: keep the wanted context, fp16
-        modes, ctx = {k.kind: "fp16" for k in s.kv}, context or 8192
-    layers, replicated = layer_bytes(config, s, ctx, modes)
     act_bytes = s.float_bytes * s.hidden_size  # one token's hidden state
     best = None
     for cand in [split] if split else _splits(s.layers, hosts):
         stages, hi = [], s.layers
         for r, host in enumerate(hosts):
             lo = hi - cand[r]
-            overhead = (
-                activation_bytes(s, ctx, host.machine)
-                + host.machine.runtime_base
-                + COMPUTE_ALLOWANCE
-            )
+            overhead = _overhead(s, ctx, host)
             st = _stage(r, host, lo, hi, layers, replicated, overhead, s.embedding_bytes)
             if st is None:
                 break
@@ -416,6 +529,110 @@ def plan_split(
     return _with_reasons(plan, s, replicated)
 
 
+def _expert_stage(
+    rank: int,
+    host: HostSpec,
+    share: tuple[int, int],
+    s: ModelSizes,
+    layers: list[LayerBytes],
+    replicated: int,
+    overhead: int,
+) -> StagePlan | None:
+    """Rank `rank` of an expert split: every layer's dense part, KV and state, the embedding
+    and head, and experts [lo, hi) of each MoE layer; None when its pager's minimum does not
+    fit. Its experts' share of a token's routed experts is k * n / E (uniform routing), plus
+    one: the rows routed to other ranks run on a local expert and are zeroed (experts.py)."""
+    lo, hi = share
+    n_e, E, k = hi - lo, s.experts_per_layer, s.experts_per_token
+    per = s.bytes_per_expert
+    moe = [x for x in layers if x.experts]
+    experts = sum(x.experts * n_e // E for x in moe)
+    fixed = replicated + sum(x.dense + x.kv + x.state for x in layers) + overhead
+    need = len(moe) * min(k, n_e) * per + max((x.experts * n_e // E for x in moe), default=0)
+    left = host.machine.usable - fixed
+    budget = min(max(left, 0), experts)
+    if left < 0 or budget < min(need, experts):
+        return None
+    active = int(len(moe) * min(n_e, k * n_e / E + 1) * per)
+    frac = budget / experts if experts else 1.0
+    miss = int(active * (1.0 - frac))
+    read = sum(x.dense + x.kv + 2 * x.state for x in layers) + active - miss
+    read += replicated - s.embedding_bytes  # every rank computes the head (side by side)
+    t = read / (host.mem_gbps * 1e9) + miss / (host.ssd_gbps * 1e9)
+    n = len(layers)
+    return StagePlan(
+        rank,
+        host.label,
+        (0, n),
+        host.machine.ram,
+        host.machine.usable,
+        fixed,
+        experts,
+        budget,
+        min(need, experts),
+        read,
+        miss,
+        t,
+        experts=share,
+    )
+
+
+def plan_experts(
+    model: str,
+    hosts: list[HostSpec],
+    link: Link,
+    context: int | None = None,
+    kv_mode: str | None = None,
+) -> DistPlan:
+    """`model` split by experts over `hosts`: every rank holds every layer's dense weights and
+    KV, and experts [lo_r, hi_r) of each MoE layer (experts.expert_ranges); each MoE layer
+    ends in one all_sum of the hidden state. Ranks run side by side: a token costs the slowest
+    rank plus the all_sums (a ring: 2 (N-1) messages of 1/N of the state each)."""
+    config, name, s, modes, ctx, layers, replicated = _basis(model, hosts, context, kv_mode)
+    n = len(hosts)
+    why_not = expert_split_refusal(config, s, n)
+    if why_not:
+        raise PlanRefused("hosts", f"no expert split for {name}: {why_not}")
+    E = s.experts_per_layer
+    base, extra = divmod(E, n)
+    stages, lo = [], 0
+    for r, host in enumerate(hosts):
+        hi = lo + base + (1 if r < extra else 0)
+        st = _expert_stage(r, host, (lo, hi), s, layers, replicated, _overhead(s, ctx, host))
+        if st is None:
+            raise PlanRefused(
+                "hosts",
+                f"{name} split by experts does not fit {host.label} ({gb(host.machine.usable)} "
+                f"usable): each rank keeps every dense weight, the KV and its share of experts",
+            )
+        stages.append(st)
+        lo = hi
+    act_bytes = s.float_bytes * s.hidden_size
+    sums = s.moe_layers
+    msgs = sums * 2 * (n - 1)
+    link_bytes = sums * 2 * (n - 1) * act_bytes  # all ranks: 2 (N-1)/N of the state each
+    link_s = msgs * link.latency_us * 1e-6 + sums * 2 * (n - 1) * act_bytes / n * 8 / (
+        link.gbps * 1e9
+    )
+    plan = DistPlan(
+        name,
+        tuple(stages),
+        link,
+        modes,
+        ctx,
+        link_bytes,
+        link_s,
+        extra={
+            "weights_bytes": s.total_bytes,
+            "expert_bytes": s.expert_bytes,
+            "all_sums_per_token": sums,
+            "messages_per_token": msgs,
+        },
+        kind="experts",
+    )
+    return _with_reasons(plan, s, replicated)
+
+
 def _with_reasons(p: DistPlan, s: ModelSizes, replicated: int) -> DistPlan:
     from dataclasses import replace
 
@@ -423,7 +640,11 @@ def _with_reasons(p: DistPlan, s: ModelSizes, replicated: int) -> DistPlan:
         f"{gb(s.total_bytes)} of weights ({gb(s.expert_bytes)} routed experts) over "
         f"{len(p.stages)} machines, {gb(sum(x.usable for x in p.stages))} usable together",
         f"pipeline split {p.split} (rank 0 runs the last layers, as mlx-lm); every rank keeps "
-        f"the embedding, final norm and head ({gb(replicated)})",
+        f"the embedding, final norm and head ({gb(replicated)})"
+        if p.kind == "pipeline"
+        else f"expert split: every rank runs every layer (dense weights, embedding, head and "
+        f"KV on each, {gb(p.stages[0].fixed)} with runtime) with 1/{len(p.stages)} of each MoE "
+        f"layer's routed experts; the ranks run side by side",
     ]
     for x in p.stages:
         if x.expert_bytes == 0:
@@ -439,8 +660,15 @@ def _with_reasons(p: DistPlan, s: ModelSizes, replicated: int) -> DistPlan:
                 f"{x.host}: all its experts resident ({gb(x.expert_bytes)}), "
                 f"{gb(x.usable - x.peak)} to spare"
             )
+    msgs = p.extra.get("messages_per_token", 2 * (len(p.stages) - 1))
+    if p.kind == "experts":
+        r.append(
+            f"{p.extra['all_sums_per_token']} all_sums per token (one per MoE layer), a ring's "
+            f"2 (N-1) messages each: pays only where a message is cheap (RDMA) or where the "
+            "ranks page, since their SSDs then read side by side"
+        )
     r.append(
-        f"link {p.link.name}: {2 * (len(p.stages) - 1)} messages per token "
+        f"link {p.link.name}: {msgs} messages per token "
         f"({p.link_bytes_per_token} bytes) at {p.link.latency_us:g} us = "
         f"{p.link_seconds_per_token * 1e3:.2f} ms per token ({p.link.source})"
     )
@@ -448,6 +676,7 @@ def _with_reasons(p: DistPlan, s: ModelSizes, replicated: int) -> DistPlan:
     ssd = sum(x.miss_per_token for x in p.stages)
     r.append(
         f"per token: {gb(mem)} read from memory"
+        + (" (all ranks, side by side)" if p.kind == "experts" else "")
         + (f", {gb(ssd)} from SSD (uniform routing: a floor on speed)" if ssd else "")
         + f" -> {p.tok_s:.1f} tok/s expected"
     )
@@ -483,8 +712,17 @@ def plan_hosts(
     kv_mode: str | None = None,
     backend: str = "metal",
     ram: str | None = None,
+    split: str | None = None,
 ) -> DistPlan:
-    return plan_split(model, host_specs(hosts, backend, ram), link_for(hosts), context, kv_mode)
+    """`split`: auto (default: hosts.json's `split`, else the faster), pipeline or experts."""
+    return plan_split(
+        model,
+        host_specs(hosts, backend, ram),
+        link_for(hosts),
+        context,
+        kv_mode,
+        split or hosts.split,
+    )
 
 
 def single_host_tok_s(model: str, host: HostSpec, context: int | None = None) -> tuple[float, dict]:

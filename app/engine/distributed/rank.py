@@ -177,6 +177,20 @@ def _chat(engine, args, watchdog) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def _split(text: str | None) -> list[int] | str | None:
+    """--split: "experts", "pipeline" (an even split) or layers per rank."""
+    if not text or text == "pipeline":
+        return None
+    if text == "experts":
+        return text
+    from ..errors import EngineError
+
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise EngineError(f"--split {text}: `experts`, `pipeline` or layers per rank") from None
+
+
 def _budget(text: str | None, rank: int, parse_size) -> int | None:
     """--expert-budget: one size for every rank, or one per rank ("None" keeps all resident)."""
     if not text:
@@ -190,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.engine.distributed.rank")
     p.add_argument("model")
     p.add_argument("--hosts", help="hosts.json (names the hosts in errors)")
-    p.add_argument("--split", help="layers per rank, rank 0 first, e.g. 20,28")
+    p.add_argument(
+        "--split",
+        help="layers per rank, rank 0 first, e.g. 20,28; or `experts`: every rank runs every "
+        "layer with a share of each MoE layer's experts",
+    )
     p.add_argument(
         "--expert-budget", help="routed-expert budget, e.g. 12GB, or one per rank: 12GB,None"
     )
@@ -245,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
         opts = {
             "kv_mode": args.kv_mode,
-            "split": [int(x) for x in args.split.split(",")] if args.split else None,
+            "split": _split(args.split),
             "expert_budget": _budget(args.expert_budget, group.rank(), parse_size),
         }
         if args.serve:

@@ -268,11 +268,15 @@ def experts_section(section: dict, stage: Stage) -> dict:
 
 
 def load_stage(
-    path: str | Path, group, split: list[int] | None = None, expert_budget: int | None = None
+    path: str | Path,
+    group,
+    split: list[int] | str | None = None,
+    expert_budget: int | None = None,
 ):
     """Load only this rank's layers of the model folder `path` (plain mlx-lm or converted;
     converted experts resident or paged within `expert_budget` bytes on this rank); `split`:
-    layers per rank, rank 0 first (default even) -> `LoadedModel` with `model.rq_stage`."""
+    layers per rank, rank 0 first (default even), or "experts": every layer with this rank's
+    share of each MoE layer's experts (experts.py) -> `LoadedModel` with `model.rq_stage`."""
     from mlx.utils import tree_flatten
 
     from ..errors import EngineError, ModelLoadError
@@ -286,6 +290,14 @@ def load_stage(
     from ..offload.pager import BudgetError
 
     path = Path(path).resolve()
+    if split == "experts":
+        from .experts import load_expert_shard
+
+        return load_expert_shard(path, group, expert_budget)
+    if split == "pipeline":
+        split = None
+    if isinstance(split, str):
+        raise EngineError(f"unknown split {split!r}: pipeline, experts or layers per rank")
     config, manifest = check_folder(path)
     section = manifest.experts if manifest is not None and manifest.experts else None
     if expert_budget is not None and section is None:

@@ -141,6 +141,10 @@ class LayerLayout:
     stride: int
     data_offset: int = HEADER_SIZE
     checksums: list[int] = field(default_factory=list)
+    # a view of experts [first, first + num_experts) of a file holding `file_experts` (an
+    # expert-parallel rank's share, `share`); 0 / None: the whole file
+    first: int = 0
+    file_experts: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.file, str) or not isinstance(self.module, str):
@@ -193,7 +197,21 @@ class LayerLayout:
         )
 
     def record_offset(self, expert: int) -> int:
-        return self.data_offset + expert * self.stride
+        return self.data_offset + (self.first + expert) * self.stride
+
+    def share(self, lo: int, hi: int) -> LayerLayout:
+        """The layout of experts [lo, hi) alone, renumbered 0 … hi-lo-1, over the same file."""
+        if not 0 <= lo < hi <= self.num_experts:
+            raise ValueError(f"layer {self.layer}: experts [{lo}, {hi}) of {self.num_experts}")
+        from dataclasses import replace
+
+        return replace(
+            self,
+            num_experts=hi - lo,
+            checksums=list(self.checksums[lo:hi]) if self.checksums else [],
+            first=self.first + lo,
+            file_experts=self.file_experts or self.num_experts,
+        )
 
     @property
     def expert_bytes(self) -> int:
@@ -217,10 +235,13 @@ class LayerLayout:
 
     @property
     def file_size(self) -> int:
-        return self.data_offset + self.num_experts * self.stride
+        return self.data_offset + (self.file_experts or self.num_experts) * self.stride
 
     def to_dict(self, checksums: bool = True) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("tensors", "checksums")}
+        skip = ("tensors", "checksums")
+        if self.file_experts is None:  # a whole file: the manifest's form
+            skip += ("first", "file_experts")
+        d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["tensors"] = [t.to_dict() for t in self.tensors]
         if checksums:
             d["checksums"] = list(self.checksums)
@@ -239,6 +260,8 @@ class LayerLayout:
             stride=int(d["stride"]),
             data_offset=int(d.get("data_offset", HEADER_SIZE)),
             checksums=[int(c) for c in d.get("checksums", [])],
+            first=int(d.get("first", 0)),
+            file_experts=int(d["file_experts"]) if d.get("file_experts") else None,
         )
 
 
