@@ -731,10 +731,9 @@ def gpu_mode(a, emit) -> None:
     # first_reads: the same without the up-front check, so each record's first read in the
     # process pays its CRC (~1 GB/s a core) on the decode path: a start-up's figure
     if mx.cuda.is_available():
-        VARIANTS[:] = [
-            ("device_copy", {"zero_copy": False}),
-            ("first_reads", {"zero_copy": False, "first_reads": True}),
-        ]
+        VARIANTS[:] = [("device_copy", {"zero_copy": False})]
+        if a.first_reads:
+            VARIANTS.append(("first_reads", {"zero_copy": False, "first_reads": True}))
         if a.staging:
             VARIANTS.append(("staging", {"zero_copy": False, "device_copy": False}))
         if a.zero_copy and zero_copy_works():
@@ -812,6 +811,11 @@ def main():
         "--zero-copy",
         action="store_true",
         help="gpu mode: also the zero-copy rows (where the probe passes)",
+    )
+    ap.add_argument(
+        "--first-reads",
+        action="store_true",
+        help="gpu mode: also the rows without the up-front CRC check (a start-up's figure)",
     )
     ap.add_argument(
         "--staging",
