@@ -276,8 +276,9 @@ def breakdown(r: Runner, steps: int = 16) -> dict:
     t.wrap(type(layer.self_attn), "__call__", "attention module (projections, norms, RoPE)")
     t.wrap(type(r.cache[0]), "update_and_fetch", "cache update_and_fetch")
     if isinstance(r.cache[0], IsoQuantKVCache):
-        for attr in ("_append_fp", "_compress_to", "_fetch"):
-            t.wrap(IsoQuantKVCache, attr, f"  isoquant cache {attr.strip('_')}")
+        for attr in ("_append_fp", "_encode_to", "_fetch"):
+            if hasattr(IsoQuantKVCache, attr):
+                t.wrap(IsoQuantKVCache, attr, f"  isoquant cache {attr.strip('_')}")
         t.wrap(dispatch, "isoquant_attention", "isoquant attention (kernel call)")
     t.wrap(attn_mod, "scaled_dot_product_attention", "attention op (dispatch, SDPA)")
     t.wrap(type(layer.mlp), "__call__", "feed-forward block")
