@@ -90,6 +90,15 @@ def test_compiled_attention_gives_bit_identical_logits(model_of, arch):
     assert len({int(mx.argmax(x).item()) for x in ref_iq}) > 1
     compiled.uncompile(model)
     assert type(model.layers[0].self_attn).__call__ is not compiled._attention_call
+    # a RoPE that does host arithmetic on its offset: that module stays as mlx-lm built it
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    attn = model.layers[0].self_attn
+    rope = attn.rope
+    attn.rope = DynamicNTKScalingRoPE(8, 4096, False, 10000.0, 2.0)
+    assert not compiled.attention_compilable(attn)
+    attn.rope = rope
+    assert compiled.attention_compilable(attn)
 
 
 def test_compiled_block_sees_new_weights(model_of):

@@ -33,6 +33,9 @@ ATTENTION_NAMES = ("self_attn",)
 # mlx-lm attention classes whose __call__ is: q/k/v projections, heads reshaped, (q/k norms,)
 # transposed, RoPE at cache.offset, cache.update_and_fetch, the module's
 # scaled_dot_product_attention, transpose, reshape, o_proj. Module -> whether it has q/k norms.
+# RoPE classes that hand their offset to mx.fast.rope untouched (an array offset works);
+# DynamicNTKScalingRoPE does host arithmetic on it, so its modules stay as mlx-lm built them
+ROPE_CLASSES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
 ATTENTION_CALLS = {"mlx_lm.models.qwen3_moe": True, "mlx_lm.models.qwen3": True,
                    "mlx_lm.models.llama": False}  # fmt: skip
 _PURE_MODULES = ("mlx.nn.", "mlx_lm.models.")
@@ -113,7 +116,9 @@ def _attention_call(self, x, mask=None, cache=None):
 def attention_compilable(module: nn.Module) -> bool:
     cls = type(module)
     cls = cls.__dict__.get("_rq_original", cls)
-    return cls.__name__ == "Attention" and cls.__module__ in ATTENTION_CALLS and compilable(module)
+    if cls.__name__ != "Attention" or cls.__module__ not in ATTENTION_CALLS:
+        return False
+    return type(getattr(module, "rope", None)).__name__ in ROPE_CLASSES and compilable(module)
 
 
 def compile_block(block: nn.Module) -> None:
