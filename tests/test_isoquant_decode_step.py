@@ -109,3 +109,31 @@ def test_model_logits_are_bit_identical_with_the_compiled_step(tmp_path, monkeyp
     for i, (a, r) in enumerate(zip(got, ref, strict=True)):
         assert mx.array_equal(a, r).item(), f"{arch}: logits differ at step {i}"
     assert len({int(mx.argmax(x).item()) for x in got}) > 1
+
+
+@pytest.mark.parametrize("layout", ["rows", "tc16"])
+def test_cache_views_read_as_the_tensors_they_stand_for(layout):
+    """A single-token step hands CacheViews: read, they are the codes, norms and float window
+    a multi-token fetch slices; dataclasses.replace and as_rows give plain tensors."""
+    import dataclasses
+
+    c = IsoQuantKVCache(window=4, compress_every=4, v_layout=layout)
+    k, v = _kv(1, 2, 40, 64, 3)
+    c.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    keys, values = c.update_and_fetch(k[:, :, 30:31], v[:, :, 30:31])
+    assert isinstance(keys, att.CacheView) and isinstance(values, att.CacheView)
+    eager_k, eager_v = c._fetch()  # the same step's views, sliced
+    for lazy, eager in ((keys, eager_k), (values, eager_v)):
+        assert type(eager) is IsoQuantTensor
+        assert lazy.compressed_len == eager.compressed_len == 27
+        assert lazy.fp_len == eager.fp_len == 4 and lazy.shape == eager.shape
+        assert lazy.dtype == eager.dtype and lazy.layout == eager.layout
+        for name in ("codes", "norms", "fp"):
+            assert mx.array_equal(getattr(lazy, name), getattr(eager, name)).item(), name
+        plain = dataclasses.replace(lazy, layout=lazy.layout)
+        assert "_src" not in plain.__dict__ and mx.array_equal(plain.codes, eager.codes).item()
+        assert mx.array_equal(lazy.as_rows().codes, eager.as_rows().codes).item()
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(1))
+    got = att.isoquant_attention(q, keys, values, scale=0.125)
+    ref = att.isoquant_attention_reference(q, eager_k, eager_v, scale=0.125)
+    assert mx.array_equal(got, ref).item()

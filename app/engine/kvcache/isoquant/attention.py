@@ -95,6 +95,77 @@ class IsoQuantTensor:
         return self.norms.dtype if self.fp is None else self.fp.dtype
 
 
+def _lazy_field(name: str, i: int):
+    def get(self):
+        d = self.__dict__
+        if name not in d:
+            d[name] = self._view(i)
+        return d[name]
+
+    def put(self, value):  # the dataclass __init__ (dataclasses.replace) sets it
+        self.__dict__[name] = value
+
+    return property(get, put)
+
+
+class CacheView(IsoQuantTensor):
+    """An IsoQuantTensor over the cache's buffers: the views attention reads (codes and norms of
+    the first `rows` rows, the float window fp[:, :, lo:hi]) are sliced only when read. The
+    compiled decode step (_attend_compiled) never reads them: it takes the rows from the buffers
+    by index arrays made once per step for every layer, so a step slices nothing per layer.
+    Read by anything else (the kernels, the op-by-op reference) it is the IsoQuantTensor it
+    stands for; dataclasses.replace gives a plain one."""
+
+    codes = _lazy_field("_codes", 0)
+    norms = _lazy_field("_norms", 1)
+    fp = _lazy_field("_fp", 2)
+
+    def __init__(self, *args, src=None, **kw):
+        if src is None:
+            IsoQuantTensor.__init__(self, *args, **kw)
+            return
+        quantizer, rotation, layout = args
+        d = self.__dict__
+        d["_src"] = src  # (codes buffer, code rows, norms buffer, rows, float buffer, lo, hi)
+        d["quantizer"], d["rotation"], d["layout"] = quantizer, rotation, layout
+        d["decoded"] = d["prefix"] = None
+
+    def _view(self, i: int):
+        cb, cr, nb, rows, fb, lo, hi = self._src
+        if i == 0:
+            return cb[:, :, :cr]
+        if i == 1:
+            return nb[:, :, :rows]
+        return fb[:, :, lo:hi] if hi > lo else None
+
+    @property
+    def compressed_len(self) -> int:
+        src = self.__dict__.get("_src")
+        return self.norms.shape[2] if src is None else src[3]
+
+    @property
+    def fp_len(self) -> int:
+        src = self.__dict__.get("_src")
+        if src is None:
+            return 0 if self.fp is None else self.fp.shape[2]
+        return max(0, src[6] - src[5])
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        src = self.__dict__.get("_src")
+        if src is None:
+            return super().shape
+        b, h = src[2].shape[:2]
+        return (b, h, self.prefix_len + src[3] + self.fp_len, self.quantizer.dim)
+
+    @property
+    def dtype(self):
+        src = self.__dict__.get("_src")
+        if src is None:
+            return super().dtype
+        return src[2].dtype if src[6] <= src[5] else src[4].dtype
+
+
 def _scores_mask(mask, qlen: int, klen: int, hkv: int, groups: int):
     """mlx-lm's mask forms -> something broadcastable to scores [B, Hkv, G, L, T], or None."""
     if mask is None:
@@ -162,6 +233,20 @@ def isoquant_attention_reference(
 
 
 _COLS: dict = {}  # (thread, Tp, Tc, Tf) -> the segments' columns: one set per step, all layers
+
+
+def _rows_index(lo: int, hi: int) -> mx.array:
+    """arange(lo, hi) as int32, one per thread and step (every layer reads the same rows)."""
+    key = (threading.get_ident(), lo, hi)
+    a = _ROWS.get(key)
+    if a is None:
+        if len(_ROWS) >= 32:
+            _ROWS.clear()
+        a = _ROWS[key] = mx.arange(lo, hi, dtype=mx.int32)
+    return a
+
+
+_ROWS: dict = {}
 
 
 def _columns(tp: int, tc: int, tf: int) -> tuple[mx.array, ...]:
@@ -300,17 +385,21 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
             where.append(len(uniq))
             uniq.append(o)
     specs = tuple(_spec(o) for o in uniq)
-    tensors = (keys.codes, keys.norms, keys.fp, keys.decoded, keys.prefix)
-    tensors += (values.codes, values.norms, values.fp, values.decoded, values.prefix)
+    views = _cache_views(keys, values)
+    if views is None:
+        tensors = (keys.codes, keys.norms, keys.fp, keys.decoded, keys.prefix)
+        tensors += (values.codes, values.norms, values.fp, values.decoded, values.prefix)
+    else:
+        tensors = views
     present = tuple(a is not None for a in tensors)
     key = (
-            queries.shape, queries.dtype, float(scale), keys.prefix_len > 0, keys.compressed_len > 0,
-        keys.fp_len > 0, present, tuple(where), specs,
+        queries.shape, queries.dtype, float(scale), keys.prefix_len > 0, keys.compressed_len > 0,
+        keys.fp_len > 0, views is not None, present, tuple(where), specs,
     )  # fmt: skip
     fn = _TRACES.get(key)
     if fn is None:
         n_cols = sum(1 for n in (keys.prefix_len, keys.compressed_len, keys.fp_len) if n)
-        fn = _trace(uniq, specs, tuple(where), present, float(scale), n_cols)
+        fn = _trace(uniq, specs, tuple(where), present, float(scale), n_cols, views is not None)
         if len(_TRACES) >= _TRACES_MAX:
             _TRACES.clear()
         _TRACES[key] = fn
@@ -321,12 +410,32 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
     return fn(queries, *arrays)
 
 
-def _trace(uniq, specs, where, present, scale, n_cols):
+def _cache_views(keys, values):
+    """(K codes, K norms, K float, V codes, V norms, V float buffers, rows index, float index)
+    of a CacheView pair in V's "rows" layout, else None. Float entries None without a window."""
+    ks, vs = keys.__dict__.get("_src"), values.__dict__.get("_src")
+    if ks is None or vs is None or (ks[1], ks[3], ks[5], ks[6]) != (vs[1], vs[3], vs[5], vs[6]):
+        return None
+    cr, rows, lo, hi = ks[1], ks[3], ks[5], ks[6]
+    if cr != rows or vs[1] != rows or not rows:
+        return None
+    ri = _rows_index(0, rows)
+    fi = _rows_index(lo, hi) if hi > lo else None
+    kf, vf = (ks[4], vs[4]) if hi > lo else (None, None)
+    return (ks[0], ks[2], kf, vs[0], vs[2], vf, ri, fi)
+
+
+def _trace(uniq, specs, where, present, scale, n_cols, views):
     n_t = sum(present)
 
     def step(q, *arrays):
         it = iter(arrays[:n_t])
         t = [next(it) if p else None for p in present]
+        if views:  # the rows the cache's buffers hold for this step, taken by index
+            kc, kn, kf, vc, vn, vf, ri, fi = t
+            kf, vf = (None, None) if fi is None else (mx.take(kf, fi, 2), mx.take(vf, fi, 2))
+            t = [mx.take(kc, ri, 2), mx.take(kn, ri, 2), kf, None, None]
+            t += [mx.take(vc, ri, 2), mx.take(vn, ri, 2), vf, None, None]
         cols = arrays[n_t : n_t + n_cols]
         rest, objs = list(arrays[n_t + n_cols :]), []
         for o, (names, _) in zip(uniq, specs, strict=True):
