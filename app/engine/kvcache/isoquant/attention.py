@@ -232,11 +232,12 @@ def isoquant_attention_reference(
     return mx.concatenate(outs, axis=2)
 
 
-_COLS: dict = {}  # (thread, Tp, Tc, Tf) -> the segments' columns: one set per step, all layers
+_ROWS: dict = {}  # (thread, lo, hi) -> arange(lo, hi): made once a step, read by every layer
 
 
 def _rows_index(lo: int, hi: int) -> mx.array:
-    """arange(lo, hi) as int32, one per thread and step (every layer reads the same rows)."""
+    """arange(lo, hi) as int32, shared by every layer of a step. Kept per thread: an array is
+    evaluated on the stream of the thread that made it."""
     key = (threading.get_ident(), lo, hi)
     a = _ROWS.get(key)
     if a is None:
@@ -246,25 +247,16 @@ def _rows_index(lo: int, hi: int) -> mx.array:
     return a
 
 
-_ROWS: dict = {}
-
-
 def _columns(tp: int, tc: int, tf: int) -> tuple[mx.array, ...]:
     """The columns of the scores each present segment (float prefix, codes, float tail) holds,
-    as int32 index arrays; the compiled step takes them as inputs, so its trace follows the
-    token counts. Kept per thread: an array is evaluated on the stream it was made on."""
-    key = (threading.get_ident(), tp, tc, tf)
-    cols = _COLS.get(key)
-    if cols is None:
-        cols, lo = [], 0
-        for n in (tp, tc, tf):
-            if n:
-                cols.append(mx.arange(lo, lo + n, dtype=mx.int32))
-            lo += n
-        if len(_COLS) >= 32:
-            _COLS.clear()
-        cols = _COLS[key] = tuple(cols)
-    return cols
+    as index arrays; the compiled step takes them as inputs, so its trace follows the token
+    counts."""
+    cols, lo = [], 0
+    for n in (tp, tc, tf):
+        if n:
+            cols.append(_rows_index(lo, lo + n))
+        lo += n
+    return tuple(cols)
 
 
 def _attend(queries, keys, values, scale, mask, sinks, cols=None) -> mx.array:
