@@ -30,12 +30,12 @@ import mlx.nn as nn
 COMPILE_ENV = "ROTARYQUANT_COMPILE"  # "0": leave every block as mlx-lm built it
 BLOCK_NAMES = ("mlp", "block_sparse_moe", "feed_forward")  # a decoder layer's feed-forward
 ATTENTION_NAMES = ("self_attn",)
-# mlx-lm attention classes whose __call__ is: q/k/v projections, heads reshaped, (q/k norms,)
-# transposed, RoPE at cache.offset, cache.update_and_fetch, the module's
-# scaled_dot_product_attention, transpose, reshape, o_proj. Module -> whether it has q/k norms.
 # RoPE classes that hand their offset to mx.fast.rope untouched (an array offset works);
 # DynamicNTKScalingRoPE does host arithmetic on it, so its modules stay as mlx-lm built them
 ROPE_CLASSES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
+# mlx-lm attention classes whose __call__ is: q/k/v projections, heads reshaped, (q/k norms,)
+# transposed, RoPE at cache.offset, cache.update_and_fetch, the module's
+# scaled_dot_product_attention, transpose, reshape, o_proj. Module -> whether it has q/k norms.
 ATTENTION_CALLS = {"mlx_lm.models.qwen3_moe": True, "mlx_lm.models.qwen3": True,
                    "mlx_lm.models.llama": False}  # fmt: skip
 _PURE_MODULES = ("mlx.nn.", "mlx_lm.models.")
@@ -114,6 +114,8 @@ def _attention_call(self, x, mask=None, cache=None):
 
 
 def attention_compilable(module: nn.Module) -> bool:
+    """An attention module of a known class (ATTENTION_CALLS) with a RoPE that takes an array
+    offset, made wholly of MLX / mlx-lm modules, not sharded."""
     cls = type(module)
     cls = cls.__dict__.get("_rq_original", cls)
     if cls.__name__ != "Attention" or cls.__module__ not in ATTENTION_CALLS:
