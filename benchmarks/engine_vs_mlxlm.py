@@ -276,8 +276,9 @@ def breakdown(r: Runner, steps: int = 16) -> dict:
     t.wrap(type(layer.self_attn), "__call__", "attention module (projections, norms, RoPE)")
     t.wrap(type(r.cache[0]), "update_and_fetch", "cache update_and_fetch")
     if isinstance(r.cache[0], IsoQuantKVCache):
-        for attr in ("_append_fp", "_compress_to", "_fetch"):
-            t.wrap(IsoQuantKVCache, attr, f"  isoquant cache {attr.strip('_')}")
+        for attr in ("_append_fp", "_encode_to", "_fetch"):
+            if hasattr(IsoQuantKVCache, attr):
+                t.wrap(IsoQuantKVCache, attr, f"  isoquant cache {attr.strip('_')}")
         t.wrap(dispatch, "isoquant_attention", "isoquant attention (kernel call)")
     t.wrap(attn_mod, "scaled_dot_product_attention", "attention op (dispatch, SDPA)")
     t.wrap(type(layer.mlp), "__call__", "feed-forward block")
@@ -475,21 +476,33 @@ def report(rows: list[dict], args, parts: dict) -> None:
     if args.no_write:
         return
     path = RESULTS / "engine_vs_mlxlm.json"
-    kept = []
-    if path.exists():  # one current run per machine kind: keep the other machines' runs
-        kept = [
-            r
-            for r in json.loads(path.read_text()).get("runs", [])
-            if not r["machine"].startswith(m["backend"] + ":")
-        ]
+    old = json.loads(path.read_text()) if path.exists() else {}
+    # one current run per machine kind: the other kind's rows and its run's description stay
+    kept = [r for r in old.get("runs", []) if not r["machine"].startswith(m["backend"] + ":")]
+    key = "cpu_run" if m["backend"] == "cpu" else "gpu_run"
+    other = {k: v for k, v in old.items() if k.endswith("_run") and k != key}
+    from record import header
+
+    this = {
+        **header(m),
+        "command": "python benchmarks/engine_vs_mlxlm.py " + " ".join(sys.argv[1:]),
+        **({"host_breakdown_ms": parts} if parts else {}),
+    }
+    if m["backend"] == "cpu":
+        this["note"] = (
+            "2-core VM shared with other work: host ms are thread CPU time, inflated against an "
+            "idle core; compare configs within the run only. CPU decode/prefill tok/s are not "
+            "meaningful (float32 tiny widths)."
+        )
     write_result(
         "engine_vs_mlxlm",
         {
             "method": "one process, both models resident; per context each config prefills a fresh "
             "cache, decode rounds alternate configs (median), host_ms_per_step: median "
             "thread CPU time to build one decode step's graph (nothing evaluated meanwhile)",
+            **other,
+            key: this,
             "runs": kept + rows,
-            **({"host_breakdown_ms": parts} if parts else {}),
         },
     )
 

@@ -57,6 +57,50 @@ def test_compiled_blocks_give_bit_identical_logits(model_of, arch):
     assert not any(compiled.is_compiled(m) for _, m in model.named_modules())
 
 
+def _isoquant_logits(model, steps=30):
+    """isoquant3 logits (window 8): a 20-token and a 17-token chunk, then greedy decode steps
+    that cross several compression batches."""
+    from app.engine import kvcache
+
+    cache = kvcache.make_cache(model, "isoquant3", window=8)
+    assert not kvcache.fallbacks(cache)  # the compiled attention still takes compressed K/V
+    out = [model(mx.array([PROMPT[:20]]), cache=cache)[:, -1, :]]
+    out.append(model(mx.array([PROMPT[20:]]), cache=cache)[:, -1, :])
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1], axis=-1)[None], cache=cache)[:, -1, :])
+        mx.eval(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_compiled_attention_gives_bit_identical_logits(model_of, arch):
+    """The attention modules' decode step compiled (RoPE's offset an array): the same logits
+    with mlx-lm's float cache and with IsoQuant's, prefill chunks left to mlx-lm's code."""
+    model = model_of(arch)
+    ref_fp, ref_iq = _forward(model, PROMPT, steps=20), _isoquant_logits(model)
+    paths = compiled.compile_blocks(model)
+    attn = [p for p in paths if p.endswith(".self_attn")]
+    assert len(attn) == len(model.layers)
+    for got, ref in (
+        (_forward(model, PROMPT, steps=20), ref_fp),
+        (_isoquant_logits(model), ref_iq),
+    ):
+        for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert mx.array_equal(a, b).item(), f"{arch}: logits differ at step {i}"
+    assert len({int(mx.argmax(x).item()) for x in ref_iq}) > 1
+    compiled.uncompile(model)
+    assert type(model.layers[0].self_attn).__call__ is not compiled._attention_call
+    # a RoPE that does host arithmetic on its offset: that module stays as mlx-lm built it
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    attn = model.layers[0].self_attn
+    rope = attn.rope
+    attn.rope = DynamicNTKScalingRoPE(8, 4096, False, 10000.0, 2.0)
+    assert not compiled.attention_compilable(attn)
+    attn.rope = rope
+    assert compiled.attention_compilable(attn)
+
+
 def test_compiled_block_sees_new_weights(model_of):
     model = model_of("qwen3_moe")
     compiled.compile_blocks(model)
@@ -133,7 +177,7 @@ def test_engine_prefill_chunk_comes_from_the_planner(tmp_path):
     info = e.load(folder)
     assert e.prefill_chunk in (512, 1024, 2048)
     assert info.extra["prefill_chunk"] == e.prefill_chunk and info.extra["prefill_chunk_reason"]
-    assert info.extra["compiled_blocks"] == 4
+    assert info.extra["compiled_blocks"] == 4 and info.extra["compiled_attention"] == 4
     chunks = {}
     for chunk in (None, 5):
         s = GenerationSettings(max_tokens=8, prefill_step_size=chunk)

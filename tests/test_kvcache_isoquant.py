@@ -247,8 +247,8 @@ class _DenseView(IsoQuantKVCache):
     def of(cls, c, sink):
         return cls(c.rotation_kind, c.key_bits, c.value_bits, c.window, c.seed, c.layer, sink=sink)
 
-    def _fetch(self):
-        k, v = super()._fetch()
+    def _fetch(self, **kw):
+        k, v = super()._fetch(**kw)
         if not isinstance(k, IsoQuantTensor):
             return k, v
 

@@ -131,8 +131,10 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
 
 def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = True) -> dict:
     """What the engine does to a loaded model before generating: float32 dense weights on the
-    CPU backend, compiled feed-forward blocks. Returns facts for ModelInfo.extra."""
+    CPU backend, compiled feed-forward blocks and attention decode steps (compiled.py). Returns
+    facts for ModelInfo.extra."""
     from .backend import detect
+    from .compiled import ATTENTION_NAMES
 
     float_bytes = 0
     if detect().name == "cpu" and float_dense:
@@ -144,7 +146,12 @@ def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = Tru
         from .compiled import compile_blocks as compile_all
 
         blocks = compile_all(model)
-    return {"cpu_float_dense_bytes": float_bytes, "compiled_blocks": len(blocks)}
+    attention = [p for p in blocks if p.rpartition(".")[2] in ATTENTION_NAMES]
+    return {
+        "cpu_float_dense_bytes": float_bytes,
+        "compiled_blocks": len(blocks) - len(attention),
+        "compiled_attention": len(attention),
+    }
 
 
 # Sampling after the model: log-probabilities as mlx-lm's loop takes them (the same ops, so

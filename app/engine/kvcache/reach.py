@@ -85,6 +85,7 @@ def _bad_uses(names: set[str], stmts: list[ast.stmt]) -> list[str]:
 @functools.cache
 def class_reason(cls: type) -> str | None:
     """Why attention class `cls` cannot take a compressed K/V (None: it can)."""
+    cls = _source_class(cls)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
     except (OSError, TypeError, SyntaxError):
@@ -100,8 +101,15 @@ def class_reason(cls: type) -> str | None:
     return None
 
 
+def _source_class(cls: type) -> type:
+    """The class whose source says how the module uses its cache: mlx-lm's, for a module whose
+    decode step the engine compiled (compiled.py keeps it as `_rq_original`)."""
+    return cls.__dict__.get("_rq_original", cls)
+
+
 @functools.cache
 def _has_fetch(cls: type) -> bool:
+    cls = _source_class(cls)
     try:
         return _FETCH in inspect.getsource(cls.__call__)
     except (OSError, TypeError):

@@ -16,8 +16,10 @@ K and V are never reconstructed; only the 2**bits-entry level tables are looked 
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 
@@ -93,6 +95,77 @@ class IsoQuantTensor:
         return self.norms.dtype if self.fp is None else self.fp.dtype
 
 
+def _lazy_field(name: str, i: int):
+    def get(self):
+        d = self.__dict__
+        if name not in d:
+            d[name] = self._view(i)
+        return d[name]
+
+    def put(self, value):  # the dataclass __init__ (dataclasses.replace) sets it
+        self.__dict__[name] = value
+
+    return property(get, put)
+
+
+class CacheView(IsoQuantTensor):
+    """An IsoQuantTensor over the cache's buffers: the views attention reads (codes and norms of
+    the first `rows` rows, the float window fp[:, :, lo:hi]) are sliced only when read. The
+    compiled decode step (_attend_compiled) never reads them: it takes the rows from the buffers
+    by index arrays made once per step for every layer, so a step slices nothing per layer.
+    Read by anything else (the kernels, the op-by-op reference) it is the IsoQuantTensor it
+    stands for; dataclasses.replace gives a plain one."""
+
+    codes = _lazy_field("_codes", 0)
+    norms = _lazy_field("_norms", 1)
+    fp = _lazy_field("_fp", 2)
+
+    def __init__(self, *args, src=None, **kw):
+        if src is None:
+            IsoQuantTensor.__init__(self, *args, **kw)
+            return
+        quantizer, rotation, layout = args
+        d = self.__dict__
+        d["_src"] = src  # (codes buffer, code rows, norms buffer, rows, float buffer, lo, hi)
+        d["quantizer"], d["rotation"], d["layout"] = quantizer, rotation, layout
+        d["decoded"] = d["prefix"] = None
+
+    def _view(self, i: int):
+        cb, cr, nb, rows, fb, lo, hi = self._src
+        if i == 0:
+            return cb[:, :, :cr]
+        if i == 1:
+            return nb[:, :, :rows]
+        return fb[:, :, lo:hi] if hi > lo else None
+
+    @property
+    def compressed_len(self) -> int:
+        src = self.__dict__.get("_src")
+        return self.norms.shape[2] if src is None else src[3]
+
+    @property
+    def fp_len(self) -> int:
+        src = self.__dict__.get("_src")
+        if src is None:
+            return 0 if self.fp is None else self.fp.shape[2]
+        return max(0, src[6] - src[5])
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        src = self.__dict__.get("_src")
+        if src is None:
+            return super().shape
+        b, h = src[2].shape[:2]
+        return (b, h, self.prefix_len + src[3] + self.fp_len, self.quantizer.dim)
+
+    @property
+    def dtype(self):
+        src = self.__dict__.get("_src")
+        if src is None:
+            return super().dtype
+        return src[2].dtype if src[6] <= src[5] else src[4].dtype
+
+
 def _scores_mask(mask, qlen: int, klen: int, hkv: int, groups: int):
     """mlx-lm's mask forms -> something broadcastable to scores [B, Hkv, G, L, T], or None."""
     if mask is None:
@@ -159,7 +232,37 @@ def isoquant_attention_reference(
     return mx.concatenate(outs, axis=2)
 
 
-def _attend(queries, keys, values, scale, mask, sinks) -> mx.array:
+_ROWS: dict = {}  # (thread, lo, hi) -> arange(lo, hi): made once a step, read by every layer
+
+
+def _rows_index(lo: int, hi: int) -> mx.array:
+    """arange(lo, hi) as int32, shared by every layer of a step. Kept per thread: an array is
+    evaluated on the stream of the thread that made it."""
+    key = (threading.get_ident(), lo, hi)
+    a = _ROWS.get(key)
+    if a is None:
+        if len(_ROWS) >= 32:
+            _ROWS.clear()
+        a = _ROWS[key] = mx.arange(lo, hi, dtype=mx.int32)
+    return a
+
+
+def _columns(tp: int, tc: int, tf: int) -> tuple[mx.array, ...]:
+    """The columns of the scores each present segment (float prefix, codes, float tail) holds,
+    as index arrays; the compiled step takes them as inputs, so its trace follows the token
+    counts."""
+    cols, lo = [], 0
+    for n in (tp, tc, tf):
+        if n:
+            cols.append(_rows_index(lo, lo + n))
+        lo += n
+    return tuple(cols)
+
+
+def _attend(queries, keys, values, scale, mask, sinks, cols=None) -> mx.array:
+    # Token counts enter only through array shapes, never through a reshape or a slice (the
+    # segments' columns are taken by index, `cols` as _columns makes them): the decode step
+    # runs this as a shapeless trace.
     b, hq, qlen, d = queries.shape
     hkv = keys.codes.shape[1]
     if hq % hkv:
@@ -186,7 +289,7 @@ def _attend(queries, keys, values, scale, mask, sinks) -> mx.array:
         parts.append((q * scale) @ k_fp.swapaxes(-1, -2))  # [B, Hkv, G*L, Tf]
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     t_all = tp + tc + tf
-    scores = scores.reshape(b, hkv, g, qlen, t_all)  # [B, Hkv, G, L, T]
+    scores = mx.unflatten(scores, 2, (g, qlen))  # [B, Hkv, G, L, T]
 
     m = _scores_mask(mask, qlen, t_all, hkv, g)
     if m is not None:
@@ -203,20 +306,139 @@ def _attend(queries, keys, values, scale, mask, sinks) -> mx.array:
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)  # [B, Hkv, G, L, T]
 
-    probs = probs.reshape(b, hkv, g * qlen, t_all)  # [B, Hkv, G*L, T]
+    probs = mx.flatten(probs, 2, 3)  # [B, Hkv, G*L, T]
+    cols = _columns(tp, tc, tf) if cols is None else cols
+    seg = dict(zip([n for n, t in (("p", tp), ("c", tc), ("f", tf)) if t], cols, strict=True))
     out = None
     if tc:
         v_lv = values.levels()  # [B, Hkv, Tc, D]
         v_scale = values.norms.astype(mx.float32) * inv_sqrt_d  # [B, Hkv, Tc]
-        p_c = probs[..., tp : tp + tc] * v_scale[:, :, None, :]
+        p_c = mx.take(probs, seg["c"], axis=-1) * v_scale[:, :, None, :]
         out = rot_v.inverse(p_c @ v_lv)  # [B, Hkv, G*L, D]
-    for seg, lo, n in ((values.prefix, 0, tp), (values.fp, tp + tc, tf)):
-        if n:
-            o_f = probs[..., lo : lo + n] @ seg.astype(mx.float32)  # [B, Hkv, G*L, D]
+    for name, v in (("p", values.prefix), ("f", values.fp)):
+        if name in seg:
+            o_f = mx.take(probs, seg[name], axis=-1) @ v.astype(mx.float32)  # [B, Hkv, G*L, D]
             out = o_f if out is None else out + o_f
     if out is None:
         raise ValueError("attention over an empty IsoQuant cache")
     return out.reshape(b, hq, qlen, d).astype(queries.dtype)
+
+
+# The reference's decode step as one compiled graph. A step's graph is ~60 MLX calls a layer
+# op by op (unpacking the codes, rotations, two segments, softmax), each a call from Python;
+# compiled with shapeless=True it is traced once per structure and replayed in C++ as the token
+# count grows (_attend reads token counts only from array shapes). Same ops, same numbers
+# (tested bit-identical). ROTARYQUANT_COMPILE=0 (or COMPILE_REFERENCE = False) runs op by op.
+COMPILE_REFERENCE = os.environ.get("ROTARYQUANT_COMPILE", "1") != "0"
+_TRACES: dict = {}
+_TRACES_MAX = 64
+_NOT_STATIC = ("seed", "layer")  # a rotation's provenance: its arrays already say it
+
+
+def _spec(obj) -> tuple:
+    """(array field names, the other fields' values) of a Rotation or Quantizer: its arrays are
+    the compiled step's inputs (one trace serves every layer), the rest is part of the key."""
+    spec = obj.__dict__.get("_rq_spec")
+    if spec is None:
+        names, static = [], [type(obj)]
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, mx.array):
+                names.append(f.name)
+            elif f.name not in _NOT_STATIC:
+                static.append((f.name, v))
+        spec = (tuple(names), tuple(static))
+        object.__setattr__(obj, "_rq_spec", spec)  # frozen dataclasses: set once
+    return spec
+
+
+def compiled_eligible(queries, keys, values, mask, sinks) -> bool:
+    """Whether isoquant_attention runs this call as the compiled step: no mask (mlx-lm passes
+    none for one query), no sinks, V codes as rows, one block of scores."""
+    if not COMPILE_REFERENCE or mask is not None or sinks is not None:
+        return False
+    if keys.layout != "rows" or values.layout != "rows":
+        return False
+    b, hq, qlen, _ = queries.shape
+    t_all = keys.prefix_len + keys.compressed_len + keys.fp_len
+    return qlen <= max(1, SCORE_BLOCK // max(1, b * hq * t_all))
+
+
+def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scale) -> mx.array:
+    """_attend(queries, keys, values, scale, None, None) as a shapeless compiled graph."""
+    objs = (keys.rotation, values.rotation, keys.quantizer, values.quantizer)
+    uniq, where = [], []
+    for o in objs:
+        for i, u in enumerate(uniq):
+            if u is o:
+                where.append(i)
+                break
+        else:
+            where.append(len(uniq))
+            uniq.append(o)
+    specs = tuple(_spec(o) for o in uniq)
+    views = _cache_views(keys, values)
+    if views is None:
+        tensors = (keys.codes, keys.norms, keys.fp, keys.decoded, keys.prefix)
+        tensors += (values.codes, values.norms, values.fp, values.decoded, values.prefix)
+    else:
+        tensors = views
+    present = tuple(a is not None for a in tensors)
+    key = (
+        queries.shape, queries.dtype, float(scale), keys.prefix_len > 0, keys.compressed_len > 0,
+        keys.fp_len > 0, views is not None, present, tuple(where), specs,
+    )  # fmt: skip
+    fn = _TRACES.get(key)
+    if fn is None:
+        n_cols = sum(1 for n in (keys.prefix_len, keys.compressed_len, keys.fp_len) if n)
+        fn = _trace(uniq, specs, tuple(where), present, float(scale), n_cols, views is not None)
+        if len(_TRACES) >= _TRACES_MAX:
+            _TRACES.clear()
+        _TRACES[key] = fn
+    arrays = [a for a in tensors if a is not None]
+    arrays.extend(_columns(keys.prefix_len, keys.compressed_len, keys.fp_len))
+    for o, (names, _) in zip(uniq, specs, strict=True):
+        arrays.extend(getattr(o, n) for n in names)
+    return fn(queries, *arrays)
+
+
+def _cache_views(keys, values):
+    """(K codes, K norms, K float, V codes, V norms, V float buffers, rows index, float index)
+    of a CacheView pair in V's "rows" layout, else None. Float entries None without a window."""
+    ks, vs = keys.__dict__.get("_src"), values.__dict__.get("_src")
+    if ks is None or vs is None or (ks[1], ks[3], ks[5], ks[6]) != (vs[1], vs[3], vs[5], vs[6]):
+        return None
+    cr, rows, lo, hi = ks[1], ks[3], ks[5], ks[6]
+    if cr != rows or vs[1] != rows or not rows:
+        return None
+    ri = _rows_index(0, rows)
+    fi = _rows_index(lo, hi) if hi > lo else None
+    kf, vf = (ks[4], vs[4]) if hi > lo else (None, None)
+    return (ks[0], ks[2], kf, vs[0], vs[2], vf, ri, fi)
+
+
+def _trace(uniq, specs, where, present, scale, n_cols, views):
+    n_t = sum(present)
+
+    def step(q, *arrays):
+        it = iter(arrays[:n_t])
+        t = [next(it) if p else None for p in present]
+        if views:  # the rows the cache's buffers hold for this step, taken by index
+            kc, kn, kf, vc, vn, vf, ri, fi = t
+            kf, vf = (None, None) if fi is None else (mx.take(kf, fi, 2), mx.take(vf, fi, 2))
+            t = [mx.take(kc, ri, 2), mx.take(kn, ri, 2), kf, None, None]
+            t += [mx.take(vc, ri, 2), mx.take(vn, ri, 2), vf, None, None]
+        cols = arrays[n_t : n_t + n_cols]
+        rest, objs = list(arrays[n_t + n_cols :]), []
+        for o, (names, _) in zip(uniq, specs, strict=True):
+            vals, rest = rest[: len(names)], rest[len(names) :]
+            objs.append(replace(o, **dict(zip(names, vals, strict=True))))
+        rk, rv, kq, vq = (objs[i] for i in where)
+        keys = IsoQuantTensor(t[0], t[1], t[2], kq, rk, t[3], t[4])
+        values = IsoQuantTensor(t[5], t[6], t[7], vq, rv, t[8], t[9])
+        return _attend(q, keys, values, scale, None, None, cols)
+
+    return mx.compile(step, shapeless=True)
 
 
 # A fused implementation (Metal/CUDA, issue 3) registers itself here with the same signature.
@@ -249,4 +471,6 @@ def isoquant_attention(
         return _kernel(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if use_kernel is True:
         raise RuntimeError("no fused IsoQuant attention kernel is registered on this backend")
+    if compiled_eligible(queries, keys, values, mask, sinks):
+        return _attend_compiled(queries, keys, values, scale)
     return isoquant_attention_reference(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .attention import IsoQuantTensor
+from .attention import CacheView, IsoQuantTensor
 from .packing import (
     FORMAT_VERSION,
     TC16_CHUNK,
@@ -224,7 +224,7 @@ class IsoQuantKVCache(_BaseCache):
             ahead = 1 if self._tc16 else self.compress_every
             self._encode_to(min(self.offset, max(split, self.encoded + ahead)))
         self.compressed = split
-        out = self._fetch()
+        out = self._fetch(lazy=n == 1)
         if n > 1:
             # what the next step reads compressed is encoded now and its float released, so a
             # chunked prefill never holds the whole prompt in float
@@ -422,10 +422,24 @@ class IsoQuantKVCache(_BaseCache):
             return None, None
         return self.sink_keys[:, :, :ns], self.sink_values[:, :, :ns]
 
-    def _fetch(self):
+    def _fetch(self, lazy: bool = False):
+        r = self._n_rows
+        if lazy and r and not self.decoded_shadow and not self._n_sink:
+            # A single-token step (nothing is written before attention reads it): the views are
+            # sliced only if read; the compiled decode step takes the rows from the buffers by
+            # index, so nothing is sliced per layer and step.
+            lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
+            keys = CacheView(
+                self.kq, self.rotation, "rows",
+                src=(self.k_codes, r, self.k_norms, r, self.fp_keys, lo, hi),
+            )  # fmt: skip
+            values = CacheView(
+                self.vq, self.rotation, self.v_layout,
+                src=(self.v_codes, self._v_rows(r), self.v_norms, r, self.fp_values, lo, hi),
+            )  # fmt: skip
+            return keys, values
         fk, fv = self._fp_view()
         pk, pv = self._sink_view()
-        r = self._n_rows
         if r == 0:
             # No codes yet: plain arrays (prompt, or sink only), mlx-lm's own attention.
             if pk is None:

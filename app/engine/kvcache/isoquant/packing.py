@@ -119,26 +119,27 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
 
 
 def unpack_codes(packed: mx.array, bits: int) -> mx.array:
-    """packed: [..., D*bits/8] uint8 -> codes [..., D] uint8 (inverse of pack_codes)."""
+    """packed: [..., D*bits/8] uint8 -> codes [..., D] uint8 (inverse of pack_codes).
+    No slices and no reshape of the leading dims: a shapeless compiled trace (the attention
+    reference's decode step, attention.py) follows the token count."""
     nbytes = packed.shape[-1]
     dim = nbytes * 8 // bits
     _check(dim, bits)
-    lead = packed.shape[:-1]
     p = packed.astype(mx.uint32)
     if bits == 4:
         codes = mx.stack([p & 0xF, p >> 4], axis=-1)
-        return codes.reshape(*lead, dim).astype(mx.uint8)
+        return mx.flatten(codes, -2, -1).astype(mx.uint8)
     if dim % 32 == 0:
-        p = p.reshape(*lead, dim // 32, 3, 4)
-        w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16) | (p[..., 3] << 24)  # [.., block, 3]
+        p = mx.unflatten(p, -1, (dim // 32, 3, 4))
+        w = mx.sum(p << _BYTES4, axis=-1)  # [.., block, 3]: the bytes' bits never overlap
         nib = (w[..., None] >> _NIBBLES) & 0xF  # [.., block, 3, 8]
-        low = (nib & 7).reshape(*lead, dim // 32, 24)
+        low = mx.flatten(nib & 7, -2, -1)  # [.., block, 24]
         top = mx.sum((nib >> 3) << _TOP_BITS, axis=-2)  # [.., 8]
-        return mx.concatenate([low, top], axis=-1).reshape(*lead, dim).astype(mx.uint8)
-    p = p.reshape(*lead, dim // 8, 3)
-    w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # [..., D/8]
+        return mx.flatten(mx.concatenate([low, top], axis=-1), -2, -1).astype(mx.uint8)
+    p = mx.unflatten(p, -1, (dim // 8, 3))
+    w = mx.sum(p << _BYTES3, axis=-1)  # [..., D/8]
     codes = (w[..., None] >> _TRIPLETS) & 0x7  # [..., D/8, 8]
-    return codes.reshape(*lead, dim).astype(mx.uint8)
+    return mx.flatten(codes, -2, -1).astype(mx.uint8)
 
 
 # ---- the tc16 V layout ---------------------------------------------------------------------
