@@ -99,8 +99,8 @@ def treatments(window: int) -> dict[str, dict]:
         # ablation: which half costs the loss (the other kept in float)
         f"abl_k3_vfloat_w{w}": iso(3, None, w),
         f"abl_kfloat_v3_w{w}": iso(None, 3, w),
-        # encode-side variants (explore_codec); "exact": key scale |y| (the codec before the
-        # unbiased key scale), "ub": the cache's unbiased key scale (quantizer.py)
+        # encode-side variants (explore_codec); "exact": the codec's scale |y|, "ub": the
+        # scale with <ŷ, y> = |y|² (unbiased scores)
         f"abl_exactk_w{w}": {**iso(3, 3, w), "explore": {"norm_k": "exact"}},
         f"abl_ubk_w{w}": {**iso(3, 3, w), "explore": {"norm_k": "ub"}},
         f"abl_ub_kv_w{w}": {**iso(3, 3, w), "explore": {"norm_k": "ub", "norm": "ub"}},
@@ -368,7 +368,8 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     center_k / center_v: code x - mean(prefill x past the sink) per window and KV head, add the
     mean back (the mean's own part is exact: softmax(s + c) = softmax(s) and the probabilities
     sum to one); the stored scale of keys (norm_k) and values (norm): "exact" |y| (default),
-    "ls" the least-squares scale, "ub" the unbiased scale <ŷ, y> = |y|² (quantizer.py)."""
+    "ls" the least-squares scale, "ub" the scale that makes <ŷ, y> = |y|² (the levels are
+    centroids, so with |y| the decoded row is y shrunk along itself by about 1 - MSE)."""
     from app.engine.kvcache.isoquant.packing import unpack_codes
 
     def mean(a):

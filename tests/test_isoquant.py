@@ -238,45 +238,6 @@ def test_encode_decode_error_is_lloyd_max_error():
     assert abs(rel - lloyd_max(dim, 3).mse()) < 0.004  # ≈ 0.034: the codebook's own MSE
 
 
-@pytest.mark.parametrize("bits", (3, 4))
-def test_unbiased_scale_makes_the_projection_exact_and_the_scores_unbiased(bits):
-    """Plain codes (scale |y|) decode to y shrunk along itself by about 1 - MSE; the unbiased
-    scale makes <ŷ, y> = |y|² per row, so scores <q, x̂> against queries independent of the
-    coding error carry no bias; the codes are the same either way."""
-    dim, rot = 64, Rotation.make("v3", 64, 2, seed=1, layer=3)
-    plain, ub = Quantizer.make(dim, bits), Quantizer.make(dim, bits, unbiased=True)
-    x = mx.random.normal((1, 2, 400, dim), key=mx.random.key(7)) * 4.0 + 1.5
-    c0, n0 = encode(x, rot, plain)
-    c1, n1 = encode(x, rot, ub)
-    assert mx.array_equal(c0, c1)
-    mse = lloyd_max(dim, bits).mse()
-    proj = lambda xh: mx.sum(xh * x, -1) / mx.sum(x * x, -1)  # noqa: E731
-    p0, p1 = proj(decode(c0, n0, rot, plain)), proj(decode(c1, n1, rot, ub))
-    assert float(mx.mean(p0)) < 1 - 0.5 * mse  # the centroid shrink (about 1 - MSE, or more)
-    assert float(mx.max(mx.abs(p1 - 1))) < 2e-3  # exact up to the fp16 scale
-    q = mx.random.normal((1, 2, 64, dim), key=mx.random.key(8))
-    s = q @ x.swapaxes(-1, -2)
-
-    def slope(c, n, qz):  # least-squares slope of the coded scores on the true ones
-        return float(mx.sum((q @ decode(c, n, rot, qz).swapaxes(-1, -2)) * s) / mx.sum(s * s))
-
-    assert slope(c0, n0, plain) < 1 - 0.5 * mse and abs(slope(c1, n1, ub) - 1) < 0.01
-
-
-def test_the_cache_codes_keys_with_the_unbiased_scale_and_values_with_the_norm():
-    from app.engine.kvcache.isoquant import IsoQuantKVCache
-
-    c = IsoQuantKVCache("v3", 3, 3, window=0)
-    k = mx.random.normal((1, 2, 20, 64), key=mx.random.key(1)) * 3.0
-    v = mx.random.normal((1, 2, 20, 64), key=mx.random.key(2))
-    kh, vh = c.dequantized(k, v)
-    assert c.kq.unbiased and not c.vq.unbiased
-    pk = mx.sum(kh * k, -1) / mx.sum(k * k, -1)
-    assert float(mx.max(mx.abs(pk - 1))) < 2e-3
-    _, vn = encode(v, c.rotation, c.vq)
-    assert mx.allclose(vn.astype(mx.float32), mx.sqrt(mx.sum(v * v, -1)), rtol=1e-3).item()
-
-
 # ---- attention -------------------------------------------------------------------------------
 def _dense_attention(q, k, v, scale, mask=None, sinks=None):
     # q: [B, Hq, L, D]; k, v: [B, Hkv, T, D] float32 -> [B, Hq, L, D], plain float64 numpy

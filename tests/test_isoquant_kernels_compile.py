@@ -49,7 +49,7 @@ CONFIGS = {
     "iq_value_word": [dict(D=128, RB=4, VB=3)],
     "iq_value_dim": [dict(D=128, RB=4, VB=3)],
     "iq_rotate_inverse": [dict(D=128, KIND=0, ADD=True, TO="bfloat16")],
-    "iq_encode": [dict(D=128, KIND=0, KB=3, VB=3, KUB=True, VUB=False, HT="float16")],
+    "iq_encode": [dict(D=128, KIND=0, KB=3, VB=3, HT="float16")],
     "iq_tc16_pack": [dict(D=128), dict(D=64)],
 }
 _TYPES = dict(

@@ -35,8 +35,8 @@ CONFIGS = {
         dict(D=64, KIND=1, ADD=False, TO="float32"),
     ],
     "iq_encode": [
-        dict(D=128, KIND=0, KB=3, VB=3, KUB=True, VUB=False, HT="float16"),
-        dict(D=512, KIND=2, KB=4, VB=3, KUB=False, VUB=True, HT="float16"),
+        dict(D=128, KIND=0, KB=3, VB=3, HT="float16"),
+        dict(D=512, KIND=2, KB=4, VB=3, HT="float16"),
     ],
 }
 _TYPES = dict(

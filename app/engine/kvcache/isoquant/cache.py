@@ -169,7 +169,7 @@ class IsoQuantKVCache(_BaseCache):
         if v_head_dim != head_dim:
             raise ValueError(f"IsoQuant needs equal K and V head dims, got {head_dim}/{v_head_dim}")
         self.rotation = Rotation.make(self.rotation_kind, head_dim, n_heads, self.seed, self.layer)
-        self.kq = Quantizer.make(head_dim, self.key_bits, unbiased=True)  # quantizer.py
+        self.kq = Quantizer.make(head_dim, self.key_bits)
         self.vq = Quantizer.make(head_dim, self.value_bits)
         if self.v_layout is None:
             self.v_layout = preferred_v_layout(head_dim, self.value_bits)

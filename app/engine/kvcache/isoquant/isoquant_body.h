@@ -894,13 +894,10 @@ IQ_FN void iq_store_partial(
 // per threadgroup of D threads, both tensors in one launch: y = R x (float32, the rotation of
 // KV head h as iq_rotate_rows), norm = |y|, u = y * sqrt(D) / max(norm, 1e-30),
 // code = #{thresholds < u}, packed (3-bit: blocks of 32 codes in 12 bytes, packing.py; 4-bit:
-// two a byte, low nibble first), norm stored as HT (fp16) clamped to 65504. KUB / VUB (K / V
-// quantizer unbiased, quantizer.py): the stored scale is norm * D / max(<lv[codes], u>, 1e-30)
-// instead of norm. The math of quantizer.encode (the MLX-ops path); codes agree except where
-// float rounding puts u within ~1e-6 of a threshold. x_k, x_v: [B, Hkv, N, D] views (any
-// strides); lv_k, lv_v: the codebooks' levels.
-// grid (D, N, B*Hkv*2), z = (b*Hkv + h)*2 + (0: K, 1: V); group D.
-// template: D, KIND, KB, VB, KUB, VUB, HT.
+// two a byte, low nibble first), norm stored as HT (fp16) clamped to 65504. The math of
+// quantizer.encode (the MLX-ops path); codes agree except where float rounding puts u within
+// ~1e-6 of a threshold. x_k, x_v: [B, Hkv, N, D] views (any strides).
+// grid (D, N, B*Hkv*2), z = (b*Hkv + h)*2 + (0: K, 1: V); group D. template: D, KIND, KB, VB, HT.
 {
   IQ_SHARED float iq_x[D];
   IQ_SHARED float iq_tmp[D];
@@ -941,20 +938,6 @@ IQ_FN void iq_store_partial(
     c += u > float(kv == 0 ? thr_k[t] : thr_v[t]) ? 1 : 0;
   }
   iq_code[d] = c;
-  float scale_out = norm;
-  if (kv == 0 ? KUB : VUB) {  // uniform over the threadgroup: its barriers are safe
-    const float lu = iq_warp_sum(float(kv == 0 ? lv_k[c] : lv_v[c]) * u);
-    IQ_BARRIER();  // every thread has read iq_wsum for norm2
-    if (d % 32 == 0) {
-      iq_wsum[d / 32] = lu;
-    }
-    IQ_BARRIER();
-    float dot = 0.0f;
-    for (int w = 0; w < D / 32; ++w) {
-      dot += iq_wsum[w];
-    }
-    scale_out = norm * (float(D) / max(dot, 1e-30f));
-  }
   IQ_BARRIER();
   const long row = long(bh) * N + n;
   if (bits == 3) {
@@ -984,7 +967,7 @@ IQ_FN void iq_store_partial(
     }
   }
   if (d == 0) {
-    const HT nv = static_cast<HT>(min(scale_out, 65504.0f));
+    const HT nv = static_cast<HT>(min(norm, 65504.0f));
     if (kv == 0) {
       kn[row] = nv;
     } else {

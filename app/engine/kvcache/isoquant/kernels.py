@@ -78,10 +78,7 @@ SPECS: dict[str, tuple[list[str], list[str]]] = {
     "iq_value_word": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["out"]),
     "iq_value_dim": (["probs", "v_codes", "v_norms", "lv_v", "lens", "iparams"], ["part"]),
     "iq_rotate_inverse": (["acc", "add", "rot", "iparams"], ["out"]),
-    "iq_encode": (
-        ["x_k", "x_v", "rot", "thr_k", "thr_v", "lv_k", "lv_v", "iparams"],
-        ["kc", "kn", "vc", "vn"],
-    ),
+    "iq_encode": (["x_k", "x_v", "rot", "thr_k", "thr_v", "iparams"], ["kc", "kn", "vc", "vn"]),
     "iq_tc16_pack": (["vc", "old", "iparams"], ["chunks"]),
 }
 CUDA_ONLY = ("iq_fused_tc", "iq_tc16_pack")
@@ -111,11 +108,10 @@ def _kernel_name(name: str, dtype: str) -> str:
     # on the masked word (iq_shl4); v19: P' parts picked by the pack's byte permutes, the warps'
     # merge with per-lane offsets (one barrier less), the fold without integer divisions; v20: the
     # partial's place and scale recomputed after the tile loop, the fold's chunks of compressed
-    # splits without the float part; v21: V codes in the tc16 layout read as selectors (VIL);
-    # v22: the encoder writes the unbiased key scale (KUB / VUB, quantizer.py).
+    # splits without the float part; v21: V codes in the tc16 layout read as selectors (VIL).
     # MLX caches builds by name, so a changed body gets a new name: a side-by-side run of the
     # previous code never shares a build.
-    return f"{name}_{dtype}_v22"
+    return f"{name}_{dtype}_v21"
 
 
 # -- kernels built once at import ----------------------------------------------------------
@@ -919,12 +915,6 @@ def _thresholds(dim: int, bits: int) -> mx.array:
     return _pad8(mx.array(list(kv_codebook(dim, bits).thresholds), mx.float32))
 
 
-@functools.lru_cache(maxsize=32)
-def _levels(dim: int, bits: int) -> mx.array:
-    """The codebook's levels (quantizer.levels' values) for the encoder's unbiased scale."""
-    return mx.array(list(kv_codebook(dim, bits).levels), mx.float32)
-
-
 @functools.lru_cache(maxsize=256)
 def _encode_params(hkv: int, n: int) -> mx.array:
     return mx.array([hkv, n, 0, 0, 0, 0, 0, 0], mx.int32)
@@ -933,7 +923,7 @@ def _encode_params(hkv: int, n: int) -> mx.array:
 def encode_pair(keys: mx.array, values: mx.array, rotation: Rotation, kq, vq):
     """K and V rows [B, Hkv, N, D] -> (K codes, K norms, V codes, V norms) in the cache's
     format, one kernel launch (the MLX-ops encoder is ~50 small ops per tensor). The math of
-    quantizer.encode, the stored scales included (kq / vq .unbiased); None where the kernel does not take the input (the caller encodes with
+    quantizer.encode; None where the kernel does not take the input (the caller encodes with
     MLX ops)."""
     if not kernels_available():
         return None
@@ -957,8 +947,6 @@ def encode_pair(keys: mx.array, values: mx.array, rotation: Rotation, kq, vq):
                 _rot_array(rotation),
                 _thresholds(d, kq.bits),
                 _thresholds(d, vq.bits),
-                _levels(d, kq.bits),
-                _levels(d, vq.bits),
                 _encode_params(h, n),
             ],
             template=[
@@ -966,8 +954,6 @@ def encode_pair(keys: mx.array, values: mx.array, rotation: Rotation, kq, vq):
                 ("KIND", KIND_CODES[rotation.kind]),
                 ("KB", kq.bits),
                 ("VB", vq.bits),
-                ("KUB", bool(kq.unbiased)),
-                ("VUB", bool(vq.unbiased)),
                 ("HT", mx.float16),
             ],
             grid=(d, n, b * h * 2),

@@ -1,16 +1,4 @@
-"""Rotate → normalize → Lloyd–Max codes → pack, and the way back (format: packing.py).
-
-The stored scale. A row is decoded as ŷ = (n/√D)·levels[codes] (packing.py). The levels are
-Lloyd–Max centroids, so with n = |y| (`unbiased=False`) the decoded row is the true one shrunk
-along itself: <ŷ, y> ≈ (1 - MSE)·|y|², about 3% at 3 bits. For keys that bias is not harmless:
-the compressed keys' scores shrink towards zero while the float window's and the sink's do not,
-which moves attention mass between them. Key quantizers are therefore made `unbiased`: n is
-chosen so that <ŷ, y> = |y|² exactly, n = |y|·D / <levels[codes], u> (u = √D·y/|y|), which
-makes every score <q̃, ŷ> an unbiased estimate of <q, k> for a query independent of the
-coding error. Values keep n = |y| (the unbiased scale did not help them: docs/quality.md).
-The stored format and every reader (reference attention, kernels) are unchanged: only the
-number the encoder writes into the norms array differs.
-"""
+"""Rotate → normalize → Lloyd–Max codes → pack, and the way back (format: packing.py)."""
 
 from __future__ import annotations
 
@@ -29,42 +17,30 @@ _FP16_MAX = 65504.0
 
 @dataclass(frozen=True, eq=False)
 class Quantizer:
-    """One codebook (D, bits) as MLX arrays, and how the stored scale is chosen (above)."""
+    """One codebook (D, bits) as MLX arrays."""
 
     dim: int
     bits: int
     levels: mx.array  # [2**bits] float32, ascending
     thresholds: mx.array  # [2**bits - 1] float32
-    unbiased: bool = False  # stored scale makes <ŷ, y> = |y|² (keys); False: |y|
 
     @classmethod
-    def make(cls, dim: int, bits: int, unbiased: bool = False) -> Quantizer:
+    def make(cls, dim: int, bits: int) -> Quantizer:
         packed_row_bytes(dim, bits)  # validates dim and bits
         cb = kv_codebook(dim, bits)
-        return cls(
-            dim,
-            bits,
-            mx.array(cb.levels, mx.float32),
-            mx.array(cb.thresholds, mx.float32),
-            unbiased,
-        )
+        return cls(dim, bits, mx.array(cb.levels, mx.float32), mx.array(cb.thresholds, mx.float32))
 
     @property
     def row_bytes(self) -> int:
         return packed_row_bytes(self.dim, self.bits)
 
     def encode_rotated(self, y: mx.array) -> tuple[mx.array, mx.array]:
-        """y: [..., D] already rotated -> (codes [..., D*bits/8] uint8, norms [...] float16: |y|,
-        or the unbiased scale)."""
+        """y: [..., D] already rotated -> (codes [..., D*bits/8] uint8, norms [...] float16)."""
         y = y.astype(mx.float32)
         norms = mx.sqrt(mx.sum(y * y, axis=-1))
         inv = math.sqrt(self.dim) / mx.maximum(norms, 1e-30)
         u = y * inv[..., None]  # unit coordinate variance
         codes = mx.sum(u[..., None] > self.thresholds, axis=-1).astype(mx.uint8)
-        if self.unbiased:
-            # <levels[codes], u> > 0 for any y != 0 (each level has its coordinate's sign)
-            dot = mx.sum(self.levels[codes] * u, axis=-1)
-            norms = norms * (self.dim / mx.maximum(dot, 1e-30))
         return pack_codes(codes, self.bits), mx.minimum(norms, _FP16_MAX).astype(mx.float16)
 
     def decode_rotated(self, codes: mx.array, norms: mx.array) -> mx.array:
