@@ -99,10 +99,33 @@ def treatments(window: int) -> dict[str, dict]:
         # ablation: which half costs the loss (the other kept in float)
         f"abl_k3_vfloat_w{w}": iso(3, None, w),
         f"abl_kfloat_v3_w{w}": iso(None, 3, w),
-        f"abl_center_k_w{w}": {**iso(3, 3, w), "explore": {"center_k": True}},
-        f"abl_center_v_w{w}": {**iso(3, 3, w), "explore": {"center_v": True}},
-        f"abl_center_kv_w{w}": {**iso(3, 3, w), "explore": {"center_k": True, "center_v": True}},
-        f"abl_lsnorm_w{w}": {**iso(3, 3, w), "explore": {"norm": "ls"}},
+        # encode-side variants (explore_codec); "exact": the codec's scale |y|, "ub": the
+        # scale with <ŷ, y> = |y|² (unbiased scores)
+        f"abl_exactk_w{w}": {**iso(3, 3, w), "explore": {"norm_k": "exact"}},
+        f"abl_ubk_w{w}": {**iso(3, 3, w), "explore": {"norm_k": "ub"}},
+        f"abl_ub_kv_w{w}": {**iso(3, 3, w), "explore": {"norm_k": "ub", "norm": "ub"}},
+        f"abl_center_k_w{w}": {**iso(3, 3, w), "explore": {"center_k": True, "norm_k": "exact"}},
+        f"abl_center_v_w{w}": {**iso(3, 3, w), "explore": {"center_v": True, "norm_k": "exact"}},
+        f"abl_center_kv_w{w}": {
+            **iso(3, 3, w),
+            "explore": {"center_k": True, "center_v": True, "norm_k": "exact"},
+        },
+        f"abl_lsnorm_w{w}": {**iso(3, 3, w), "explore": {"norm": "ls", "norm_k": "ls"}},
+        # the first token (SmolLM2's attention sink: 80-95% of the mass in deep layers) in float
+        f"abl_sink1_exactk_w{w}": {**iso(3, 3, w, sink=1), "explore": {"norm_k": "exact"}},
+        f"abl_sink1_ubk_w{w}": {**iso(3, 3, w, sink=1), "explore": {"norm_k": "ub"}},
+        f"abl_center_k_sink1_w{w}": {
+            **iso(3, 3, w, sink=1),
+            "explore": {"center_k": True, "norm_k": "exact"},
+        },
+        f"abl_center_k_ubk_sink1_w{w}": {
+            **iso(3, 3, w, sink=1),
+            "explore": {"center_k": True, "norm_k": "ub"},
+        },
+        f"abl_center_kv_ubk_sink1_w{w}": {
+            **iso(3, 3, w, sink=1),
+            "explore": {"center_k": True, "center_v": True, "norm_k": "ub"},
+        },
         **{
             f"abl_k4_layers{lo}-{lo + 4}_w{w}": iso(
                 [4 if lo <= i < lo + 5 else 3 for i in range(30)], 3, w
@@ -329,7 +352,7 @@ def codecs(spec: dict, kv: list, seed: int) -> list:
         kb, vb = layer_bits(spec["kb"], i), layer_bits(spec["vb"], i)
         x = spec.get("explore", {})
         if x:
-            out.append(explore_codec(c, kb, vb, x, *kv[i]))
+            out.append(explore_codec(c, kb, vb, x, *kv[i], spec.get("sink", 0)))
             continue
 
         def f(k, v, c=c, kb=kb, vb=vb):
@@ -340,33 +363,43 @@ def codecs(spec: dict, kv: list, seed: int) -> list:
     return out
 
 
-def explore_codec(c, kb, vb, x: dict, k0, v0):
+def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     """Encode-side variants tried before they go into the cache (ablation rows only).
-    center_k / center_v: code x - mean(prefill x) per window and KV head, add the mean back
-    (exact for attention: a constant key shift leaves the softmax unchanged, and the
-    probabilities sum to one); norm "ls": the stored norm is the least-squares scale."""
+    center_k / center_v: code x - mean(prefill x past the sink) per window and KV head, add the
+    mean back (the mean's own part is exact: softmax(s + c) = softmax(s) and the probabilities
+    sum to one); the stored scale of keys (norm_k) and values (norm): "exact" |y| (default),
+    "ls" the least-squares scale, "ub" the scale that makes <ŷ, y> = |y|² (the levels are
+    centroids, so with |y| the decoded row is y shrunk along itself by about 1 - MSE)."""
     from app.engine.kvcache.isoquant.packing import unpack_codes
 
-    mk = mx.mean(k0.astype(mx.float32), axis=2, keepdims=True) if x.get("center_k") else None
-    mv = mx.mean(v0.astype(mx.float32), axis=2, keepdims=True) if x.get("center_v") else None
+    def mean(a):
+        return mx.mean(a[:, :, sink:].astype(mx.float32), axis=2, keepdims=True)
+
+    mk = mean(k0) if x.get("center_k") else None
+    mv = mean(v0) if x.get("center_v") else None
     if c.rotation is None:
         c._setup(k0.shape[1], k0.shape[-1], v0.shape[-1])
 
-    def rt(a, q, m):
+    def rt(a, q, m, norm):
         a = a.astype(mx.float32)
         if m is not None:
             a = a - m
         y = c.rotation.forward(a)
-        codes, norms = q.encode_rotated(y)
-        if x.get("norm") == "ls":
-            lv = q.levels[unpack_codes(codes, q.bits)]
+        codes, _ = q.encode_rotated(y)  # the codes do not depend on the scale
+        lv = q.levels[unpack_codes(codes, q.bits)]
+        norms = mx.sqrt(mx.sum(y * y, axis=-1)).astype(mx.float16)
+        if norm == "ls":
             n = mx.sum(y * lv, axis=-1) / mx.maximum(mx.sum(lv * lv, axis=-1), 1e-30)
+            norms = (n * math.sqrt(q.dim)).astype(mx.float16)
+        elif norm == "ub":
+            n = mx.sum(y * y, axis=-1) / mx.maximum(mx.sum(y * lv, axis=-1), 1e-30)
             norms = (n * math.sqrt(q.dim)).astype(mx.float16)
         out = c.rotation.inverse(q.decode_rotated(codes, norms))
         return out if m is None else out + m
 
     def f(k, v):
-        return (rt(k, c.kq, mk) if kb else k), (rt(v, c.vq, mv) if vb else v)
+        kh = rt(k, c.kq, mk, x.get("norm_k", "exact")) if kb else k
+        return kh, (rt(v, c.vq, mv, x.get("norm", "exact")) if vb else v)
 
     return f
 
@@ -376,11 +409,13 @@ def score_parallel(
 ):
     """Teacher-forced NLL [B, scored] of the protocol, all scored tokens of `group` windows in
     one forward over DualKVCache (float: mlx-lm's KVCache)."""
-    fns = None if spec["kind"] == "float" else codecs(spec, kv, seed)
     window = spec.get("window", 0)
     out = []
     for g0 in range(0, tokens.shape[0], group):
         g1 = min(tokens.shape[0], g0 + group)
+        # per group: an explore codec's means are per window
+        part = [(k[g0:g1], v[g0:g1]) for k, v in kv]
+        fns = None if spec["kind"] == "float" else codecs(spec, part, seed)
         caches = []
         for i, (k, v) in enumerate(kv):
             k, v = k[g0:g1], v[g0:g1]
