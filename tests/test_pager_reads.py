@@ -254,45 +254,6 @@ def test_device_copies_land_the_exact_record_bytes(records):
             assert np.array_equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("device_copy", [False, True])
-def test_records_read_in_pieces_land_the_exact_bytes(records, monkeypatch, device_copy):
-    """A call with fewer records than reader threads reads each checked record in pieces
-    (tensor boundaries) on several threads; a record's device copy is queued once, after its
-    last piece. Unchecked records are read whole (their CRC runs over the whole record)."""
-    import app.engine.offload.pager as pager_mod
-
-    monkeypatch.setattr(pager_mod, "INLINE_BYTES", 0)
-    monkeypatch.setattr(pager_mod, "SPLIT_FROM", 1)
-    store = _store(records)
-    traces = model_traces(store.layers, EXPERTS, K, 30, seed=4)
-    ref = _run(ExpertPager(store, store.expert_bytes()), 30, traces)
-    paged = ExpertPager(
-        store,
-        store.expert_bytes() // 5,
-        PagerOptions(zero_copy=not device_copy, device_copy=False, read_threads=16),
-    )
-    if device_copy:
-        paged._copier = copier = _HostCopier()
-    pieces, whole = [], []
-    real_piece, real_whole = paged._read_piece, paged._preadv
-    paged._read_piece = lambda *a: pieces.append(a[3]) or real_piece(*a)
-    paged._preadv = lambda *a: whole.append(a[3]) or real_whole(*a)
-    got = _run(paged, 15, traces)  # first reads whole (CRC-checked), re-reads in pieces
-    assert whole
-    paged.verify_records()
-    n_whole, n_pieces, reads = len(whole), len(pieces), paged.stats()["reads"]
-    got += _run(paged, 15, {k: v[15:] for k, v in traces.items()})
-    assert len(whole) == n_whole  # every record checked: all in pieces
-    assert len(pieces) - n_pieces >= 2 * (paged.stats()["reads"] - reads) > 0
-    reads = paged.stats()["reads"]
-    for a, b in zip(ref, got, strict=True):
-        for k in a:
-            assert np.array_equal(a[k], b[k]), k
-    if device_copy:
-        assert not copier.queued and copier.copies == reads * 6
-    _check_table(paged)
-
-
 def test_no_device_copier_without_cuda():
     from app.engine.offload.cuda_copy import DeviceCopier
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +67,6 @@ INDEX_LIMIT = 1 << 31  # MLX CUDA quantized/gathered matmuls: weight offsets in 
 STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): bounds transients
 INLINE_BYTES = 1 << 20  # a call's reads up to this size run on the calling thread: a round
 # trip through the reader threads costs more than copying this much out of the page cache
-SPLIT_FROM = 512 << 10  # a call with fewer records than reader threads reads records at least
-# this large in pieces (tensor boundaries) on several threads: more reads in flight
 
 _NP_STORAGE = {
     "uint32": np.uint32,
@@ -283,11 +280,6 @@ class Route:
     slots: np.ndarray | None = None  # the same slots on the host (None: never read back)
     groups: list | None = None  # else: groups of experts, run one after another
     flat: np.ndarray | None = None  # the call's expert index per pair (host), with groups
-
-
-def _run_all(units: list) -> None:
-    for u in units:
-        u()
 
 
 def _iovecs(lay: LayerLayout, views: list[memoryview]) -> list[memoryview]:
@@ -644,33 +636,19 @@ class ExpertPager:
 
     def _reads(self, layer: int, lay: LayerLayout, fd: int, jobs: list) -> None:
         """Read records `jobs` [(expert, preadv buffers, then: called after the record's
-        read and check, or None)]: on the calling thread up to INLINE_BYTES, else spread over
-        the reader threads with one share on this thread — whole records, or, when the call
-        has fewer records than threads, large records in pieces (a record checked on this
-        read is read whole: its CRC runs over it). Every read has ended when this returns,
-        also when one failed (its slots are then freed: no thread may still be writing into
-        them)."""
+        read and check, or None)]: on the calling thread up to
+        INLINE_BYTES, else split over the reader threads with one share on this thread.
+        Every read has ended when this returns, also when one failed (its slots are then
+        freed: no thread may still be writing into them)."""
         ex = self._pool_exec
-        if ex is None or len(jobs) * lay.record_size <= INLINE_BYTES:
+        if ex is None or len(jobs) < 2 or len(jobs) * lay.record_size <= INLINE_BYTES:
             self._read_chunk(layer, lay, fd, jobs)
             return
-        threads = self.options.read_threads
-        units = None
-        if len(jobs) < threads and lay.record_size >= SPLIT_FROM:
-            units = self._pieces(layer, lay, fd, jobs, threads)
-        if units is None:
-            if len(jobs) < 2:
-                self._read_chunk(layer, lay, fd, jobs)
-                return
-            n = min(threads, len(jobs))
-            parts = [partial(self._read_chunk, layer, lay, fd, jobs[i::n]) for i in range(n)]
-        else:
-            n = min(threads, len(units))
-            parts = [partial(_run_all, units[i::n]) for i in range(n)]
-        futures = [ex.submit(part) for part in parts[1:]]
+        n = min(self.options.read_threads, len(jobs))
+        futures = [ex.submit(self._read_chunk, layer, lay, fd, jobs[i::n]) for i in range(1, n)]
         error = None
         try:
-            parts[0]()
+            self._read_chunk(layer, lay, fd, jobs[0::n])
         except BaseException as e:
             error = e
         for f in futures:
@@ -680,68 +658,6 @@ class ExpertPager:
                 error = error or e
         if error is not None:
             raise error
-
-    def _pieces(self, layer: int, lay: LayerLayout, fd: int, jobs: list, threads: int):
-        """The call's records cut at buffer (tensor) boundaries into about threads / records
-        pieces each, as zero-argument reads; a record's `then` runs once, after the last of
-        its pieces. None when a record must be checked on this read."""
-        opts = self.options
-        if opts.verify and (
-            opts.verify_every_read or not all(self._verified[layer][e] for e, _, _ in jobs)
-        ):
-            return None
-        k = -(-threads // len(jobs))
-        units = []
-        for expert, bufs, then in jobs:
-            sizes = [b.nbytes for b in bufs]
-            groups, cur, acc = [], [], 0
-            for i, size in enumerate(sizes):
-                cur.append(i)
-                acc += size
-                if len(groups) < k - 1 and acc * k >= lay.record_size * (len(groups) + 1):
-                    groups.append(cur)
-                    cur = []
-            if cur:
-                groups.append(cur)
-            left, lock = [len(groups)], threading.Lock()
-            off = lay.record_offset(expert)
-            for g in groups:
-                nbytes = sum(sizes[i] for i in g)
-                units.append(
-                    partial(
-                        self._read_piece,
-                        layer,
-                        lay,
-                        fd,
-                        expert,
-                        off,
-                        [bufs[i] for i in g],
-                        nbytes,
-                        then,
-                        left,
-                        lock,
-                    )
-                )
-                off += nbytes
-        return units
-
-    def _read_piece(self, layer, lay, fd, expert, off, bufs, nbytes, then, left, lock) -> None:
-        n = os.preadv(fd, bufs, off)
-        if n != nbytes:
-            raise ExpertRecordError(
-                f"short read ({n} of {nbytes} bytes of a piece)",
-                str(self.store.folder / lay.file),
-                layer,
-                expert,
-            )
-        if self.options.drop_page_cache:
-            os.posix_fadvise(fd, off, nbytes, os.POSIX_FADV_DONTNEED)
-        if then is not None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                then()
 
     def _read_chunk(self, layer: int, lay: LayerLayout, fd: int, jobs: list) -> None:
         for expert, bufs, then in jobs:
