@@ -351,3 +351,90 @@ def test_a_cache_without_the_batch_protocol_runs_one_at_a_time(client, server, e
     assert outs == [alone, alone] and alone
     assert server.batcher.max_batch_seen == seen  # never batched
     _wait_idle(server)
+
+
+def _answer(batcher, prompt: list[int], max_tokens: int = 16):
+    """Submit one greedy request to `batcher`; returns (its Completion, its events, done)."""
+    from app.server.batcher import Completion, Done
+
+    events: list = []
+    done = threading.Event()
+
+    def emit(ev):
+        events.append(ev)
+        if isinstance(ev, Done):
+            done.set()
+
+    req = Completion(prompt=prompt, max_tokens=max_tokens, emit=emit)
+    batcher.submit(req)
+    return req, events, done
+
+
+def _text(events) -> str:
+    from app.server.batcher import Delta
+
+    return "".join(e.content for e in events if isinstance(e, Delta))
+
+
+def test_requests_arriving_together_are_prefilled_together(engine, monkeypatch):
+    """Requests that reach an idle batch close together (here 20 ms apart, inside the
+    admission window) are prefilled in one forward pass, and answer as each does alone."""
+    import mlx_lm.generate  # noqa: F401  (the module, not the function mlx_lm exports)
+
+    from app.server.batcher import Batcher
+
+    gen_mod = sys.modules["mlx_lm.generate"]
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
+    b = Batcher(engine, max_batch=8, admit_gap=0.5, admit_wait=5.0)
+    try:
+        assert b.wait_ready(60)
+        alone = []
+        for p in prompts:
+            _, events, done = _answer(b, p)
+            assert done.wait(300)
+            alone.append(_text(events))
+        prefills: list[int] = []
+        real = gen_mod.PromptProcessingBatch.prompt
+
+        def spy(self, tokens):
+            if tokens:
+                prefills.append(len(tokens))
+            return real(self, tokens)
+
+        monkeypatch.setattr(gen_mod.PromptProcessingBatch, "prompt", spy)
+        runs = []
+        for p in prompts:
+            runs.append(_answer(b, p))
+            time.sleep(0.02)  # arrivals spread out, but within the window of each other
+        for _, _, done in runs:
+            assert done.wait(300)
+        assert prefills == [4]  # one prompt forward pass for the four requests
+        assert b.admitted_together[-1] == 4
+        assert b.max_batch_seen == 4
+        assert [_text(events) for _, events, _ in runs] == alone  # greedy fp16: unchanged
+    finally:
+        b.close()
+
+
+def test_a_request_joining_a_running_batch_does_not_wait_for_a_window(engine):
+    """The admission window applies only to an idle batch: a request arriving while others
+    decode joins at the next step (with the window then far longer than the whole answer)."""
+    from app.server.batcher import Batcher
+
+    b = Batcher(engine, max_batch=3, admit_gap=0.2, admit_wait=1.0)
+    try:
+        assert b.wait_ready(60)
+        story = [{"role": "user", "content": "Write a long story about the sea."}]
+        first = [_answer(b, engine.encode_chat(story), 400) for _ in range(2)]
+        while b.max_batch_seen < 2:
+            time.sleep(0.01)
+        b.admit_gap = b.admit_wait = 600.0  # read at each admission
+        _, events, done = _answer(b, engine.encode_chat(PARIS), 2)  # joins at the next step
+        running = not any(d.is_set() for _, _, d in first)
+        assert done.wait(300)  # with the window applied it would wait 600 s first
+        assert running  # (it did arrive while the batch was decoding)
+        assert b.admitted_together[:2] == [2, 1]
+        for req, _, _ in first:
+            b.cancel(req)
+    finally:
+        b.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,11 @@ log = logging.getLogger("rotaryquant.server")
 
 DEFAULT_MAX_BATCH = 8  # requests decoded together; more wait in the queue (FIFO)
 PREFILL_STEP = 512  # prompt tokens per forward pass: bounds prefill's transient memory
+# Admission window: when a request arrives at an idle batch, the requests that follow it within
+# ADMIT_GAP of each other (ADMIT_WAIT at most, up to max_batch) are prefilled with it, in one
+# forward pass, instead of each separately while the rows before it wait.
+ADMIT_GAP = 0.015  # seconds
+ADMIT_WAIT = 0.1  # seconds
 
 
 # -- events (batcher thread -> the request's `emit`) ------------------------------------------
@@ -162,10 +168,12 @@ class Batcher:
     """Owns the engine's model on its own thread. `engine` is a loaded Engine, or a callable
     that loads one (called on the batcher's thread; `state` is "loading" meanwhile)."""
 
-    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH, context: int | None = None):
+    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH, context: int | None = None,
+                 admit_gap: float = ADMIT_GAP, admit_wait: float = ADMIT_WAIT):  # fmt: skip
         self._engine_or_loader = engine
         self.engine = None
         self.max_batch = max_batch
+        self.admit_gap, self.admit_wait = admit_gap, admit_wait
         self.context_override = context
         self.state = "loading"  # loading | ready | failed | stopped
         self.error = ""
@@ -179,6 +187,7 @@ class Batcher:
         self._pending = 0
         self.finish_reasons: Counter = Counter()  # requests ended, by reason (stats and tests)
         self.max_batch_seen = 0  # most requests that shared one decode step
+        self.admitted_together: list[int] = []  # requests per admission (stats and tests)
         self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rq-batcher")
         self._thread.start()
@@ -335,11 +344,8 @@ class Batcher:
         from ..engine.generate import GenerationSettings
 
         tok = self.engine.loaded.tokenizer
-        while True:
-            try:
-                req = self._incoming.get_nowait()
-            except queue.Empty:
-                return
+        batch = []
+        for req in self._arrivals():
             if req.cancelled.is_set():
                 req.emit(Done("cancelled", len(req.prompt), 0))
                 self._done()
@@ -351,11 +357,41 @@ class Batcher:
             if not all(hasattr(c, "merge") for c in cache):
                 serial.append(req)  # no batch protocol: one at a time
                 continue
-            (uid,) = gen.insert(
-                [req.prompt], [req.max_tokens], caches=[cache],
-                samplers=[make_sampler(req.temperature, req.top_p, req.seed)],
-            )  # fmt: skip
+            batch.append((req, cache))
+        if not batch:
+            return
+        # one insert: BatchGenerator's next step prefills them together (prefill_batch_size)
+        uids = gen.insert(
+            [r.prompt for r, _ in batch], [r.max_tokens for r, _ in batch],
+            caches=[c for _, c in batch],
+            samplers=[make_sampler(r.temperature, r.top_p, r.seed) for r, _ in batch],
+        )  # fmt: skip
+        for uid, (req, _) in zip(uids, batch, strict=True):
             self._live[uid] = _Live(req, tok)
+        self.admitted_together.append(len(batch))
+
+    def _arrivals(self) -> list[Completion]:
+        """The requests waiting now. At an idle batch, also those that follow within
+        `admit_gap` of each other (`admit_wait` at most, up to max_batch): a burst of clients
+        is prefilled as one batch, not one forward pass each while the first rows wait."""
+        got = []
+        while True:
+            try:
+                got.append(self._incoming.get_nowait())
+            except queue.Empty:
+                break
+        if not got or self._live or self.admit_gap <= 0:
+            return got
+        deadline = time.monotonic() + self.admit_wait
+        while len(got) < self.max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                got.append(self._incoming.get(timeout=min(self.admit_gap, left)))
+            except queue.Empty:
+                break
+        return got
 
     def _step(self, gen, think) -> None:
         """One decode step of the whole batch (a function, so that the finished requests'
