@@ -222,6 +222,20 @@ def sanitized_weights(path: Path):
     return model, config, weights
 
 
+def load_exact(model, weights: dict) -> None:
+    """Load `weights` into `model`, which must name exactly these parameters (the paged
+    layers' experts are not parameters): a missing or extra name is a ValueError naming the
+    first of each. Call inside `weight_errors`."""
+    from mlx.utils import tree_flatten
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise ValueError(f"{what} ({len(missing)} missing, {len(extra)} unexpected)")
+    model.load_weights(list(weights.items()), strict=True)
+
+
 def folder_tokenizer(path: Path, config: dict):
     """mlx-lm's tokenizer of `path`. Raises ModelLoadError."""
     from mlx_lm.utils import load_tokenizer

@@ -167,13 +167,13 @@ def load_expert_shard(path, group, expert_budget: int | None = None):
     """Load every layer of `path` with this rank's share of each MoE layer's routed experts
     (a converted folder's records resident, or paged within `expert_budget` bytes on this rank)
     -> `LoadedModel` with `model.rq_stage` an `ExpertStage`."""
-    from mlx.utils import tree_flatten
 
     from ..errors import EngineError, ModelLoadError
     from ..loader import (
         LoadedModel,
         check_folder,
         folder_tokenizer,
+        load_exact,
         sanitized_weights,
         weight_errors,
     )
@@ -214,12 +214,7 @@ def load_expert_shard(path, group, expert_budget: int | None = None):
 
                 pager = ExpertPager(ExpertStore(path, mine), int(expert_budget), PagerOptions())
                 install(model, pager)
-        expected = {k for k, _ in tree_flatten(model.parameters())}
-        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        if missing or extra:
-            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-            raise ValueError(f"{what} ({len(missing)} missing, {len(extra)} unexpected)")
-        model.load_weights(list(weights.items()), strict=True)
+        load_exact(model, weights)
     model.eval()
     mx.eval(model.parameters())
     modules = dict(model.named_modules())

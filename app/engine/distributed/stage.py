@@ -277,13 +277,13 @@ def load_stage(
     converted experts resident or paged within `expert_budget` bytes on this rank); `split`:
     layers per rank, rank 0 first (default even), or "experts": every layer with this rank's
     share of each MoE layer's experts (experts.py) -> `LoadedModel` with `model.rq_stage`."""
-    from mlx.utils import tree_flatten
 
     from ..errors import EngineError, ModelLoadError
     from ..loader import (
         LoadedModel,
         check_folder,
         folder_tokenizer,
+        load_exact,
         sanitized_weights,
         weight_errors,
     )
@@ -330,12 +330,7 @@ def load_stage(
 
                 pager = ExpertPager(ExpertStore(path, mine), int(expert_budget), PagerOptions())
                 install(model, pager)
-        expected = {k for k, _ in tree_flatten(model.parameters())}
-        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        if missing or extra:
-            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-            raise ValueError(f"{what} ({len(missing)} missing, {len(extra)} unexpected)")
-        model.load_weights(list(weights.items()), strict=True)
+        load_exact(model, weights)
     model.eval()
     mx.eval(model.parameters())
     wire(model, stage, group)

@@ -17,12 +17,12 @@ def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
     Options: the fields of `PagerOptions` (verify, read_threads, always_resolve, zero_copy,
     drop_page_cache)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from ..loader import (
         LoadedModel,
         check_folder,
         folder_tokenizer,
+        load_exact,
         sanitized_weights,
         weight_errors,
     )
@@ -44,13 +44,7 @@ def load_paged(folder: str | os.PathLike, budget_bytes: int, **options):
         model, config, weights = sanitized_weights(path)
         pager = ExpertPager(store, budget_bytes, opts)
         install(model, pager)
-        expected = {k for k, _ in tree_flatten(model.parameters())}
-        missing = sorted(expected - set(weights))
-        extra = sorted(set(weights) - expected)
-        if missing or extra:
-            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-            raise ValueError(f"{what} ({len(missing)} missing, {len(extra)} unexpected)")
-        model.load_weights(list(weights.items()), strict=True)
+        load_exact(model, weights)
     model.eval()
     mx.eval(model.parameters())
     model.rq_pager = pager

@@ -713,33 +713,12 @@ class ExpertPager:
             (layer, int(e)) for layer, done in self._verified.items() for e in np.flatnonzero(~done)
         ]
 
-        def check(part: list) -> None:
+        def check(part: list) -> None:  # the decode path's read and check, own buffer
             buf = bytearray(max(self.store.layout(layer).record_size for layer, _ in part))
             mv = memoryview(buf)
             for layer, expert in part:
                 lay = self.store.layout(layer)
-                view = mv[: lay.record_size]
-                n = os.preadv(self._layer_fd(layer), [view], lay.record_offset(expert))
-                if n != lay.record_size:
-                    raise ExpertRecordError(
-                        f"short read ({n} of {lay.record_size} bytes)",
-                        str(self.store.folder / lay.file),
-                        layer,
-                        expert,
-                    )
-                want = lay.checksums[expert] if lay.checksums else None
-                crc = zlib.crc32(view)
-                if want is None or crc != want:
-                    raise ExpertRecordError(
-                        "manifest has no checksums for this layer"
-                        if want is None
-                        else f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): "
-                        "the record is corrupt; convert the model again",
-                        str(self.store.folder / lay.file),
-                        layer,
-                        expert,
-                    )
-                self._verified[layer][expert] = True
+                self._preadv(layer, lay, self._layer_fd(layer), expert, [mv[: lay.record_size]])
 
         if not todo:
             return 0
