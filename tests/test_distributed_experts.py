@@ -3,9 +3,9 @@ every rank running every layer with half of each MoE layer's routed experts, giv
 process's greedy tokens and its log-probabilities within float rounding (the all_sum adds the
 two ranks' partial outputs, a different summation order than one process's).
 
-Tiny qwen3_moe and gpt_oss (random weights at scale 0.5, converted: 2-bit experts), fp16 and
+Tiny qwen3_moe, gpt_oss and nemotron_h (random weights at scale 0.5, converted: 2-bit experts), fp16 and
 isoquant3 caches, experts resident and paged (each rank pages its own half within its own
-budget), and a plain mlx-lm folder (the stacked experts sliced at load): nine runs in one launch.
+budget), and a plain mlx-lm folder (the stacked experts sliced at load): thirteen runs in one launch.
 """
 
 import json
@@ -30,7 +30,9 @@ from app.engine.offload.records import ExpertStore
 from app.engine.quant.convert import convert
 from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
 
-ARCHS = ["qwen3_moe", "gpt_oss"]
+ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h"]
+# (layers, MoE layers) of each tiny model: nemotron_h is "ME*EME", with a shared expert
+SHAPE = {"qwen3_moe": (4, 4), "gpt_oss": (4, 4), "nemotron_h": (6, 3)}
 KV_MODES = ["fp16", "isoquant3"]
 GEN = 8
 HIDDEN = 128
@@ -133,25 +135,26 @@ def test_expert_split_gives_the_single_process_tokens_and_logits(models, referen
         what = " ".join(map(str, run["ref"]))
         shares = [res["runs"][i]["stage"]["experts"] for res in results]
         assert shares == [[0, 4], [4, 8]], f"{what}: {shares}"  # 8 experts, half each
+        n_layers, n_moe = SHAPE[run["arch"]]
         for res in results:
             got = res["runs"][i]
-            assert got["stage"]["split"] == "experts" and got["stage"]["layers"] == [0, 4]
+            assert got["stage"]["split"] == "experts" and got["stage"]["layers"] == [0, n_layers]
             assert got["tokens"] == toks, f"{what}: rank {res['rank']} tokens differ"
             got_lps = np.array(got["logprobs"])
             worst = max(worst, float((np.abs(got_lps - lps) / (1 + np.abs(lps))).max()))
             np.testing.assert_allclose(
                 got_lps, lps, rtol=LOGPROB_RTOL, atol=LOGPROB_ATOL, err_msg=f"{what}: {res['rank']}"
             )
-            # one all_sum of the hidden state per MoE layer (all 4 layers) per token: a
-            # 2-rank ring sends the whole block once (float32 or float16 activations)
+            # one all_sum of the hidden state per MoE layer per token: a 2-rank ring sends
+            # the whole block once (float32 or float16 activations)
             moe = got["stage"]["moe_layers"]
             per = got["bytes_sent"] / ((len(PROMPT) + GEN) * HIDDEN * moe)
-            assert moe == 4 and per in (2, 4), f"{what}: rank {res['rank']} sent {per}"
+            assert moe == n_moe and per in (2, 4), f"{what}: rank {res['rank']} sent {per}"
             if run.get("expert_budget"):  # its own half of the records, its own budget
                 pager = got["pager"]
                 assert pager["budget_bytes"] == run["expert_budget"]
                 assert pager["mode"] == "paged", f"{what}: rank {res['rank']} holds its half"
-                assert pager["experts"] == 4 * 4, f"{what}: pages {pager['experts']} experts"
+                assert pager["experts"] == 4 * n_moe, f"{what}: pages {pager['experts']}"
             else:  # dense weights replicated, half the experts: less than the whole model
                 assert got["weight_bytes"] < weights, f"{what}: rank {res['rank']} holds all"
     print(f"largest log-probability difference, relative to 1 + |log-prob|: {worst:.2e}")
@@ -194,9 +197,17 @@ def test_expert_ranges_and_the_refused_models(tiny_model_path):
     assert expert_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
     with pytest.raises(ValueError):
         expert_ranges(2, 3)
-    # nemotron_h's MoE block has a shared expert and no sharding hook: refused, named
-    with pytest.raises(EngineError, match="nemotron_h.*pipeline split"):
-        load_stage(tiny_model_path("nemotron_h"), _Group(0, 2), split="experts")
+    # nemotron_h's MoE block has a shared expert and no sharding hook: rank 0 adds the
+    # shared expert, the other ranks' shared expert is zeros, every rank sums the block
+    for rank in (0, 1):
+        model = load_stage(tiny_model_path("nemotron_h"), _Group(rank, 2), split="experts").model
+        blocks = [x.mixer for x in layer_list(model) if hasattr(x.mixer, "switch_mlp")]
+        assert len(blocks) == 3
+        for block in blocks:
+            assert isinstance(block.switch_mlp, LocalExperts) and block.rq_group is not None
+            x = mx.ones((1, 2, HIDDEN))
+            shared = block.shared_experts(x)
+            assert shared.shape == x.shape and (mx.abs(shared).sum().item() == 0) == (rank == 1)
     with pytest.raises(EngineError, match="unknown split"):
         load_stage(tiny_model_path("qwen3_moe"), _Group(0, 2), split="tensors")
 
@@ -209,8 +220,8 @@ def test_killed_rank_is_named_within_10s_under_the_expert_split(models, tmp_path
 
 # --- planning and choosing the split ---------------------------------------------------------
 
-GPT_OSS = "/work/shared/configs/gpt-oss-120b.json"
-SUPER = "/work/shared/configs/nemotron-3-super-120b-a12b.json"
+GPT_OSS = str(Path(__file__).parent / "data" / "configs" / "gpt-oss-120b.json")
+SUPER = str(Path(__file__).parent / "data" / "configs" / "nemotron-3-super-120b-a12b.json")
 
 
 def _hosts(n=2, ram="32GB", link="thunderbolt5", **extra):
@@ -260,14 +271,19 @@ def test_planner_picks_experts_on_a_fast_link_or_where_the_ranks_page():
     assert plan_hosts(GPT_OSS, _hosts(ram="16GB", split="pipeline")).kind == "pipeline"
 
 
-def test_planner_refuses_experts_for_a_shared_expert_model():
+def test_planner_plans_super_by_experts_on_request_and_refuses_unbuilt_models():
     from app.engine.distributed.plan import plan_hosts
     from app.engine.planner import PlanRefused
 
-    with pytest.raises(PlanRefused, match="nemotron_h.*shared expert"):
-        plan_hosts(SUPER, _hosts(), split="experts")
-    auto = plan_hosts(SUPER, _hosts())
-    assert auto.kind == "pipeline" and any("expert split not chosen" in r for r in auto.reasons)
+    assert plan_hosts(SUPER, _hosts(), split="experts").kind == "experts"
+    auto = plan_hosts(SUPER, _hosts())  # 40 all_sums a token over TB5: the pipeline wins
+    assert auto.kind == "pipeline" and any("pipeline chosen over the expert" in r for r in auto.reasons)
+    with pytest.raises(PlanRefused, match="qwen3_next: the expert split is built for"):
+        plan_hosts(
+            str(Path(__file__).parent / "data" / "configs" / "qwen3-next-80b-a3b.json"),
+            _hosts(),
+            split="experts",
+        )
     with pytest.raises(ValueError, match="split"):
         _hosts(split="tensor")
 

@@ -4,6 +4,7 @@ hosts.json is mlx.launch's hostfile with keys it ignores."""
 import gc
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from app.engine.errors import EngineError
 from app.engine.planner import GiB, Machine, PlanRefused, make_plan
 from app.engine.sizes import sizes_for
 
-SUPER = "/work/shared/configs/nemotron-3-super-120b-a12b.json"
+SUPER = str(Path(__file__).parent / "data" / "configs" / "nemotron-3-super-120b-a12b.json")
 
 
 def _hosts(tmp_path, n, ram="32GB", backend="ring", link="thunderbolt5"):

@@ -18,7 +18,7 @@ from app.ui.library_model import LibraryController
 from app.ui.machines import MachinesController, MachinesView
 from app.ui.main import MainWindow
 
-SUPER = "/work/shared/configs/nemotron-3-super-120b-a12b.json"
+SUPER = str(Path(__file__).parent / "data" / "configs" / "nemotron-3-super-120b-a12b.json")
 LOST = "rank 0 (mac-0): lost rank 1 on host mac-1: [ring] connection to a peer was lost"
 
 

@@ -18,8 +18,11 @@ experts [lo_r, hi_r) of every MoE layer — so that a rank loads, and pages, onl
   the same token, and needs nothing more.
 
 Dense weights, the embedding and head, the KV cache (FP16 or IsoQuant) and any recurrent state
-are replicated: each rank runs them in full. Blocks with shared experts (deepseek, qwen3_next,
-nemotron_h) are refused: the all_sum would count the shared expert once per rank.
+are replicated: each rank runs them in full. A block with shared experts (nemotron_h,
+qwen3_next, deepseek) adds them before its output is summed, so only rank 0 adds them: on the
+other ranks the shared expert's call returns zeros (its weights stay loaded, unused). A block
+without mlx-lm's hook (nemotron_h) gets the same sum from a subclass whose call all_sums the
+block's output (the module tree and parameter paths stay as mlx-lm built them).
 """
 
 from __future__ import annotations
@@ -31,7 +34,44 @@ import mlx.nn as nn
 
 from .stage import Traffic, layer_list
 
-SHARED = ("shared_expert", "shared_experts", "shared_mlp")  # blocks the all_sum would overcount
+SHARED = ("shared_expert", "shared_experts", "shared_mlp")  # added once, by rank 0
+_SWAPPED: dict[tuple[type, str], type] = {}
+
+
+def _swap(module: nn.Module, kind: str, call) -> None:
+    """Give `module` a subclass of its class whose `__call__` is `call` (made once per class)."""
+    cls = type(module)
+    key = (cls, kind)
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(
+            cls.__name__,
+            (cls,),
+            {"__call__": call, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+    module.__class__ = _SWAPPED[key]
+
+
+def _zeros_call(self, x, *args, **kwargs):
+    return mx.zeros_like(x)
+
+
+def _summed_call(self, *args, **kwargs):
+    y = type(self).__mro__[1].__call__(self, *args, **kwargs)
+    return mx.distributed.all_sum(y, group=self.rq_group)
+
+
+def combine_over_ranks(block: nn.Module, group, rank: int) -> None:
+    """Make `block` sum its output over the ranks, its shared experts added by rank 0 only."""
+    if rank != 0:
+        for s in SHARED:
+            shared = getattr(block, s, None)
+            if isinstance(shared, nn.Module):
+                _swap(shared, "zeros", _zeros_call)
+    if "sharding_group" in vars(block):
+        block.sharding_group = group  # mlx-lm's hook: the block all_sums its output
+    else:
+        block.rq_group = group
+        _swap(block, "summed", _summed_call)
 
 
 def expert_ranges(num_experts: int, size: int) -> list[tuple[int, int]]:
@@ -99,8 +139,7 @@ class LocalExperts(nn.Module):
 
 
 def expert_modules(model) -> list[tuple[int, str, nn.Module, nn.Module]]:
-    """(layer, path, expert module, its MoE block) of every routed-expert module, checked: the
-    block must combine shards (mlx-lm's `sharding_group`) and have no shared expert."""
+    """(layer, path, expert module, its MoE block) of every routed-expert module."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
     from ..errors import EngineError
@@ -114,16 +153,6 @@ def expert_modules(model) -> list[tuple[int, str, nn.Module, nn.Module]]:
                 continue
             parent_name = name.rpartition(".")[0]
             block = dict(layer.named_modules())[parent_name] if parent_name else layer
-            if "sharding_group" not in vars(block):
-                raise EngineError(
-                    f"{arch}: its MoE block cannot sum partial outputs over ranks "
-                    "(no mlx-lm sharding_group): use the pipeline split"
-                )
-            if any(getattr(block, s, None) is not None for s in SHARED):
-                raise EngineError(
-                    f"{arch}: its MoE block has a shared expert, which an expert split would "
-                    "count once per rank: use the pipeline split"
-                )
             found.append((i, f"{_prefix(model, layers)}{i}.{name}", mod, block))
     if not found:
         raise EngineError(f"{arch}: no routed experts to split: use the pipeline split")
@@ -222,7 +251,7 @@ def load_expert_shard(path, group, expert_budget: int | None = None):
         parent, _, attr = mpath.rpartition(".")
         lo, hi = stage.experts[layer]
         setattr(modules[parent], attr, LocalExperts(modules[mpath], lo, hi, size, stage.traffic))
-        block.sharding_group = group  # mlx-lm's hook: the block all_sums its output
+        combine_over_ranks(block, group, rank)
     model.rq_stage = stage
     if pager is not None:
         model.rq_pager = pager

@@ -368,9 +368,9 @@ def _splits(n_layers: int, hosts: list[HostSpec]):
     yield share
 
 
-# MoE blocks whose partial outputs mlx-lm sums over ranks (`sharding_group`) and that have no
-# shared expert (the sum would count it once per rank): experts.py's expert split runs these
-EXPERT_SPLIT_ARCHS = ("qwen3_moe", "gpt_oss")
+# Architectures whose expert split is built and tested (experts.py: the block's output summed
+# over the ranks, a shared expert added by rank 0 only)
+EXPERT_SPLIT_ARCHS = ("qwen3_moe", "gpt_oss", "nemotron_h")
 
 
 def expert_split_refusal(config: dict, s: ModelSizes, n_hosts: int) -> str | None:
@@ -378,11 +378,8 @@ def expert_split_refusal(config: dict, s: ModelSizes, n_hosts: int) -> str | Non
     arch = config.get("model_type", "?")
     if not s.moe_layers:
         return f"{arch} has no routed experts"
-    if arch not in EXPERT_SPLIT_ARCHS or config.get("shared_expert_intermediate_size"):
-        return (
-            f"{arch}: built for {', '.join(EXPERT_SPLIT_ARCHS)} (MoE blocks mlx-lm sums over "
-            "ranks, without a shared expert)"
-        )
+    if arch not in EXPERT_SPLIT_ARCHS:
+        return f"{arch}: the expert split is built for {', '.join(EXPERT_SPLIT_ARCHS)}"
     if s.experts_per_layer < n_hosts:
         return f"{s.experts_per_layer} experts per layer for {n_hosts} hosts"
     return None
