@@ -277,7 +277,9 @@ def test_planner_plans_super_by_experts_on_request_and_refuses_unbuilt_models():
 
     assert plan_hosts(SUPER, _hosts(), split="experts").kind == "experts"
     auto = plan_hosts(SUPER, _hosts())  # 40 all_sums a token over TB5: the pipeline wins
-    assert auto.kind == "pipeline" and any("pipeline chosen over the expert" in r for r in auto.reasons)
+    assert auto.kind == "pipeline" and any(
+        "pipeline chosen over the expert" in r for r in auto.reasons
+    )
     with pytest.raises(PlanRefused, match="qwen3_next: the expert split is built for"):
         plan_hosts(
             str(Path(__file__).parent / "data" / "configs" / "qwen3-next-80b-a3b.json"),
