@@ -3,10 +3,11 @@
 MLX's CUDA arrays live in managed memory: a host write through the array's buffer (the
 pager's zero-copy read) migrates the pages the GPU holds back to the host, page by page, and
 the GPU's next read faults them back (the H200 measured ~1 GB/s that way against 21 GB/s of
-bare preadv). Instead a record is read into pinned host staging and copied with
-an asynchronous cuMemcpyHtoD on the copier's own stream (DMA) straight into the slot's pages on
+bare preadv). Instead a record is read into pinned host staging and copied with an
+asynchronous cuMemcpyHtoD on the copier's own stream (DMA) straight into the slot's pages on
 the device, issued by the thread that read the record as soon as its read ends, so copies
-overlap the call's other reads; the call waits for the stream once, before the slots are used. MLX has no API for this, so the driver library is called directly; `DeviceCopier.open`
+overlap the call's other reads; the call waits for the stream once, before the slots are
+used. MLX has no API for this, so the driver library is called directly; `DeviceCopier.open`
 returns None wherever that is not possible (no CUDA, no driver, a failed self-test), and the
 pager keeps its other paths.
 """
@@ -88,7 +89,7 @@ class DeviceCopier:
         self._local.bound = True
 
     def register(self, host: np.ndarray) -> None:
-        """Pin `host` (page-locked) so copies from it are DMA and synchronous."""
+        """Pin `host` (page-locked): copies from it are DMA, and can be asynchronous."""
         self.bind()
         ptr = host.ctypes.data
         self._check(self.lib.cuMemHostRegister_v2(ptr, host.nbytes, 0), "cuMemHostRegister")
