@@ -17,7 +17,7 @@ from app.engine.kvcache.isoquant import IsoQuantKVCache
 from app.engine.kvcache.isoquant import kernel_path as kk
 from app.engine.kvcache.isoquant import kernels as iq
 from app.engine.kvcache.isoquant.attention import IsoQuantTensor
-from app.engine.kvcache.isoquant.packing import pack_codes
+from app.engine.kvcache.isoquant.packing import pack_codes, unpack_codes_tc16
 from app.engine.testing.isoquant_problems import random_problem
 
 cache_attention = importlib.import_module("app.engine.kvcache.isoquant.attention")
@@ -697,6 +697,7 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
     for c in caches:
         c.update_and_fetch(*kv)
         c.finish_prefill()
+    ahead_seen = 0
     for step in range(14):
         kv = [mx.random.normal((1, 2, 1, 64)) for _ in "kv"]
         q = mx.random.normal((1, 2 * g, 1, 64))
@@ -706,9 +707,12 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
             if c.v_layout == "tc16":
                 assert v.layout == "tc16" and v.codes.shape[2] % 16 == 0
                 assert iq._plan(q, k, v, 0.125, None, None, "tc", None)[2].tc16  # read as is
+                pad = unpack_codes_tc16(v.codes)[:, :, v.compressed_len :]
+                ahead_seen += bool(pad.size and pad.any().item())
             outs.append(iq.fused_attention(q, k, v, 0.125, variant="tc"))
         assert mx.array_equal(outs[0], outs[1]).item(), step
         assert iq.rel_error(outs[1], iq.attention_reference(q, k, v, 0.125)) < TOL
+    assert ahead_seen  # the kernel masked codes encoded ahead of the split in the last chunk
 
 
 @pytest.mark.slow
@@ -716,7 +720,7 @@ def test_emulated_tc16_cache_decodes_through_the_kernel_as_rows_do(emulated, g):
 def test_emulated_tc16_pack_writes_what_the_mlx_ops_write(emulated, d):
     """The cache's fused tc16 write (iq_tc16_pack) against packing.py on random codes: new rows
     after 0, 5 or 15 rows of an old chunk (one chunk, two, three), the rest code 0."""
-    from app.engine.kvcache.isoquant.packing import pack_codes, pack_codes_tc16, unpack_codes_tc16
+    from app.engine.kvcache.isoquant.packing import pack_codes_tc16
 
     mx.random.seed(d)
     for off, n in [(0, 16), (0, 3), (5, 16), (13, 3), (15, 20)]:

@@ -220,9 +220,8 @@ class IsoQuantKVCache(_BaseCache):
         self._append_fp(keys, values, split)
         split = max(split, self.fp_start)  # float copies gone after a deep trim stay compressed
         if split > self.encoded:
-            # tc16 views must show zero codes past the split (the kernel reads whole chunks)
-            ahead = 1 if self._tc16 else self.compress_every
-            self._encode_to(min(self.offset, max(split, self.encoded + ahead)))
+            # a batch of codes ahead of the split (the kernels mask a tc16 chunk's rows past it)
+            self._encode_to(min(self.offset, max(split, self.encoded + self.compress_every)))
         self.compressed = split
         out = self._fetch(lazy=n == 1)
         if n > 1:
@@ -478,14 +477,18 @@ class IsoQuantKVCache(_BaseCache):
         # Codes and float copies past offset are dead; the next update recomputes the split
         # (exactly, while the float copies of the window are still held: TRIM_EXACT).
         self.fp_start = min(self.fp_start, self.offset)
-        keep = self.offset - self.window if self._tc16 else self.offset
-        if self.encoded > max(keep, self.fp_start):
-            self.encoded = max(keep, self.fp_start)
+        if self.encoded > max(self.offset, self.fp_start):
+            dead = self._v_rows(self._enc_rows)
+            self.encoded = max(self.offset, self.fp_start)
             self._views = None
             r = self._enc_rows
-            if self._tc16 and r % TC16_CHUNK:
-                # the last chunk's dead rows become zero codes again, as a fresh cache has them
-                self._write_v_tc16(r, r, None)
+            if self._tc16:
+                # dead rows become zero codes again, as a fresh cache has them
+                if r % TC16_CHUNK:
+                    self._write_v_tc16(r, r, None)
+                c1 = _round_up(r, TC16_CHUNK)
+                if dead > c1:
+                    self.v_codes[:, :, c1:dead] = mx.zeros((), mx.uint8)
         # as after a single-token step at this offset (the float copies allowing)
         self.compressed = max(self.fp_start, min(self.encoded, self.offset - self.window))
         return n

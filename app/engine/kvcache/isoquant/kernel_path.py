@@ -9,7 +9,10 @@ forces either. `install()` registers the kernel path with the cache; the modes t
 
 from __future__ import annotations
 
+import math
 import os
+
+import mlx.core as mx
 
 from .attention import register_kernel
 from .cache import register_encoder, register_tc16_packer
@@ -30,6 +33,16 @@ from .packing import register_v_layout
 
 SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
 SETTINGS = ("auto", "kernel", "reference")
+
+# Queries per head from which the kernel path attends through the compressed tokens dequantized
+# (one layer's K/V at a time, in the queries' dtype) and mx.fast's SDPA instead of the fused
+# kernel: prefill chunks. A chunk's queries outnumber its compressed keys' reuse by the decode
+# kernel's design (split-K partials of every query row); dequantizing costs O(T·D) once per
+# layer and chunk, after which the backend's flash attention runs as on a float cache.
+# ROTARYQUANT_ISOQUANT_PREFILL = dequant (default) | kernel picks the path for such chunks.
+DEQUANT_MIN_QUERIES = 64
+PREFILL_ENV = "ROTARYQUANT_ISOQUANT_PREFILL"
+PREFILL_PATHS = ("dequant", "kernel")
 
 
 _parsed: dict = {}  # raw value of the setting -> parsed (read on every attention call)
@@ -54,6 +67,35 @@ def _resolve(use_kernel: bool | None) -> bool | None:
     return {"auto": None, "kernel": True, "reference": False}[s]
 
 
+def prefill_path() -> str:
+    value = os.environ.get(PREFILL_ENV, "dequant").strip().lower() or "dequant"
+    if value not in PREFILL_PATHS:
+        raise ValueError(f"{PREFILL_ENV}={value!r}: expected one of {PREFILL_PATHS}")
+    return value
+
+
+def _dequantized(t, dtype) -> mx.array:
+    """An IsoQuant K or V as the float keys or values attention reads: [B, Hkv, T, D] dtype
+    (float sink prefix, x̂ = Rᵀ ŷ of the compressed tokens, the float window)."""
+    parts = [] if t.prefix is None else [t.prefix.astype(dtype)]
+    if t.compressed_len:
+        y = t.levels() * (t.norms.astype(mx.float32) / math.sqrt(t.quantizer.dim))[..., None]
+        parts.append(t.rotation.inverse(y).astype(dtype))
+    if t.fp is not None:
+        parts.append(t.fp.astype(dtype))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def dequantized_attention(queries, keys, values, scale, mask=None, sinks=None):
+    """queries [B, Hq, L, D] over an IsoQuant K/V pair through the dequantized K/V and
+    mx.fast.scaled_dot_product_attention (mask None or "causal", as mlx-lm passes it)."""
+    dt = queries.dtype
+    return mx.fast.scaled_dot_product_attention(
+        queries, _dequantized(keys, dt), _dequantized(values, dt), scale=scale, mask=mask,
+        sinks=sinks,
+    )  # fmt: skip
+
+
 def isoquant_attention(
     queries, keys, values, scale, mask=None, sinks=None, use_kernel=None, lens=None, path=None
 ):
@@ -68,6 +110,13 @@ def isoquant_attention(
         raise RuntimeError("IsoQuant kernels need MLX's Metal or CUDA backend")
     if not kernels_available():
         return attention_reference(queries, keys, values, scale, mask, sinks, lens)
+    if (
+        queries.shape[2] >= DEQUANT_MIN_QUERIES
+        and lens is None
+        and (mask is None or isinstance(mask, str))
+        and prefill_path() == "dequant"
+    ):
+        return dequantized_attention(queries, keys, values, scale, mask, sinks)
     try:
         return attention(
             queries, keys, values, scale, mask, sinks, lens, use_kernel=True, path=path
@@ -103,6 +152,7 @@ __all__ = [
     "Problem",
     "Unsupported",
     "attention_reference",
+    "dequantized_attention",
     "encode_pair",
     "fused_attention",
     "install",
