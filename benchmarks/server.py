@@ -111,7 +111,8 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}/v1"
         self.name = name
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # keep the caller's
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.proc = subprocess.Popen([sys.executable, *argv, "--port", str(self.port)], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         self.model = model  # "" = the first the server lists
@@ -292,6 +293,28 @@ def main() -> None:
         flush=True,
     )
 
+    def save(runs: list[dict]) -> None:
+        """Written after each KV mode, so a run cut short keeps what it measured."""
+        payload = {"runs": list(runs), "tokens_per_client": tokens, "rounds": args.rounds,
+                   "context_words": words,
+                   "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                   "method": "each client one greedy chat completion, all sent at once; aggregate = "
+                             "completion tokens (usage) / wall time; both servers in their own "
+                             "processes, rounds alternating between them, medians; mlx_lm.server "
+                             "with --decode-concurrency/--prompt-concurrency = the largest client "
+                             "count, no prompt cache"}  # fmt: skip
+        if args.include:
+            other = json.loads(Path(args.include).read_text())
+            payload["runs"] += [r for r in other["runs"] if r["machine"] != machine]
+            payload["other_runs"] = {k: other[k] for k in ("machine", "date", "commit", "tokens_per_client",
+                                                            "context_words") if k in other}  # fmt: skip
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({**header(m), **payload}, indent=2) + "\n")
+            print(f"wrote {args.out}")
+        else:
+            write_result("server", payload, machine=m)
+
     load_before = os.getloadavg()[0]  # a shared machine: the figures are ratios at best
     top = max(clients)
     theirs = mlx_lm_server(folder, tokens, top)
@@ -312,6 +335,7 @@ def main() -> None:
                              "ours_rounds": [round(r["tps"], 2) for r in ra],
                              "mlx_lm_server_rounds": [round(r["tps"], 2) for r in rb],
                              "ours_tokens": ra[0]["tokens"], "mlx_lm_server_tokens": rb[0]["tokens"]})  # fmt: skip
+            save(runs)
     finally:
         theirs.stop()
 
@@ -327,25 +351,7 @@ def main() -> None:
         )
         print(f"| {r['kv_mode']} | {r['clients']} | {r['ours_tps']:.1f} | {r['mlx_lm_server_tps']:.1f} "
               f"| {r['ours_tps'] / max(r['mlx_lm_server_tps'], 1e-9):.2f}x | {r['ours_tps'] / max(one, 1e-9):.2f}x |")  # fmt: skip
-    payload = {"runs": runs, "tokens_per_client": tokens, "rounds": args.rounds,
-               "context_words": words,
-               "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-               "method": "each client one greedy chat completion, all sent at once; aggregate = "
-                         "completion tokens (usage) / wall time; both servers in their own "
-                         "processes, rounds alternating between them, medians; mlx_lm.server "
-                         "with --decode-concurrency/--prompt-concurrency = the largest client "
-                         "count, no prompt cache"}  # fmt: skip
-    if args.include:
-        other = json.loads(Path(args.include).read_text())
-        payload["runs"] += [r for r in other["runs"] if r["machine"] != machine]
-        payload["other_runs"] = {k: other[k] for k in ("machine", "date", "commit", "tokens_per_client",
-                                                        "context_words") if k in other}  # fmt: skip
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({**header(m), **payload}, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    else:
-        write_result("server", payload, machine=m)
+    save(runs)
 
 
 if __name__ == "__main__":
