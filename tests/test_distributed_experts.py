@@ -3,9 +3,13 @@ every rank running every layer with half of each MoE layer's routed experts, giv
 process's greedy tokens and its log-probabilities within float rounding (the all_sum adds the
 two ranks' partial outputs, a different summation order than one process's).
 
-Tiny qwen3_moe, gpt_oss and nemotron_h (random weights at scale 0.5, converted: 2-bit experts), fp16 and
-isoquant3 caches, experts resident and paged (each rank pages its own half within its own
-budget), and a plain mlx-lm folder (the stacked experts sliced at load): thirteen runs in one launch.
+Tiny qwen3_moe, gpt_oss, nemotron_h (Mamba layers, a shared expert), qwen3_next (Gated DeltaNet
+layers, a gated shared expert) and deepseek_v3 (MLA attention, a dense first layer, a shared
+expert, group-limited sigmoid routing) — random weights at scale 0.5, converted: 2-bit experts —
+fp16 and isoquant3 caches (an 8-token float window, so that the prompt's KV is compressed where
+IsoQuant runs; deepseek_v3's MLA layers keep a float cache), experts resident and paged (each
+rank pages its own half within its own budget), and a plain mlx-lm folder (the stacked experts
+sliced at load): twenty-one runs in one launch.
 """
 
 import json
@@ -29,11 +33,27 @@ from app.engine.offload import load_paged
 from app.engine.offload.records import ExpertStore
 from app.engine.quant.convert import convert
 from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
+from app.engine.testing.tiny import EXTRA_TINY_CONFIGS
 
-ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h"]
-# (layers, MoE layers) of each tiny model: nemotron_h is "ME*EME", with a shared expert
-SHAPE = {"qwen3_moe": (4, 4), "gpt_oss": (4, 4), "nemotron_h": (6, 3)}
+ARCHS = ["qwen3_moe", "gpt_oss", "nemotron_h", "qwen3_next", "deepseek_v3"]
+CONFIGS = {
+    **TINY_CONFIGS,
+    "qwen3_next": EXTRA_TINY_CONFIGS["qwen3_next"],
+    # DeepSeek-V3 routes within the best 4 of 8 groups of experts: here 2 of 4 groups of 2
+    "deepseek_v3": {**EXTRA_TINY_CONFIGS["deepseek_v3"], "n_group": 4, "topk_group": 2},
+}
+# (layers, MoE layers) of each tiny model: nemotron_h is "ME*EME", with a shared expert;
+# qwen3_next is 3 Gated DeltaNet layers and 1 attention layer, each with a MoE block;
+# deepseek_v3's first layer has a dense MLP
+SHAPE = {
+    "qwen3_moe": (4, 4),
+    "gpt_oss": (4, 4),
+    "nemotron_h": (6, 3),
+    "qwen3_next": (4, 4),
+    "deepseek_v3": (3, 2),
+}
 KV_MODES = ["fp16", "isoquant3"]
+KV_WINDOW = {"fp16": None, "isoquant3": 8}  # IsoQuant's float tail: 8 of the 32 tokens
 GEN = 8
 HIDDEN = 128
 RANKS = 2
@@ -48,7 +68,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist-experts")
     out = {}
     for arch in ARCHS:
-        src = make_random_model(TINY_CONFIGS[arch], root / f"{arch}-src", seed=11, scale=0.5)
+        src = make_random_model(CONFIGS[arch], root / f"{arch}-src", seed=11, scale=0.5)
         convert(src, root / f"{arch}-rq")
         with ExpertStore(root / f"{arch}-rq") as st:
             out[arch] = (root / f"{arch}-rq", st.expert_bytes(), src)
@@ -68,6 +88,7 @@ def _runs(models) -> list[dict]:
                         "model": str(folder),
                         "split": "experts",
                         "kv_mode": mode,
+                        "kv_window": KV_WINDOW[mode],
                         "expert_budget": budget,
                         "arch": arch,
                         "ref": (arch, mode, paged),
@@ -100,7 +121,9 @@ def reference(models):
             model = load_paged(run["model"], models[arch][1] // 2).model
         else:
             model = load_converted(run["model"]).model
-        toks, lps = run_greedy(model, PROMPT, kv.make_cache(model, mode), GEN)
+        window = run.get("kv_window")
+        opts = {} if window is None else {"window": window}
+        toks, lps = run_greedy(model, PROMPT, kv.make_cache(model, mode, **opts), GEN)
         ref[run["ref"]] = (
             toks,
             np.array([np.array(lp.astype(mx.float32)) for lp in lps]),
@@ -212,6 +235,47 @@ def test_expert_ranges_and_the_refused_models(tiny_model_path):
         load_stage(tiny_model_path("qwen3_moe"), _Group(0, 2), split="tensors")
 
 
+def _moe_blocks(model) -> list:
+    return [x.mlp for x in layer_list(model) if hasattr(x.mlp, "switch_mlp")]
+
+
+@pytest.mark.parametrize(
+    ("arch", "shared"), [("qwen3_next", "shared_expert"), ("deepseek_v3", "shared_experts")]
+)
+def test_the_ranks_moe_blocks_add_up_to_the_whole_block(models, arch, shared):
+    """Each rank's block (its half of the routed experts, the shared expert on rank 0 only) in
+    one process: the two outputs sum to the whole block's. Neither alone is the whole (routing
+    reaches both halves), nor is the sum with rank 1's shared expert left on."""
+    folder = models[arch][0]
+    whole = _moe_blocks(load_converted(folder).model)
+    assert len(whole) == SHAPE[arch][1]
+    alone = mx.distributed.init()  # this process only: its all_sum returns its input
+    ranks = []
+    for rank in (0, 1):
+        blocks = _moe_blocks(load_stage(folder, _Group(rank, 2), split="experts").model)
+        for b in blocks:
+            sw = b.switch_mlp
+            assert isinstance(sw, LocalExperts) and (sw._lo, sw._hi) == (4 * rank, 4 * rank + 4)
+            # mlx-lm's hook sums the block: no subclass around it
+            assert b.sharding_group is not None and "rq_group" not in vars(b)
+            b.sharding_group = alone
+        ranks.append(blocks)
+    x = 2.0 * mx.random.normal((1, 16, HIDDEN), key=mx.random.key(5))
+    for i, block in enumerate(whole):
+        want = np.array(block(x))
+        parts = [np.array(blocks[i](x)) for blocks in ranks]
+        tol = LOGPROB_ATOL * np.abs(want).max()
+        np.testing.assert_allclose(parts[0] + parts[1], want, rtol=0, atol=tol)
+        for part in parts:
+            assert np.abs(part - want).max() > 100 * tol, f"layer {i}: one rank gave it all"
+        # rank 1's shared expert answers zeros; left on, it would be added twice
+        b1 = ranks[1][i]
+        assert not np.abs(np.array(getattr(b1, shared)(x))).any()
+        getattr(b1, shared).__class__ = type(getattr(b1, shared)).__mro__[1]
+        doubled = parts[0] + np.array(b1(x))
+        assert np.abs(doubled - want).max() > 100 * tol, f"layer {i}: shared expert twice"
+
+
 @pytest.mark.slow
 def test_killed_rank_is_named_within_10s_under_the_expert_split(models, tmp_path):
     folder, _, _ = models["gpt_oss"]
@@ -222,6 +286,8 @@ def test_killed_rank_is_named_within_10s_under_the_expert_split(models, tmp_path
 
 GPT_OSS = str(Path(__file__).parent / "data" / "configs" / "gpt-oss-120b.json")
 SUPER = str(Path(__file__).parent / "data" / "configs" / "nemotron-3-super-120b-a12b.json")
+NEXT = str(Path(__file__).parent / "data" / "configs" / "qwen3-next-80b-a3b.json")
+GEMMA = str(Path(__file__).parent / "data" / "configs" / "gemma-4-26b-a4b-it.json")
 
 
 def _hosts(n=2, ram="32GB", link="thunderbolt5", **extra):
@@ -280,14 +346,41 @@ def test_planner_plans_super_by_experts_on_request_and_refuses_unbuilt_models():
     assert auto.kind == "pipeline" and any(
         "pipeline chosen over the expert" in r for r in auto.reasons
     )
-    with pytest.raises(PlanRefused, match="qwen3_next: the expert split is built for"):
-        plan_hosts(
-            str(Path(__file__).parent / "data" / "configs" / "qwen3-next-80b-a3b.json"),
-            _hosts(),
-            split="experts",
-        )
+    with pytest.raises(PlanRefused, match="gemma4: the expert split is built for"):
+        plan_hosts(GEMMA, _hosts(), split="experts")
+    auto = plan_hosts(GEMMA, _hosts())
+    assert auto.kind == "pipeline" and any(
+        "expert split not chosen: gemma4" in r for r in auto.reasons
+    )
     with pytest.raises(ValueError, match="split"):
         _hosts(split="tensor")
+
+
+def test_planner_splits_qwen3_next_and_deepseek_v3_by_experts(tmp_path):
+    from test_sizes import DEEPSEEK_V3
+
+    from app.engine.distributed.plan import plan_hosts
+
+    # Qwen3-Next-80B: 48 MoE layers of 512 experts (the Gated DeltaNet state on every rank)
+    nxt = plan_hosts(NEXT, _hosts(), split="experts")
+    assert nxt.kind == "experts" and [s.experts for s in nxt.stages] == [(0, 256), (256, 512)]
+    assert all(s.layers == (0, 48) for s in nxt.stages)
+    assert nxt.extra["all_sums_per_token"] == 48 and nxt.extra["messages_per_token"] == 96
+    auto = plan_hosts(NEXT, _hosts())  # 48 all_sums over TCP: the pipeline is faster
+    assert auto.kind == "pipeline" and auto.tok_s > nxt.tok_s
+    assert any("pipeline chosen over the expert split" in r for r in auto.reasons)
+    fast = plan_hosts(NEXT, _hosts(link={"gbps": 80, "latency_us": 3}))
+    assert fast.kind == "experts"
+    # DeepSeek-V3 (671B) on two 512 GB machines: 61 layers, the first 3 dense, 58 all_sums
+    path = tmp_path / "deepseek-v3.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    ds = plan_hosts(str(path), _hosts(ram="512GB"), split="experts")
+    assert ds.kind == "experts" and [s.experts for s in ds.stages] == [(0, 128), (128, 256)]
+    assert ds.extra["all_sums_per_token"] == 58 and ds.extra["messages_per_token"] == 116
+    assert all(s.layers == (0, 61) for s in ds.stages)
+    assert sum(s.expert_bytes for s in ds.stages) == pytest.approx(
+        ds.extra["expert_bytes"], rel=1e-6
+    )
 
 
 def test_cli_passes_the_split_to_the_ranks(tmp_path, capsys):
@@ -307,6 +400,8 @@ def test_cli_passes_the_split_to_the_ranks(tmp_path, capsys):
     assert MachinesPlan("m", str(path), (), d).start_options()["split"] == "experts"
     assert main(["plan", GPT_OSS, "--hosts", str(path), "--split", "experts"]) == 0
     assert "experts 64-127 of each MoE layer" in capsys.readouterr().out
+    assert main(["plan", NEXT, "--hosts", str(path), "--split", "experts"]) == 0
+    assert "experts 256-511 of each MoE layer" in capsys.readouterr().out
     args = SimpleNamespace(model="m", hosts=str(path), max_tokens=4, temp=0.0, kv_mode="fp16")
     args.seed = None
     argv = rank_args(args, "experts", None)

@@ -2,7 +2,7 @@
 layer's routed experts, and each MoE block's partial output is summed over the ranks.
 
 The combining is mlx-lm's: the MoE blocks that mlx-lm's `shard()` can split (qwen3_moe, gpt_oss,
-deepseek…) end in `if self.sharding_group is not None: y = mx.distributed.all_sum(y, …)`. mlx-lm's
+qwen3_next, deepseek_v3…) end in `if self.sharding_group is not None: y = mx.distributed.all_sum(y, …)`. mlx-lm's
 `shard()` splits each expert's hidden width over the ranks (tensor parallelism, every rank
 reads a slice of every routed expert); here each rank keeps whole experts instead — rank r owns
 experts [lo_r, hi_r) of every MoE layer — so that a rank loads, and pages, only its own records:
@@ -17,10 +17,12 @@ experts [lo_r, hi_r) of every MoE layer — so that a rank loads, and pages, onl
   ranks is the same either way round; a ring sums each chunk once and hands it on), samples
   the same token, and needs nothing more.
 
-Dense weights, the embedding and head, the KV cache (FP16 or IsoQuant) and any recurrent state
-are replicated: each rank runs them in full. A block with shared experts (nemotron_h,
-qwen3_next, deepseek) adds them before its output is summed, so only rank 0 adds them: on the
-other ranks the shared expert's call returns zeros (its weights stay loaded, unused). A block
+Dense weights, the embedding and head, the KV cache (FP16 or IsoQuant; deepseek_v3's MLA layers
+keep a float cache under IsoQuant) and any recurrent state (nemotron_h's Mamba, qwen3_next's
+Gated DeltaNet) are replicated: each rank runs them in full, unchanged. A block with shared
+experts (nemotron_h, qwen3_next, deepseek_v3) adds them before its output is summed, so only
+rank 0 adds them: on the other ranks the shared expert's call returns zeros (its weights stay
+loaded, unused; qwen3_next's `sigmoid(shared_expert_gate(x))` then scales zeros). A block
 without mlx-lm's hook (nemotron_h) gets the same sum from a subclass whose call all_sums the
 block's output (the module tree and parameter paths stay as mlx-lm built them).
 """

@@ -369,8 +369,9 @@ def _splits(n_layers: int, hosts: list[HostSpec]):
 
 
 # Architectures whose expert split is built and tested (experts.py: the block's output summed
-# over the ranks, a shared expert added by rank 0 only)
-EXPERT_SPLIT_ARCHS = ("qwen3_moe", "gpt_oss", "nemotron_h")
+# over the ranks, a shared expert added by rank 0 only). Not deepseek_v2 (its MoE block is
+# deepseek_v3's, but sizes and the converter do not read it), nor qwen3_5_moe (untested).
+EXPERT_SPLIT_ARCHS = ("qwen3_moe", "gpt_oss", "nemotron_h", "qwen3_next", "deepseek_v3")
 
 
 def expert_split_refusal(config: dict, s: ModelSizes, n_hosts: int) -> str | None:

@@ -67,8 +67,8 @@ def _labels(hosts_path: str | None, size: int) -> list[str]:
 
 
 def _check(engine, spec: dict, out: Path, watchdog) -> None:
-    """Every run of `spec`: {"runs": [{"model", "kv_mode", "expert_budget", "split",
-    "agree_each_token"}], "prompt": [ids], "max_tokens": n}."""
+    """Every run of `spec`: {"runs": [{"model", "kv_mode", "kv_window", "expert_budget",
+    "split", "agree_each_token"}], "prompt": [ids], "max_tokens": n}."""
     import mlx.core as mx
 
     from ..generate import GenerationSettings
@@ -88,7 +88,9 @@ def _check(engine, spec: dict, out: Path, watchdog) -> None:
         )
         model = engine.loaded.model
         stage = model.rq_stage
-        cache = engine.make_cache(GenerationSettings(kv_mode=run.get("kv_mode", "fp16")))
+        cache = engine.make_cache(
+            GenerationSettings(kv_mode=run.get("kv_mode", "fp16"), kv_window=run.get("kv_window"))
+        )
         sent0 = stage.traffic.sent
         first = {}  # time and bytes sent when the first token came out (decode starts)
         watchdog.arm()
