@@ -52,6 +52,11 @@ class IsoQuantTensor:
                 f"unknown IsoQuant layout {self.layout!r}; expected one of {V_LAYOUTS}"
             )
 
+    def buffers(self) -> tuple[mx.array, mx.array]:
+        """(codes, norms) as the kernels read them: arrays whose rows [0, compressed_len) are
+        this tensor's (the kernels index by strides and take the row count as a parameter)."""
+        return self.codes, self.norms
+
     def codes_unpacked(self) -> mx.array:
         """The codes as [B, Hkv, T_c, D] uint8, whatever the layout."""
         codes = unpack_v_codes(self.codes, self.quantizer.bits, self.layout)
@@ -137,6 +142,12 @@ class CacheView(IsoQuantTensor):
         if i == 1:
             return nb[:, :, :rows]
         return fb[:, :, lo:hi] if hi > lo else None
+
+    def buffers(self) -> tuple[mx.array, mx.array]:
+        """The cache's code and norm buffers themselves, unsliced (rows past compressed_len are
+        codes written ahead, or spare capacity): a decode step slices nothing for the kernels."""
+        src = self.__dict__.get("_src")
+        return super().buffers() if src is None else (src[0], src[2])
 
     @property
     def compressed_len(self) -> int:

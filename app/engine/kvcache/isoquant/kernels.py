@@ -300,7 +300,7 @@ class Problem:
             raise ValueError(f"unknown attention mask {mask!r}")
         causal = mask == "causal" and length > 1
         return cls(
-            b, hq, keys.codes.shape[1], length, d, keys.compressed_len, keys.fp_len,
+            b, hq, keys.shape[1], length, d, keys.compressed_len, keys.fp_len,
             keys.quantizer.bits, values.quantizer.bits, KIND_CODES[keys.rotation.kind], causal,
         )  # fmt: skip
 
@@ -667,8 +667,9 @@ def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, s
     fpv = fpv if fpv.dtype == dt else fpv.astype(dt)
     # the scalar kernel reads the quantizers' levels; the tensor-core one its tables in run.ip
     lv = [] if variant == "tc" else [keys.quantizer.levels, values.quantizer.levels]
+    (kc, kn), (vc, vn) = keys.buffers(), values.buffers()  # rows [0, p.tc) read, by strides
     inputs = [
-        q, keys.codes, keys.norms, values.codes, values.norms, fpk, fpv,
+        q, kc, kn, vc, vn, fpk, fpv,
         _rot_array(keys.rotation), *lv, _lens(p, lens), run.ip, run.fp,
     ]  # fmt: skip
     out_dtypes = [mx.float32] * 3
@@ -717,11 +718,10 @@ _PLANS_MAX = 1024
 
 
 def _plan(q, keys, values, scale, mask, sinks, variant, split_len):
-    kf, vf = keys.fp, values.fp
     opts = tc_options()
     key = (
-        q.shape, q.dtype, keys.codes.shape, values.codes.shape,
-        None if kf is None else kf.shape, None if vf is None else vf.shape,
+        q.shape, q.dtype, keys.shape, values.shape, keys.compressed_len, values.compressed_len,
+        keys.fp_len, values.fp_len,
         keys.quantizer.bits, values.quantizer.bits, keys.rotation.kind, values.rotation.kind,
         keys.rotation is values.rotation, mask, sinks is None, variant, split_len, float(scale),
         opts, SPLIT_WARPS, BACKEND, values.layout,
