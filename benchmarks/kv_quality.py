@@ -138,6 +138,9 @@ def treatments(window: int) -> dict[str, dict]:
         "mix_k4_l15-24_w64_w32": iso(per_layer(4, 3, 30), 3, per_layer(64, 32, 30)),
         "mix_k4_l10-24_w32": iso(per_layer(4, 3, 30, 10), 3, 32),
         "mix_kv4_l15-24_w16": iso(per_layer(4, 3, 30), per_layer(4, 3, 30), 16),
+        "mix_w16_l15-24_w96": iso(3, 3, per_layer(16, 96, 30)),
+        "mix_k4_l15-24_w8_w64": iso(per_layer(4, 3, 30), 3, per_layer(8, 64, 30)),
+        "mix_k4_l15-24_w16_w56": iso(per_layer(4, 3, 30), 3, per_layer(16, 56, 30)),
         f"abl_scale8_w{w}": {**iso(3, 3, w), "explore": {"scale8": True}, "scale_bits": 8},
         f"abl_scale8_k4_l15-24_w{w}": {
             **iso(per_layer(4, 3, 30), 3, w),
