@@ -168,8 +168,8 @@ def spec_bits(
     spec: dict, context: int, head_dim: int, layers: int, float_bits: int = 16, reserve: int = 0
 ):
     """Stored bits per K/V coordinate at `context` tokens (codes + norms + float window, and
-    `reserve` more float tokens: the cache's trim reserve), the float side at `float_bits`;
-    averaged over layers and K/V for per-layer plans."""
+    `reserve` more float tokens: the cache's trim reserve, whose tokens are held coded too),
+    the float side at `float_bits`; averaged over layers and K/V for per-layer plans."""
     if spec["kind"] == "float":
         return float(float_bits)
     if spec["kind"] == "mlx":
@@ -177,10 +177,14 @@ def spec_bits(
     scale = spec.get("scale_bits", 16)
     total = 0.0
     for i in range(layers):
-        w = min(layer_bits(spec["window"], i) + spec.get("sink", 0) + reserve, context)
+        w = min(layer_bits(spec["window"], i) + spec.get("sink", 0), context)
+        held = min(w + reserve, context)  # float copies: the window and the reserve behind it
         for bits in (layer_bits(spec["kb"], i), layer_bits(spec["vb"], i)):
-            coded = float_bits if bits is None else bits + scale / head_dim  # + the scale
-            total += ((context - w) * coded + w * float_bits) / context
+            if bits is None:
+                total += float_bits
+                continue
+            coded = bits + scale / head_dim  # + the scale
+            total += ((context - w) * coded + held * float_bits) / context
     return total / (2 * layers)
 
 

@@ -133,3 +133,52 @@ def test_mlx_lm_prompt_cache_files_keep_each_layers_settings(model, band_row, tm
         assert mx.array_equal(a, b).item()
         tok = mx.argmax(a[:, -1:], axis=-1)
     assert [c.compressed for c in loaded] == [c.offset - c.window for c in cache]
+
+
+def _kv_quality():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_quality.py"
+    spec = importlib.util.spec_from_file_location("kv_quality_bits", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "kb, vb, window",
+    [
+        ([4, 3, 3, 4], 3, [64, 8, 8, 64]),  # keys 4-bit and W 64 on two layers, W 8 elsewhere
+        (3, [3, 4, 4, 3], 16),
+        (4, 3, [0, 32, 128, 64]),
+    ],
+)
+def test_benchmark_bits_per_value_are_what_the_caches_store(kb, vb, window):
+    """kv_quality.py's bits/value of a per-layer spec equal the bytes of what float16 caches with
+    those per-layer settings store for attention (codes and scales of the compressed tokens, the
+    window in float); with the trim reserve, what they hold is that plus the reserve's float
+    copies, up to a token either way (the encoder runs one token ahead of the window)."""
+    from app.engine.kvcache.isoquant.cache import TRIM_EXACT
+
+    q = _kv_quality()
+    spec = q.iso(kb, vb, window)
+    layers, t, h, d = 4, 700, 2, 64
+    stored = held = 0
+    for i in range(layers):
+        b_k, b_v, w = q.layer_bits(kb, i), q.layer_bits(vb, i), q.layer_bits(window, i)
+        c = IsoQuantKVCache("v3", b_k, b_v, w, 0, i, compress_every=1)
+        k = mx.random.normal((1, h, t, d), key=mx.random.key(i)).astype(mx.float16)
+        c.update_and_fetch(k, k * 0.5)
+        c.finish_prefill()
+        mx.eval([a for a in c.state if isinstance(a, mx.array)])
+        assert c.compressed == t - w and c.k_codes.shape[-1] == d * b_k // 8
+        code_row = c.kq.row_bytes + c.vq.row_bytes + 2 * 2  # K and V codes, fp16 scales
+        stored += h * (c.compressed * code_row + (t - c.compressed) * 2 * d * 2)
+        held += c.nbytes
+        slack = h * (code_row + 2 * 2 * d * 2)  # a code row and two float tokens
+    values = layers * h * t * d * 2
+    assert 8 * stored / values == pytest.approx(q.spec_bits(spec, t, d, layers), rel=1e-12)
+    with_reserve = q.spec_bits(spec, t, d, layers, reserve=TRIM_EXACT)
+    assert abs(held - with_reserve * values / 8) <= layers * slack
+    assert held - stored > layers * h * (TRIM_EXACT - 2) * 2 * d * 2  # the reserve is held
