@@ -141,6 +141,11 @@ def treatments(window: int) -> dict[str, dict]:
         "mix_w16_l15-24_w96": iso(3, 3, per_layer(16, 96, 30)),
         "mix_k4_l15-24_w8_w64": iso(per_layer(4, 3, 30), 3, per_layer(8, 64, 30)),
         "mix_k4_l15-24_w16_w56": iso(per_layer(4, 3, 30), 3, per_layer(16, 56, 30)),
+        # the window barely matters in the deep layers (token 0 holds much of their attention):
+        # W 4 on layers 12-29 pays for keys at 4 bits on 14-29
+        "mix_k4_l14-29_w4_l12-29_w64": iso(
+            per_layer(4, 3, 30, 14, 30), 3, per_layer(4, 64, 30, 12, 30)
+        ),
         f"abl_scale8_w{w}": {**iso(3, 3, w), "explore": {"scale8": True}, "scale_bits": 8},
         f"abl_scale8_k4_l15-24_w{w}": {
             **iso(per_layer(4, 3, 30), 3, w),
