@@ -23,7 +23,8 @@ compressed and float, and the mask picks the copy the sequential cache would rea
 the one-token-a-step protocol up to float summation order; each row re-scores its first
 --check-steps tokens one at a time over the app's own IsoQuantKVCache and reference attention
 and records the largest per-token NLL difference (`sequential_check_max_abs_nll`).
-Rows named abl_* are ablations (a side kept in float, per-layer bits, encode-side variants).
+Rows named abl_* are ablations (a side kept in float, per-layer bits, encode-side variants,
+an emulated 8-bit scale); mix_* give layer bands other bits and float windows (docs/quality.md).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python benchmarks/kv_quality.py [--windows 16] [--treatments a,b]
@@ -65,14 +66,20 @@ PLAYS = (
 RESULTS = ROOT / "benchmarks" / "results" / "kv_quality.json"
 
 
-def iso(kb, vb, window: int, rotation: str = "v3", sink: int = 0, **options) -> dict:
-    """An IsoQuant treatment: K/V bits (an int, None = kept in float, or a per-layer list)."""
+def iso(kb, vb, window, rotation: str = "v3", sink: int = 0, **options) -> dict:
+    """An IsoQuant treatment: K/V bits (an int, None = kept in float, or a per-layer list) and
+    the float window (an int or a per-layer list)."""
     d = {"kind": "isoquant", "rotation": rotation, "kb": kb, "vb": vb, "window": window}
     if sink:
         d["sink"] = sink
     if options:
         d["options"] = options
     return d
+
+
+def per_layer(value, other, layers, lo: int = 15, hi: int = 25) -> list:
+    """`value` on layers lo..hi-1 (SmolLM2's costliest to code: docs/quality.md), else `other`."""
+    return [value if lo <= i < hi else other for i in range(layers)]
 
 
 def treatments(window: int) -> dict[str, dict]:
@@ -126,6 +133,26 @@ def treatments(window: int) -> dict[str, dict]:
             **iso(3, 3, w, sink=1),
             "explore": {"center_k": True, "center_v": True, "norm_k": "ub"},
         },
+        # spending the 3.7 bits/value budget at 2K (issue 45): per-layer windows and bits,
+        # and an 8-bit log-domain scale (emulated: the cache stores fp16 scales)
+        "mix_w128_l15-24_w32": iso(3, 3, per_layer(128, 32, 30)),
+        "mix_k4_l15-24_w64_w32": iso(per_layer(4, 3, 30), 3, per_layer(64, 32, 30)),
+        "mix_k4_l10-24_w32": iso(per_layer(4, 3, 30, 10), 3, 32),
+        "mix_kv4_l15-24_w16": iso(per_layer(4, 3, 30), per_layer(4, 3, 30), 16),
+        "mix_w16_l15-24_w96": iso(3, 3, per_layer(16, 96, 30)),
+        "mix_k4_l15-24_w8_w64": iso(per_layer(4, 3, 30), 3, per_layer(8, 64, 30)),
+        "mix_k4_l15-24_w16_w56": iso(per_layer(4, 3, 30), 3, per_layer(16, 56, 30)),
+        # the window barely matters in the deep layers (token 0 holds much of their attention):
+        # W 4 on layers 12-29 pays for keys at 4 bits on 14-29
+        "mix_k4_l14-29_w4_l12-29_w64": iso(
+            per_layer(4, 3, 30, 14, 30), 3, per_layer(4, 64, 30, 12, 30)
+        ),
+        f"abl_scale8_w{w}": {**iso(3, 3, w), "explore": {"scale8": True}, "scale_bits": 8},
+        f"abl_scale8_k4_l15-24_w{w}": {
+            **iso(per_layer(4, 3, 30), 3, w),
+            "explore": {"scale8": True},
+            "scale_bits": 8,
+        },
         **{
             f"abl_k4_layers{lo}-{lo + 4}_w{w}": iso(
                 [4 if lo <= i < lo + 5 else 3 for i in range(30)], 3, w
@@ -147,18 +174,23 @@ def spec_bits(
     spec: dict, context: int, head_dim: int, layers: int, float_bits: int = 16, reserve: int = 0
 ):
     """Stored bits per K/V coordinate at `context` tokens (codes + norms + float window, and
-    `reserve` more float tokens: the cache's trim reserve), the float side at `float_bits`;
-    averaged over layers and K/V for per-layer plans."""
+    `reserve` more float tokens: the cache's trim reserve, whose tokens are held coded too),
+    the float side at `float_bits`; averaged over layers and K/V for per-layer plans."""
     if spec["kind"] == "float":
         return float(float_bits)
     if spec["kind"] == "mlx":
         return spec["bits"] + 2 * 16 / 64  # fp16 scale and bias per group of 64
-    w = min(spec["window"] + spec.get("sink", 0) + reserve, context)
+    scale = spec.get("scale_bits", 16)
     total = 0.0
     for i in range(layers):
+        w = min(layer_bits(spec["window"], i) + spec.get("sink", 0), context)
+        held = min(w + reserve, context)  # float copies: the window and the reserve behind it
         for bits in (layer_bits(spec["kb"], i), layer_bits(spec["vb"], i)):
-            coded = float_bits if bits is None else bits + 16 / head_dim  # + fp16 norm
-            total += ((context - w) * coded + w * float_bits) / context
+            if bits is None:
+                total += float_bits
+                continue
+            coded = bits + scale / head_dim  # + the scale
+            total += ((context - w) * coded + held * float_bits) / context
     return total / (2 * layers)
 
 
@@ -248,7 +280,8 @@ def mlx_kv_emulated() -> bool:
 
 
 def layer_bits(bits, layer: int):
-    """A spec's K or V bits for one layer: an int, None (kept in float) or a per-layer list."""
+    """A spec's K or V bits (or window) for one layer: an int, None (K or V kept in float) or a
+    per-layer list."""
     return bits[layer] if isinstance(bits, (list, tuple)) else bits
 
 
@@ -265,7 +298,7 @@ def iso_cache(spec: dict, layer: int, seed: int, shadow: bool = True) -> IsoQuan
     kb, vb = layer_bits(spec["kb"], layer), layer_bits(spec["vb"], layer)
     # a float side (None) is coded at 3 bits here and replaced by its float input (ablations)
     return IsoQuantKVCache(
-        spec["rotation"], kb or 3, vb or 3, spec["window"], seed, layer, shadow,
+        spec["rotation"], kb or 3, vb or 3, layer_bits(spec["window"], layer), seed, layer, shadow,
         spec.get("sink", 0), compress_every=1, **spec.get("options", {}),
     )  # fmt: skip
 
@@ -369,7 +402,9 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     mean back (the mean's own part is exact: softmax(s + c) = softmax(s) and the probabilities
     sum to one); the stored scale of keys (norm_k) and values (norm): "exact" |y| (default),
     "ls" the least-squares scale, "ub" the scale that makes <ŷ, y> = |y|² (the levels are
-    centroids, so with |y| the decoded row is y shrunk along itself by about 1 - MSE)."""
+    centroids, so with |y| the decoded row is y shrunk along itself by about 1 - MSE);
+    scale8: the scale stored in 8 bits, log2-uniform over the range of the prefill's scales per
+    window and KV head (later tokens clamped to it)."""
     from app.engine.kvcache.isoquant.packing import unpack_codes
 
     def mean(a):
@@ -380,7 +415,22 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     if c.rotation is None:
         c._setup(k0.shape[1], k0.shape[-1], v0.shape[-1])
 
-    def rt(a, q, m, norm):
+    def log_range(a, m):
+        a = a.astype(mx.float32) if m is None else a.astype(mx.float32) - m
+        lg = mx.log2(mx.maximum(mx.sqrt(mx.sum(a * a, axis=-1)), 1e-30))  # [B, H, T]
+        return mx.min(lg, axis=2, keepdims=True), mx.max(lg, axis=2, keepdims=True)
+
+    rk = log_range(k0, mk) if x.get("scale8") else None
+    rv = log_range(v0, mv) if x.get("scale8") else None
+
+    def scale8(norms, r):
+        lo, hi = r
+        step = mx.maximum(hi - lo, 1e-6) / 255
+        lg = mx.log2(mx.maximum(norms.astype(mx.float32), 1e-30))
+        idx = mx.clip(mx.round((lg - lo) / step), 0, 255)
+        return mx.power(2.0, lo + idx * step).astype(mx.float16)
+
+    def rt(a, q, m, norm, r=None):
         a = a.astype(mx.float32)
         if m is not None:
             a = a - m
@@ -394,12 +444,14 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
         elif norm == "ub":
             n = mx.sum(y * y, axis=-1) / mx.maximum(mx.sum(y * lv, axis=-1), 1e-30)
             norms = (n * math.sqrt(q.dim)).astype(mx.float16)
+        if r is not None:
+            norms = scale8(norms, r)
         out = c.rotation.inverse(q.decode_rotated(codes, norms))
         return out if m is None else out + m
 
     def f(k, v):
-        kh = rt(k, c.kq, mk, x.get("norm_k", "exact")) if kb else k
-        return kh, (rt(v, c.vq, mv, x.get("norm", "exact")) if vb else v)
+        kh = rt(k, c.kq, mk, x.get("norm_k", "exact"), rk) if kb else k
+        return kh, (rt(v, c.vq, mv, x.get("norm", "exact"), rv) if vb else v)
 
     return f
 
@@ -409,7 +461,6 @@ def score_parallel(
 ):
     """Teacher-forced NLL [B, scored] of the protocol, all scored tokens of `group` windows in
     one forward over DualKVCache (float: mlx-lm's KVCache)."""
-    window = spec.get("window", 0)
     out = []
     for g0 in range(0, tokens.shape[0], group):
         g1 = min(tokens.shape[0], g0 + group)
@@ -424,8 +475,8 @@ def score_parallel(
                 c.update_and_fetch(k, v)
             else:
                 kh, vh = fns[i](k, v)
-                c = DualKVCache(k, v, kh.astype(k.dtype), vh.astype(v.dtype), fns[i], window,
-                                spec.get("sink", 0))  # fmt: skip
+                c = DualKVCache(k, v, kh.astype(k.dtype), vh.astype(v.dtype), fns[i],
+                                layer_bits(spec["window"], i), spec.get("sink", 0))  # fmt: skip
             caches.append(c)
         inp = tokens[g0:g1, PREFIX - 1 : PREFIX - 1 + scored]
         logits = model(inp, cache=caches).astype(mx.float32)

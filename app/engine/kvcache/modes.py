@@ -50,12 +50,44 @@ def float_nbytes(d: AttentionDims, tokens: int) -> int:
     return -(-tokens // KV_STEP) * KV_STEP * d.float_bytes_per_token
 
 
-def isoquant_nbytes(key_bits: int, value_bits: int, d: AttentionDims, tokens: int) -> int:
-    # codes + an fp16 norm per vector; the most recent DEFAULT_WINDOW tokens stay in float
-    recent = min(tokens, DEFAULT_WINDOW)
+def isoquant_nbytes(
+    key_bits: int, value_bits: int, d: AttentionDims, tokens: int, window: int = DEFAULT_WINDOW
+) -> int:
+    # codes + an fp16 norm per vector; the most recent `window` tokens stay in float
+    recent = min(tokens, window)
     packed = lambda dim, bits: dim * bits // 8 + 2  # noqa: E731
     per_tok = d.kv_heads * (packed(d.k_head_dim, key_bits) + packed(d.v_head_dim, value_bits))
     return (tokens - recent) * per_tok + recent * d.float_bytes_per_token
+
+
+@dataclass(frozen=True)
+class LayerBand:
+    """IsoQuant settings for a band of layers by relative depth: layer i of n is in the band
+    when start <= (i + 0.5) / n < stop (on a 30-layer model, 0.5..5/6 is layers 15-24).
+    Pure data (the window process reads it); the factory applies it per layer."""
+
+    start: float
+    stop: float
+    key_bits: int
+    value_bits: int
+    window: int
+
+    def holds(self, layer: int, layers: int) -> bool:
+        return self.start <= (layer + 0.5) / layers < self.stop
+
+    def layers(self, n: int) -> list[int]:
+        return [i for i in range(n) if self.holds(i, n)]
+
+
+def banded_isoquant_nbytes(
+    key_bits: int, value_bits: int, window: int, band: LayerBand, d: AttentionDims, tokens: int
+) -> int:
+    """Bytes of one full-attention layer, averaged over the model's layers: `band` on its share
+    of them, key_bits/value_bits/window on the rest."""
+    inside = isoquant_nbytes(band.key_bits, band.value_bits, d, tokens, band.window)
+    outside = isoquant_nbytes(key_bits, value_bits, d, tokens, window)
+    share = band.stop - band.start
+    return round(share * inside + (1 - share) * outside)
 
 
 def zipfusion_nbytes(d: AttentionDims, tokens: int) -> int:
