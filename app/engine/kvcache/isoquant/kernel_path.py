@@ -9,7 +9,6 @@ forces either. `install()` registers the kernel path with the cache; the modes t
 
 from __future__ import annotations
 
-import math
 import os
 
 import mlx.core as mx
@@ -79,7 +78,7 @@ def _dequantized(t, dtype) -> mx.array:
     (float sink prefix, x̂ = Rᵀ ŷ of the compressed tokens, the float window)."""
     parts = [] if t.prefix is None else [t.prefix.astype(dtype)]
     if t.compressed_len:
-        y = t.levels() * (t.norms.astype(mx.float32) / math.sqrt(t.quantizer.dim))[..., None]
+        y = t.quantizer.scale_levels(t.levels(), t.norms)
         parts.append(t.rotation.inverse(y).astype(dtype))
     if t.fp is not None:
         parts.append(t.fp.astype(dtype))

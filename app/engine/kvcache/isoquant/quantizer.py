@@ -45,8 +45,11 @@ class Quantizer:
 
     def decode_rotated(self, codes: mx.array, norms: mx.array) -> mx.array:
         """codes [..., D*bits/8] uint8, norms [...] -> ŷ [..., D] float32 (rotated space)."""
-        lv = self.levels[unpack_codes(codes, self.bits)]
-        return lv * (norms.astype(mx.float32) / math.sqrt(self.dim))[..., None]
+        return self.scale_levels(self.levels[unpack_codes(codes, self.bits)], norms)
+
+    def scale_levels(self, levels: mx.array, norms: mx.array) -> mx.array:
+        """levels[codes] [..., D] (unit coordinate variance), norms [...] -> ŷ [..., D] float32."""
+        return levels * (norms.astype(mx.float32) / math.sqrt(self.dim))[..., None]
 
 
 def encode(x: mx.array, rotation: Rotation, quantizer: Quantizer) -> tuple[mx.array, mx.array]:
