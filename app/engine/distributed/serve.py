@@ -111,12 +111,23 @@ class PipelineBatcher(Batcher):
         """A host is gone: the request in flight and the queued ones end with 503 naming it,
         and new ones are refused with it (the API reads `state` and `error`)."""
         self.state, self.error = "failed", message
-        event = Failed(message, status=503, code=HOST_LOST)
+        event = self._lost()
         req = self._current
         if req is not None:
             emit, req.emit = req.emit, lambda ev: None  # the batcher thread may still emit
             emit(event)
         self._drain_incoming(event)
+
+    def _lost(self) -> Failed:
+        return Failed(self.error, status=503, code=HOST_LOST)
+
+    def submit(self, req: Completion) -> None:
+        super().submit(req)
+        if self.state == "failed" and not self.load_failed:
+            # the host was lost after the API checked `state` and before this request was
+            # queued: fail() has drained the queue already, so it is answered here (state is
+            # set before fail() drains, so one of the two always sees the request)
+            self._drain_incoming(self._lost())
 
     # -- the batcher thread ----------------------------------------------------------------------
     def _serve(self) -> None:
@@ -150,6 +161,10 @@ class PipelineBatcher(Batcher):
                 req = self._incoming.get(timeout=0.25)
             except queue.Empty:
                 continue
+            if self.state != "ready":  # the host was lost while this request was taken
+                req.emit(self._lost())
+                self._done()
+                continue
             if req.cancelled.is_set():
                 req.emit(Done("cancelled", len(req.prompt), 0))
                 self._done()
@@ -164,8 +179,9 @@ class PipelineBatcher(Batcher):
                 self._current = None
                 req.emit(Failed(f"{type(e).__name__}: {e}"))
                 self._done()
+        lost = self._lost() if self.state == "failed" else None
         for req in self._drain():
-            req.emit(Done("cancelled", len(req.prompt), 0))
+            req.emit(lost or Done("cancelled", len(req.prompt), 0))
             self._done()
 
     def _drain(self) -> list[Completion]:
