@@ -33,11 +33,11 @@ from .packing import register_v_layout
 SETTING_ENV = "ROTARYQUANT_ISOQUANT_ATTENTION"
 SETTINGS = ("auto", "kernel", "reference")
 
-# Queries per head from which the kernel path attends through the compressed tokens dequantized
-# (one layer's K/V at a time, in the queries' dtype) and mx.fast's SDPA instead of the fused
-# kernel: prefill chunks. A chunk's queries outnumber its compressed keys' reuse by the decode
-# kernel's design (split-K partials of every query row); dequantizing costs O(T·D) once per
-# layer and chunk, after which the backend's flash attention runs as on a float cache.
+# Prefill chunks (at least this many queries per head) on the kernel path attend through the
+# layer's compressed K/V dequantized once, in the queries' dtype, and mx.fast's SDPA: the
+# backend's own prefill attention, as on a float cache. The fused kernel is built for decode:
+# it writes split-K partials for every query row, which for a 2048-token chunk costs memory
+# and time that flash attention does not spend. Dequantizing is O(T·D) per layer and chunk.
 # ROTARYQUANT_ISOQUANT_PREFILL = dequant (default) | kernel picks the path for such chunks.
 DEQUANT_MIN_QUERIES = 64
 PREFILL_ENV = "ROTARYQUANT_ISOQUANT_PREFILL"
