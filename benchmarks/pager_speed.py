@@ -297,6 +297,7 @@ def row(
         "MB_read_per_token": s["bytes_read"] / n / 1e6,
         "pager_ms_per_token": s.get("ms_per_token"),  # the pager's own clock (stats.per_token)
         "host_parts_ms_per_token": s.get("host_parts"),  # the host's work by part (pager timers)
+        "read_path": s.get("read_path"),
         **extra,
     }
 
@@ -331,7 +332,10 @@ def read_path(
             read_threads=threads, device_copy=False, verify_every_read=True
         )
         variants["no_crc"] = PagerOptions(read_threads=threads, verify=False, device_copy=False)
-        variants["device_copy_first_read_only"] = PagerOptions(read_threads=threads)
+        variants["device_copy_first_read_only"] = PagerOptions(
+            read_threads=threads, pin_records=False
+        )
+        variants["pinned_first_read_only"] = PagerOptions(read_threads=threads, pin_records=True)
     pagers = {k: ExpertPager(store, store.expert_bytes() // 4, o) for k, o in variants.items()}
     rng = np.random.default_rng(3)
     layer = store.layers[0]
@@ -680,6 +684,8 @@ def model_rows(
         opts = pager.options
         for routing in a.routings:
             for cache in caches[frac]:
+                if cache == "cold" and pager.read_path == "pinned":
+                    continue  # page-locked files: no miss goes to the disk; the unpinned row has it
                 pager.options = replace(opts, drop_page_cache=cache == "cold")
                 if cache == "cold":
                     drop_page_cache(store)
@@ -731,7 +737,9 @@ def gpu_mode(a, emit) -> None:
     # first_reads: the same without the up-front check, so each record's first read in the
     # process pays its CRC (~1 GB/s a core) on the decode path: a start-up's figure
     if mx.cuda.is_available():
-        VARIANTS[:] = [("device_copy", {"zero_copy": False})]
+        VARIANTS[:] = [("pinned", {"zero_copy": False, "pin_records": True})]
+        if not a.pinned_only:
+            VARIANTS.append(("device_copy", {"zero_copy": False, "pin_records": False}))
         if a.first_reads:
             VARIANTS.append(("first_reads", {"zero_copy": False, "first_reads": True}))
         if a.staging:
@@ -743,10 +751,15 @@ def gpu_mode(a, emit) -> None:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     tag = "small" if a.small else "full"
-    q = build(work / f"qwen3-30b-a3b-{tag}", qwen3_config(a.small))
-    s = build(work / f"super-22L-{tag}", super_config(a.small))
-    del q, s
+    if "qwen3" in a.models:
+        build(work / f"qwen3-30b-a3b-{tag}", qwen3_config(a.small))
+    if "super" in a.models:
+        build(work / f"super-22L-{tag}", super_config(a.small))
     from app.engine.offload.records import ExpertStore
+
+    if "super" not in a.models:
+        qwen3_rows(a, emit, work, tag)
+        return
 
     # Super first (the headline), then Qwen3: the deadline skips whatever is left
     eb = ExpertStore(work / f"super-22L-{tag}").expert_bytes()
@@ -778,6 +791,11 @@ def gpu_mode(a, emit) -> None:
         {frac: ["warm", "cold"]},
         None if a.small else 22 / SUPER_LAYERS,
     )
+    if "qwen3" in a.models:
+        qwen3_rows(a, emit, work, tag)
+
+
+def qwen3_rows(a, emit, work: Path, tag: str) -> None:
     fracs = [0.5] + ([] if a.skip_full else [1.0])
     model_rows(
         a,
@@ -821,6 +839,18 @@ def main():
         "--staging",
         action="store_true",
         help="gpu mode: also the MLX staging + scatter rows (no device copier)",
+    )
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        choices=("super", "qwen3"),
+        default=["super", "qwen3"],
+        help="gpu mode: which models' rows (Super first)",
+    )
+    ap.add_argument(
+        "--pinned-only",
+        action="store_true",
+        help="gpu mode: only the pinned record files' rows (not also preadv into staging)",
     )
     ap.add_argument(
         "--skip-full",

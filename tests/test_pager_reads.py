@@ -232,8 +232,87 @@ class _HostCopier:
             self.queued.clear()
             self.syncs += 1
 
+    def map_file(self, path, size):
+        """A read-only mapping, as the driver pins it (host memory here: nothing to pin)."""
+        import mmap
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.maps.append(mm)
+        return np.frombuffer(mm, dtype=np.uint8).ctypes.data, mm
+
+    def unmap_all(self):
+        for mm in self.maps:
+            mm.close()
+        self.maps.clear()
+
     def close(self):
-        pass
+        self.unmap_all()
+
+
+def _pinned(store, budget, **kw):
+    """A pager on the pinned-file path: the host copier maps the record files."""
+    paged = ExpertPager(store, budget, PagerOptions(zero_copy=False, device_copy=False, **kw))
+    paged._copier = copier = _HostCopier()
+    copier.maps = []
+    paged._maps = paged._map_records(force=True)
+    assert paged.read_path == "pinned"
+    return paged, copier
+
+
+def test_pinned_record_files_land_the_exact_record_bytes(records):
+    """Misses copied from the mapped record files (no staging, no reader threads) give the
+    resident bytes at every step, one copy a tensor, one wait a call with misses."""
+    store = _store(records)
+    traces = model_traces(store.layers, EXPERTS, K, 30, seed=6)
+    ref = _run(ExpertPager(store, store.expert_bytes()), 30, traces)
+    paged, copier = _pinned(store, store.expert_bytes() // 5)
+    got = _run(paged, 30, traces)
+    s = paged.stats()
+    assert s["read_path"] == "pinned" and s["reads"] > 0
+    assert copier.registered == 0 and copier.copies == s["reads"] * 6
+    assert not copier.queued and 0 < copier.syncs <= s["reads"]
+    for a, b in zip(ref, got, strict=True):
+        for k in a:
+            assert np.array_equal(a[k], b[k]), k
+    _check_table(paged)
+    paged.close()
+    assert not copier.maps
+
+
+def test_pinned_record_files_check_a_record_on_its_first_read(tmp_path):
+    """The CRC runs over the mapped bytes: a corrupt record fails its call, names itself, and
+    frees the call's slots; a cold benchmark's pager (drop_page_cache) reads through staging."""
+    section = write_random_experts(tmp_path, 2, 16, PROJS, seed=7)
+    store = ExpertStore(tmp_path, section)
+    _corrupt(store, 1, 6)
+    paged, _ = _pinned(store, store.expert_bytes() // 2)
+    paged.route(0, mx.array([[0, 1, 2, 3]], dtype=mx.uint32))
+    with pytest.raises(ExpertRecordError, match="layer 1, expert 6"):
+        paged.route(1, mx.array([[2, 4, 6, 8]], dtype=mx.uint32))
+    assert not [k for k in paged.pool_of[1].lru.slot_of if k[0] == 1]
+    _check_table(paged)
+    r = paged.route(1, mx.array([[2, 4]], dtype=mx.uint32))
+    assert r.slots.size == 2
+    from dataclasses import replace
+
+    paged.options = replace(paged.options, drop_page_cache=True)
+    assert paged.read_path == "device_copy"
+    paged.close()
+
+
+def test_pinning_is_off_when_asked(records):
+    store = _store(records)
+    paged = ExpertPager(
+        store, store.expert_bytes() // 5, PagerOptions(zero_copy=False, pin_records=False)
+    )
+    paged._copier = _HostCopier()
+    paged._copier.maps = []
+    assert paged._map_records(force=True) is None
+    paged.close()
 
 
 def test_device_copies_land_the_exact_record_bytes(records):

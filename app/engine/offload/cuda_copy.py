@@ -10,17 +10,26 @@ overlap the call's other reads; the call waits for the stream once, before the s
 used. MLX has no API for this, so the driver library is called directly; `DeviceCopier.open`
 returns None wherever that is not possible (no CUDA, no driver, a failed self-test), and the
 pager keeps its other paths.
+
+Pinned record files (`map_file`): where the host has the memory, a layer's record file is
+mapped read-only and page-locked once (cuMemHostRegister with the read-only flag), and a miss
+is copied by the driver straight out of the page cache into its slot: no host copy and no
+reader threads (on the H200 two 1.47 MB records a call took 162 µs this way against 552 µs
+through preadv into staging).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
+import os
 import threading
 
 import numpy as np
 
 _DRIVER_NAMES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+CU_MEMHOSTREGISTER_READ_ONLY = 0x08  # the driver may map the pages read-only (a file mapping)
 
 
 def _load_driver():
@@ -69,6 +78,7 @@ class DeviceCopier:
             lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev), "cuDevicePrimaryCtxRetain"
         )
         self._registered: list[int] = []
+        self._maps: list[tuple[int, mmap.mmap]] = []  # pinned file mappings (address, map)
         self._local = threading.local()  # which threads have the context current
         self.bind()
         self.stream = ctypes.c_void_p()
@@ -101,6 +111,29 @@ class DeviceCopier:
             self._registered.remove(ptr)
             self.lib.cuMemHostUnregister(ptr)
 
+    def map_file(self, path, size: int) -> tuple[int, mmap.mmap] | None:
+        """Map `size` bytes of the file at `path` read-only and page-lock them (the pages are
+        read in now, and stay resident until close()): (address, map), or None where the
+        driver refuses (the caller keeps its staging path)."""
+        self.bind()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        addr = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        if self.lib.cuMemHostRegister_v2(addr, size, CU_MEMHOSTREGISTER_READ_ONLY) != 0:
+            mm.close()
+            return None
+        self._maps.append((addr, mm))
+        return addr, mm
+
+    def unmap_all(self) -> None:
+        for addr, mm in self._maps:
+            self.lib.cuMemHostUnregister(addr)
+            mm.close()
+        self._maps.clear()
+
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Synchronous copy (the self-test)."""
         self._check(self.lib.cuMemcpyHtoD_v2(dst, src, nbytes), "cuMemcpyHtoD")
@@ -119,6 +152,7 @@ class DeviceCopier:
         self._check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     def close(self) -> None:
+        self.unmap_all()
         for ptr in self._registered:
             self.lib.cuMemHostUnregister(ptr)
         self._registered.clear()

@@ -99,6 +99,9 @@ class PagerOptions:
     # limit; 0: never split)
     policy: str = "slru"  # eviction: segmented LRU beat LRU on trace routing and tied on
     # random (benchmarks/pager_policy.py); "lru" is plain LRU
+    pin_records: bool | None = None  # with the device copier: map the record files and
+    # page-lock them once, each miss copied by the driver straight from the page cache (no
+    # host copy); None: where the files fit in half the host's available memory
 
     def __post_init__(self):
         if self.read_threads < 1:
@@ -241,6 +244,16 @@ class SlotPool:
             copier.copy_async(self._bases[t.name] + slot * t.nbytes, pos, t.nbytes)
             pos += t.nbytes
 
+    def copy_record(self, copier, src: int, slot: int) -> None:
+        """Queue the copies of one record at host address `src` (a pinned mapping of its file)
+        into `slot`, one per tensor; they land by copier.sync()."""
+        from .cuda_copy import buffer_address
+
+        if self._bases is None:
+            self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        for t in self.tensors:
+            copier.copy_async(self._bases[t.name] + slot * t.nbytes, src + t.offset, t.nbytes)
+
     def stage_views(self, row: int) -> list[memoryview]:
         mv = memoryview(self._stage[row])
         out, pos = [], 0
@@ -361,6 +374,8 @@ class ExpertPager:
             from .cuda_copy import DeviceCopier
 
             self._copier = DeviceCopier.open()
+        # layer -> (address, map) of its pinned record file (None: reads go through staging)
+        self._maps: dict | None = self._map_records() if self._copier is not None else None
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
                 pool.slot_views(0)
@@ -373,6 +388,17 @@ class ExpertPager:
         """Every expert resident and no forced read-back: slots are base + expert index.
         A property: benchmarks swap `options` on a live pager."""
         return self.full and not self.options.always_resolve
+
+    @property
+    def read_path(self) -> str:
+        """How misses reach the slots: zero_copy (preadv into slot memory), pinned (driver
+        copies from the page-locked record files), device_copy (preadv into pinned staging,
+        then driver copies) or staging (MLX staging and a scatter)."""
+        if self.zero_copy:
+            return "zero_copy"
+        if self._maps is not None and not self.options.drop_page_cache:
+            return "pinned"
+        return "device_copy" if self._copier is not None else "staging"
 
     @property
     def pool_bytes(self) -> int:
@@ -390,6 +416,7 @@ class ExpertPager:
         out = total(self.layer_stats, sb)
         out.update(
             mode="resident" if self.no_readback else "paged",
+            read_path=self.read_path,
             budget_bytes=self.budget_bytes,
             pool_bytes=self.pool_bytes,
             expert_bytes=self.expert_bytes,
@@ -491,6 +518,7 @@ class ExpertPager:
             p.lru.unpin_all()
 
     def close(self) -> None:
+        self._maps = None
         if self._copier is not None:
             self._copier.close()
             self._copier = None
@@ -577,6 +605,34 @@ class ExpertPager:
             self._table[a.key[0]][a.key[1]] = -1
             self.layer_stats[a.key[0]].resident -= 1
 
+    def _map_records(self, force: bool = False) -> dict | None:
+        """Pin every layer's record file through the copier (`PagerOptions.pin_records`);
+        None where that is off, the files would take more than half the available memory,
+        or the driver refuses one (then none stays pinned)."""
+        want = self.options.pin_records
+        if want is False:
+            return None
+        files = {}
+        for layer in self.store.layers:
+            lay = self.store.layout(layer)
+            files[layer] = (self.store.folder / lay.file, lay.file_size)
+        if want is None and not force:
+            import psutil
+
+            total = sum({str(path): size for path, size in files.values()}.values())
+            if total > psutil.virtual_memory().available // 2:
+                return None
+        maps, by_file = {}, {}
+        for layer, (path, size) in files.items():
+            m = by_file.get(str(path))
+            if m is None:
+                m = by_file[str(path)] = self._copier.map_file(path, size)
+            if m is None:
+                self._copier.unmap_all()
+                return None
+            maps[layer] = m
+        return maps
+
     def _layer_fd(self, layer: int) -> int:
         fd = self._fds.get(layer)
         if fd is None:
@@ -595,6 +651,23 @@ class ExpertPager:
         if self.zero_copy:
             jobs = [(e, pool.slot_iovecs(s, lay), None) for e, s in todo]
             self._reads(layer, lay, fd, jobs)
+        elif self._maps is not None and not self.options.drop_page_cache:
+            addr, mm = self._maps[layer]
+            try:
+                for e, s in todo:
+                    off = lay.record_offset(e)
+                    if self.options.verify and (
+                        self.options.verify_every_read or not self._verified[layer][e]
+                    ):
+                        with memoryview(mm) as mv:
+                            self._check_crc(
+                                layer, lay, e, zlib.crc32(mv[off : off + lay.record_size])
+                            )
+                    pool.copy_record(copier, addr + off, s)
+            finally:  # every queued copy has landed (or failed) before slots are freed or used
+                ts = time.perf_counter()
+                copier.sync()
+                scatter += time.perf_counter() - ts
         else:
             per = max(1, STAGE_BYTES // lay.record_size)
             rows = min(per, max(len(todo), 8))
@@ -683,23 +756,27 @@ class ExpertPager:
             crc = 0
             for b in bufs:
                 crc = zlib.crc32(b, crc)
-            want = lay.checksums[expert] if lay.checksums else None
-            if want is None:
-                raise ExpertRecordError(
-                    "manifest has no checksums for this layer",
-                    str(self.store.folder / lay.file),
-                    layer,
-                    expert,
-                )
-            if crc != want:
-                raise ExpertRecordError(
-                    f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): the "
-                    "record is corrupt; convert the model again",
-                    str(self.store.folder / lay.file),
-                    layer,
-                    expert,
-                )
-            self._verified[layer][expert] = True
+            self._check_crc(layer, lay, expert, crc)
+
+    def _check_crc(self, layer: int, lay: LayerLayout, expert: int, crc: int) -> None:
+        """Compare a record's CRC32 with the manifest's; marks the record checked."""
+        want = lay.checksums[expert] if lay.checksums else None
+        if want is None:
+            raise ExpertRecordError(
+                "manifest has no checksums for this layer",
+                str(self.store.folder / lay.file),
+                layer,
+                expert,
+            )
+        if crc != want:
+            raise ExpertRecordError(
+                f"checksum mismatch (crc32 {crc:#010x}, manifest {want:#010x}): the "
+                "record is corrupt; convert the model again",
+                str(self.store.folder / lay.file),
+                layer,
+                expert,
+            )
+        self._verified[layer][expert] = True
 
     def verify_records(self, threads: int | None = None) -> int:
         """CRC-check every record not checked yet in this process (each is otherwise checked
