@@ -14,6 +14,13 @@ build the step's graph (model call and sampler), nothing evaluated meanwhile.
     # CPU: the layer count and heads of Qwen3-30B-A3B at tiny widths; host ms per decode step,
     # with the blocks left uncompiled ("_uncompiled") side by side
     python benchmarks/engine_vs_mlxlm.py --tiny --contexts 64 --before
+    # prefill with the experts' prefill widening (expert_widen.py) on and off, side by side
+    python benchmarks/engine_vs_mlxlm.py --prefill-ab
+
+`--prefill-ab` adds a prefill-only config `fp16_widen_off`: the fp16 config's model and chunk
+with ROTARYQUANT_EXPERT_PREFILL_BITS=off (its own compiled traces), timed right after fp16's
+prefill (widening as this process's env/backend sets it: 8 bits on CUDA) and in the same
+alternating extra rounds.
 
 Results: benchmarks/results/engine_vs_mlxlm.json (runs of other machines are kept).
 """
@@ -21,7 +28,9 @@ Results: benchmarks/results/engine_vs_mlxlm.json (runs of other machines are kep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 from record import RESULTS, write_result  # noqa: E402
 
-from app.engine import compiled  # noqa: E402
+from app.engine import compiled, expert_widen  # noqa: E402
 from app.engine.generate import prepare_model, token_stream  # noqa: E402
 from app.engine.planner import prefill_chunk_for  # noqa: E402
 from app.engine.testing.shapes import QWEN3_30B_A3B  # noqa: E402
@@ -47,6 +56,7 @@ TINY = {
     "vocab_size": 1000,
 }
 CONFIGS = ("stock", "fp16", "isoquant3")
+WIDEN_OFF = "fp16_widen_off"  # --prefill-ab: fp16's prefill with the expert widening off
 WARM_STEPS = 8  # decode steps before a round's timing starts
 
 
@@ -150,6 +160,32 @@ def prefill(r: Runner, ids: list[int], keep: bool) -> tuple[float, int]:
     if keep:
         r.cache, r.last = cache, tok
     return len(ids) / dt, peak
+
+
+@contextlib.contextmanager
+def widening_off(model):
+    """The experts' prefill widening off (env override) with its own compiled traces; the
+    process's setting and traces back on exit."""
+    old = os.environ.get(expert_widen.ENV)
+    os.environ[expert_widen.ENV] = "off"
+    compiled.use_traces(model, "widen_off")
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[expert_widen.ENV]
+        else:
+            os.environ[expert_widen.ENV] = old
+        compiled.use_traces(model, None)
+
+
+def prefill_as(runners: dict, name: str, ids: list[int], keep: bool) -> tuple[float, int]:
+    """prefill() of a config, or of fp16 with the widening off (never kept)."""
+    if name != WIDEN_OFF:
+        return prefill(runners[name], ids, keep)
+    r = runners["fp16"]
+    with widening_off(r.model):
+        return prefill(r, ids, keep=False)
 
 
 def decode_round(r: Runner, steps: int, warm: int = WARM_STEPS) -> float:
@@ -323,6 +359,11 @@ def main() -> None:
         help="also our configs with uncompiled blocks (decode and host time)",
     )
     ap.add_argument("--breakdown", action="store_true", help="host ms per step by part")
+    ap.add_argument(
+        "--prefill-ab",
+        action="store_true",
+        help=f"also fp16's prefill with the experts' prefill widening off ({WIDEN_OFF})",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -358,23 +399,31 @@ def main() -> None:
     if not kernels_available():  # host time of the kernels' path, launches stubbed
         host_variants.append("isoquant3_stubbed")
     vocab = config["vocab_size"]
+    # fp16 with the widening off right after fp16 (--prefill-ab), isoquant3 last
+    prefill_names = ("stock", "fp16") + ((WIDEN_OFF,) if args.prefill_ab else ()) + ("isoquant3",)
+    widen_bits = expert_widen.prefill_bits()
+    print(f"experts' prefill widening: {widen_bits or 'off'} ({expert_widen.ENV})")
     # warm-up: kernels compiled for prefill chunks and decode steps
     for r in runners.values():
         prefill(r, prompt(min(args.contexts[0], 2 * r.chunk) + 3, vocab, 1), keep=True)
         decode_round(r, 4)
+    if args.prefill_ab:
+        warm = prompt(min(args.contexts[0], 2 * chunk) + 3, vocab, 1)
+        prefill_as(runners, WIDEN_OFF, warm, keep=False)
     rows = []
     for ctx in args.contexts:
         ids = prompt(ctx, vocab, ctx)
         res = {v: {"prefill": [], "decode": [], "host": [], "wall": []} for v in variants}
+        res[WIDEN_OFF] = {"prefill": []}
         for name in CONFIGS:
             runners[name].cache = None
             mx.clear_cache()
-        for name in CONFIGS:
-            tps, peak = prefill(runners[name], ids, keep=True)
+        for name in prefill_names:
+            tps, peak = prefill_as(runners, name, ids, keep=name in CONFIGS)
             res[name]["prefill"].append(tps)
             res[name]["peak"] = peak
             print(
-                f"ctx {ctx} {name:10s} prefill {tps:8.1f} tok/s  peak {peak / 1e9:6.2f} GB",
+                f"ctx {ctx} {name:14s} prefill {tps:8.1f} tok/s  peak {peak / 1e9:6.2f} GB",
                 flush=True,
             )
         for rnd in range(args.rounds):
@@ -399,12 +448,12 @@ def main() -> None:
                 f"wall {statistics.median(wall):7.3f})",
                 flush=True,
             )
-        first = sum(ctx / res[n]["prefill"][0] for n in CONFIGS)
+        first = sum(ctx / res[n]["prefill"][0] for n in prefill_names)
         for rnd in range(1, args.prefill_rounds):
             if time.perf_counter() - t_start + first > args.budget_s:
                 break
-            for name in CONFIGS if rnd % 2 else CONFIGS[::-1]:
-                res[name]["prefill"].append(prefill(runners[name], ids, keep=False)[0])
+            for name in prefill_names if rnd % 2 else prefill_names[::-1]:
+                res[name]["prefill"].append(prefill_as(runners, name, ids, keep=False)[0])
         for v in host_variants:
             base = v.split("_")[0]
             rows.append(
@@ -426,6 +475,24 @@ def main() -> None:
                     ],
                     "host_wall_ms_per_step": round(statistics.median(res[v]["wall"]), 3),
                     "prefill_chunk": runners[base].chunk,
+                    **({"expert_prefill_bits": widen_bits} if base != "stock" else {}),
+                }
+            )
+        if args.prefill_ab:
+            off = res[WIDEN_OFF]
+            rows.append(
+                {
+                    "machine": "",
+                    "model": model_name,
+                    "context": ctx,
+                    "config": WIDEN_OFF,
+                    "prefill_tps": round(statistics.median(off["prefill"]), 1),
+                    "prefill_rounds": [round(x, 1) for x in off["prefill"]],
+                    "decode_tps": None,
+                    "peak_gb": round(off["peak"] / 1e9, 2),
+                    "host_ms_per_step": None,
+                    "prefill_chunk": runners["fp16"].chunk,
+                    "expert_prefill_bits": None,
                 }
             )
     parts = {}
@@ -463,7 +530,7 @@ def report(rows: list[dict], args, parts: dict) -> None:
     for r in rows:
         print(
             f"{r['context']:6d} {r['config']:22s} {r['prefill_tps']:9.1f} {r['decode_tps'] or 0:8.2f} "
-            f"{r['peak_gb']:8.2f} {r['host_ms_per_step']:8.3f}"
+            f"{r['peak_gb']:8.2f} {r['host_ms_per_step'] or 0:8.3f}"
         )
     for ctx in args.contexts:
         s = by[(ctx, "stock")]
@@ -472,6 +539,14 @@ def report(rows: list[dict], args, parts: dict) -> None:
             print(
                 f"ctx {ctx} {c}/stock: prefill {o['prefill_tps'] / s['prefill_tps']:.2f}x, decode "
                 f"{o['decode_tps'] / s['decode_tps']:.2f}x, host {o['host_ms_per_step'] / s['host_ms_per_step']:.2f}x"
+            )
+        off = by.get((ctx, WIDEN_OFF))
+        if off:
+            on = by[(ctx, "fp16")]
+            print(
+                f"ctx {ctx} fp16 prefill, experts widened to {on['expert_prefill_bits'] or 'off'} "
+                f"/ widening off: {on['prefill_tps'] / off['prefill_tps']:.2f}x (off/stock "
+                f"{off['prefill_tps'] / s['prefill_tps']:.2f}x)"
             )
     if args.no_write:
         return

@@ -139,6 +139,30 @@ def compile_attention(module: nn.Module) -> None:
         object.__setattr__(module, "_rq_compiled_fn", fn)
 
 
+def use_traces(model: nn.Module, key) -> int:
+    """Switch every compiled feed-forward block to its set of traces named `key` (a fresh
+    compiled function the first time), keeping the current set under its own key; returns how
+    many. A setting read while a block is traced (the experts' prefill width, expert_widen.py)
+    can then be compared side by side in one process, each side traced once."""
+    n = 0
+    for _, m in model.named_modules():
+        if type(m).__dict__.get("__call__") is not _compiled_call:
+            continue
+        d = m.__dict__
+        sets = d.get("_rq_trace_sets")
+        if sets is None:
+            sets = {}
+            object.__setattr__(m, "_rq_trace_sets", sets)
+        sets[d.get("_rq_trace_key")] = d["_rq_compiled_fn"]
+        fn = sets.get(key)
+        if fn is None:
+            fn = mx.compile(functools.partial(type(m)._rq_original.__call__, m), inputs=m)
+        object.__setattr__(m, "_rq_compiled_fn", fn)
+        object.__setattr__(m, "_rq_trace_key", key)
+        n += 1
+    return n
+
+
 def is_compiled(block: nn.Module) -> bool:
     return "_rq_original" in type(block).__dict__
 

@@ -131,8 +131,10 @@ def _load_any(path, expert_budget: int | None) -> _loader.LoadedModel:
 
 def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = True) -> dict:
     """What the engine does to a loaded model before generating: float32 dense weights on the
-    CPU backend, compiled feed-forward blocks and attention decode steps (compiled.py). Returns
-    facts for ModelInfo.extra."""
+    CPU backend, resident expert layers that widen their codes for prefill calls
+    (expert_widen.py), compiled feed-forward blocks and attention decode steps (compiled.py).
+    Returns facts for ModelInfo.extra."""
+    from . import expert_widen
     from .backend import detect
     from .compiled import ATTENTION_NAMES
 
@@ -141,6 +143,8 @@ def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = Tru
         from .cpu_weights import dequantize_dense
 
         float_bytes = dequantize_dense(model)
+    widen_to = expert_widen.prefill_bits()  # a bad override fails here, not mid-prefill
+    widening = expert_widen.install(model)
     blocks = []
     if compile_blocks:
         from .compiled import compile_blocks as compile_all
@@ -151,6 +155,8 @@ def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = Tru
         "cpu_float_dense_bytes": float_bytes,
         "compiled_blocks": len(blocks) - len(attention),
         "compiled_attention": len(attention),
+        "expert_prefill_layers": widening,  # layers that widen when the width is set
+        "expert_prefill_bits": widen_to,
     }
 
 

@@ -1,0 +1,192 @@
+"""Routed experts' quantized weights widened for prefill calls (issue 39).
+
+MLX's affine quantization stores w = scale * q + bias with codes q of `bits` bits packed in
+uint32 words. The same scales and biases with the same codes written at 8 bits give the very
+same dequantized weights, and on CUDA (MLX 0.32, H200) one Qwen3-30B-A3B MoE layer's gathered
+quantized matmuls at prefill take 25.3 ms at 8 bits against 44.4 at 2 bits and 64.9 at 3
+(benchmarks/gather_qmm_bits.py). Decode calls are ~0.1 ms at every width.
+
+So a resident expert layer (mlx-lm's QuantizedSwitchLinear) widens its codes to 8 bits for the
+call when the call has many (token, expert) rows (MIN_ROWS: prefill chunks) and runs
+gather_qmm at 8 bits; smaller calls (decode, verify) run as mlx-lm runs them. The widened copy
+is transient: made in the call's graph, freed once its matmul has run, never kept. It depends
+on the layer's input (mx.depends), so MLX computes it just before its matmul rather than all
+layers' copies up front.
+
+`ROTARYQUANT_EXPERT_PREFILL_BITS`: `8` (the default on CUDA), `4` (codes narrower than 4 bits
+widened to 4), `off` (the default on the CPU and Metal, where it was not measured). Read when a
+call is built: inside a compiled block (compiled.py) that is when the block is traced for a
+shape, so a change needs fresh traces (compiled.use_traces).
+
+Paged expert layers (offload/) have their own classes and are not touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import EngineError
+
+ENV = "ROTARYQUANT_EXPERT_PREFILL_BITS"
+# (token, expert) rows from which a call widens: 64 tokens at top-8 (mlx-lm sorts from 64
+# rows). A guess, not measured: the repack reads every expert of the layer, a small call a few.
+MIN_ROWS = 512
+SOURCE_BITS = (2, 3, 4)  # widths whose codes are widened
+TARGET_BITS = (4, 8)
+
+
+def prefill_bits(backend: str | None = None) -> int | None:
+    """The width prefill calls widen expert codes to (None: off), from the env override or
+    the backend's default (8 on CUDA, off elsewhere)."""
+    v = os.environ.get(ENV, "").strip().lower()
+    if not v:
+        if backend is None:
+            from .backend import detect
+
+            backend = detect().name
+        return 8 if backend == "cuda" else None
+    if v in ("off", "0", "none"):
+        return None
+    if v.isdigit() and int(v) in TARGET_BITS:
+        return int(v)
+    raise EngineError(f"{ENV}={v!r}: expected 8, 4 or off")
+
+
+def _codes(w: mx.array, bits: int) -> mx.array:
+    """Packed words [..., W] -> codes [..., W * 32 / bits] (uint32)."""
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = mx.arange(per, dtype=mx.uint32) * bits
+        c = (w[..., None] >> shifts) & ((1 << bits) - 1)
+        return c.reshape(*w.shape[:-1], w.shape[-1] * per)
+    if bits == 3:  # 8 codes in each 3 bytes, a little-endian bit stream
+        b = mx.view(w, mx.uint8).reshape(*w.shape[:-1], -1, 3).astype(mx.uint32)
+        u = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        c = (u[..., None] >> (mx.arange(8, dtype=mx.uint32) * 3)) & 7
+        return c.reshape(*w.shape[:-1], -1)
+    raise ValueError(f"codes of {bits} bits are not widened")
+
+
+def _pack(codes: mx.array, to: int) -> mx.array:
+    """Codes [..., N] (each < 2**to) -> words [..., N * to / 32] at `to` bits, as mx.quantize."""
+    per = 32 // to
+    c = codes.reshape(*codes.shape[:-1], -1, per)
+    out = c[..., 0]
+    for j in range(1, per):
+        out = out | (c[..., j] << (to * j))
+    return out
+
+
+def _widen_words(w: mx.array, bits: int, to: int) -> mx.array:
+    """Widths that divide 32 (2 -> 4/8, 4 -> 8): each output word built from one input word's
+    shifts and masks, elementwise (one fused kernel once compiled), no code array in between."""
+    per_out = 32 // to
+    ratio = to // bits  # output words per input word
+    mask = (1 << bits) - 1
+    x = w[..., None]  # [..., W, 1] against [ratio]
+    first = mx.arange(ratio, dtype=mx.uint32) * (bits * per_out)  # first code of each out word
+    out = (x >> first) & mask
+    for j in range(1, per_out):
+        out = out | (((x >> (first + bits * j)) & mask) << (to * j))
+    return out.reshape(*w.shape[:-1], w.shape[-1] * ratio)
+
+
+@functools.cache
+def _widener(bits: int, to: int):
+    if 32 % bits == 0:
+        return mx.compile(functools.partial(_widen_words, bits=bits, to=to))
+    return mx.compile(lambda w: _pack(_codes(w, bits), to))
+
+
+def widen(w: mx.array, bits: int, to: int = 8) -> mx.array:
+    """Packed affine-quantized weights (uint32, [..., in * bits / 32]) at `bits` -> the same
+    codes packed at `to` bits ([..., in * to / 32]): with the same scales, biases and group size,
+    mx.dequantize gives the same weights bit for bit. Lazy, like any MLX op."""
+    if bits == to:
+        return w
+    if bits not in SOURCE_BITS or to not in TARGET_BITS or to < bits:
+        raise ValueError(f"cannot widen {bits}-bit codes to {to} bits")
+    return _widener(bits, to)(w)
+
+
+def _widened_call(self, x, indices, sorted_indices=False):
+    """QuantizedSwitchLinear's call, its codes widened when the call has many rows."""
+    to = None
+    if indices.size >= MIN_ROWS and self.mode == "affine" and self.bits in SOURCE_BITS:
+        to = prefill_bits()
+    if to is None or to <= self.bits:
+        return type(self)._rq_widen_original.__call__(self, x, indices, sorted_indices)
+    # depends on x: computed when the layer's input is, not with every layer's up front
+    w = widen(mx.depends(self["weight"], x), self.bits, to)
+    y = mx.gather_qmm(
+        x,
+        w,
+        self["scales"],
+        self.get("biases"),
+        rhs_indices=indices,
+        transpose=True,
+        group_size=self.group_size,
+        bits=to,
+        mode=self.mode,
+        sorted_indices=sorted_indices,
+    )
+    if "bias" in self:
+        y = y + mx.expand_dims(self["bias"][indices], -2)
+    return y
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _subclass(cls: type) -> type:
+    # __module__ kept: compiled.compilable still sees a block of mlx-lm's modules (pure array
+    # code), and the class still prints as mlx-lm's
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": _widened_call,
+                "_rq_widen_original": cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
+    return _SUBCLASSES[cls]
+
+
+def is_widening(m: nn.Module) -> bool:
+    return "_rq_widen_original" in type(m).__dict__
+
+
+def install(model: nn.Module) -> int:
+    """Give every resident affine expert layer (QuantizedSwitchLinear at 2, 3 or 4 bits) the
+    widening call; returns how many have it. Idempotent; parameters and paths unchanged."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    n = 0
+    for _, m in model.named_modules():
+        if is_widening(m):
+            n += 1
+        elif (
+            isinstance(m, QuantizedSwitchLinear)
+            and getattr(m, "mode", "affine") == "affine"
+            and m.bits in SOURCE_BITS
+        ):
+            m.__class__ = _subclass(type(m))
+            n += 1
+    return n
+
+
+def uninstall(model: nn.Module) -> int:
+    """Put the expert layers back to their mlx-lm class; returns how many."""
+    n = 0
+    for _, m in model.named_modules():
+        if is_widening(m):
+            m.__class__ = type(m).__dict__["_rq_widen_original"]
+            n += 1
+    return n
