@@ -70,19 +70,26 @@ def _compiled_call(self, x):
     return out
 
 
-def _subclass(cls: type, call=_compiled_call) -> type:
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(
+def call_subclass(cls: type, call, marker: str, cache: dict) -> type:
+    """`cls` with `call` as its __call__ (made once per class, kept in `cache`): swapped into
+    an instance's __class__. `marker` names the original class; __module__ is kept, so the
+    subclass still reads as mlx-lm's module (compilable() and repr see the original)."""
+    if cls not in cache:
+        cache[cls] = type(
             cls.__name__,
             (cls,),
             {
                 "__call__": call,
-                "_rq_original": cls,
+                marker: cls,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
             },
         )
-    return _SUBCLASSES[cls]
+    return cache[cls]
+
+
+def _subclass(cls: type, call=_compiled_call) -> type:
+    return call_subclass(cls, call, "_rq_original", _SUBCLASSES)
 
 
 _OFFSETS: dict[int, mx.array] = {}  # RoPE offsets as arrays: one per position, shared by layers
@@ -177,15 +184,22 @@ def is_compiled(block: nn.Module) -> bool:
     return "_rq_original" in type(block).__dict__
 
 
+def restore_classes(model: nn.Module, marker: str) -> int:
+    """Put every module swapped by call_subclass(..., marker, ...) back to its original class;
+    returns how many."""
+    n = 0
+    for _, m in model.named_modules():
+        original = type(m).__dict__.get(marker)
+        if original is not None:
+            m.__class__ = original
+            n += 1
+    return n
+
+
 def uncompile(model: nn.Module) -> int:
     """Put every compiled block back to its mlx-lm class (side-by-side benchmarks); returns
     how many. compile_blocks() turns them back on without tracing again."""
-    n = 0
-    for _, m in model.named_modules():
-        if is_compiled(m):
-            m.__class__ = type(m).__dict__["_rq_original"]
-            n += 1
-    return n
+    return restore_classes(model, "_rq_original")
 
 
 def compile_blocks(model: nn.Module) -> list[str]:

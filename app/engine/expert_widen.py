@@ -143,20 +143,9 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def _subclass(cls: type) -> type:
-    # __module__ kept: compiled.compilable still sees a block of mlx-lm's modules (pure array
-    # code), and the class still prints as mlx-lm's
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__call__": _widened_call,
-                "_rq_widen_original": cls,
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-            },
-        )
-    return _SUBCLASSES[cls]
+    from .compiled import call_subclass
+
+    return call_subclass(cls, _widened_call, "_rq_widen_original", _SUBCLASSES)
 
 
 def is_widening(m: nn.Module) -> bool:
@@ -184,9 +173,6 @@ def install(model: nn.Module) -> int:
 
 def uninstall(model: nn.Module) -> int:
     """Put the expert layers back to their mlx-lm class; returns how many."""
-    n = 0
-    for _, m in model.named_modules():
-        if is_widening(m):
-            m.__class__ = type(m).__dict__["_rq_widen_original"]
-            n += 1
-    return n
+    from .compiled import restore_classes
+
+    return restore_classes(model, "_rq_widen_original")
