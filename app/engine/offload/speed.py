@@ -38,11 +38,12 @@ class Costs:
     disk_Bps: float  # a record from the SSD (parallel preads)
 
 
-# readback: mlx-lm issue 1438 (Metal: 63% of a 58 ms token over 48 layers), issue 38 (H200:
-# 41 ms a token over 48 layers); bandwidths are conservative figures for each kind of machine
+# readback: mlx-lm issue 1438 (Metal: 63% of a 58 ms token over 48 layers), the H200 (41 ms
+# a token over 48 layers); bandwidths are conservative figures for each kind of machine (CUDA's
+# copy: the pinned record files' driver copies, 25-29 GB/s on the H200, docs/pager.md)
 BACKEND_COSTS = {
     "metal": Costs(mem_Bps=200e9, readback_s=0.75e-3, copy_Bps=20e9, disk_Bps=5e9),
-    "cuda": Costs(mem_Bps=2000e9, readback_s=0.85e-3, copy_Bps=8e9, disk_Bps=2e9),
+    "cuda": Costs(mem_Bps=2000e9, readback_s=0.85e-3, copy_Bps=20e9, disk_Bps=2e9),
     "cpu": Costs(mem_Bps=30e9, readback_s=0.05e-3, copy_Bps=5e9, disk_Bps=2e9),
 }
 
