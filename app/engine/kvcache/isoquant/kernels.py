@@ -437,6 +437,20 @@ def _tc_levels_cached(dim: int, bits: int) -> tuple[mx.array, float, bool]:
     return mx.array([v * s for v in cb.levels], mx.float32), 1.0 / s, False
 
 
+# A decode step's cache lengths change every step, so its launch is planned anew each step
+# (_launch); the parts that depend only on the head dim and widths are computed once here.
+@functools.lru_cache(maxsize=64)
+def _vsn_ok(dim: int, bits: int) -> bool:
+    return vsn_table_ok(_tc_levels_cached(dim, bits)[0].tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def _tc_tables(dim: int, kb: int, vb: int, kform: str, vform: str) -> tuple[int, ...]:
+    """The tensor-core kernel's K then V level tables (tc_table_words) for these widths."""
+    lvk, lvv = _tc_levels_cached(dim, kb)[0], _tc_levels_cached(dim, vb)[0]
+    return tc_table_words(lvk.tolist(), kform) + tc_table_words(lvv.tolist(), vform)
+
+
 def vsn_table_ok(levels) -> bool:
     """Whether the tensor-core kernel can take V levels as fp16 subnormals (VSN, isoquant_tc.cuh):
     8 integers in [-127, 127], the four lowest negative and the four highest positive (byte L +
@@ -611,7 +625,7 @@ def _launch(
     nbh = p.b * p.hkv
     kinv, vinv, tab = 1.0, 1.0, ()
     if variant == "tc":
-        (lvk, kinv, ki8), (lvv, vinv, vi8) = (
+        (_, kinv, ki8), (_, vinv, vi8) = (
             _tc_levels_cached(p.dim, p.kb),
             _tc_levels_cached(p.dim, p.vb),
         )
@@ -620,15 +634,14 @@ def _launch(
             opts[7] and use_i8 and vi8 and p.kind != KIND_CODES["dense"] and p.rows <= 4
             and plan["sl"] < PV8_MAX_SPLIT
         )  # fmt: skip
-        use_vsn = bool(opts[6] and vi8 and vsn_table_ok(lvv.tolist())) and not use_pv8
+        use_vsn = bool(opts[6] and vi8 and _vsn_ok(p.dim, p.vb)) and not use_pv8
         tmpl = [("D", p.dim), ("KIND", p.kind), ("CAUSAL", p.causal)]
         tmpl += [("QLO", opts[0]), ("PLO", opts[1]), ("QS", opts[2]), ("TO", dtype)]
         tmpl += [("FOLD", opts[3]), ("PF", opts[4]), ("KI8", use_i8), ("VSN", use_vsn)]
         vil = bool(tc16 and (use_pv8 or use_vsn))  # (the fp16 table path reads rows)
         tmpl += [("PV8", use_pv8), ("VIL", vil)]
-        tab = tc_table_words(lvk.tolist(), "int8" if use_i8 else "fp16")
         vform = "int8" if use_pv8 else "vsn" if use_vsn else "fp16"
-        tab += tc_table_words(lvv.tolist(), vform)
+        tab = _tc_tables(p.dim, p.kb, p.vb, "int8" if use_i8 else "fp16", vform)
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
