@@ -137,7 +137,7 @@ def test_combine_is_folded_in_unless_turned_off(monkeypatch):
         return iq._launch(p, "tc", None, False, 0.1, iq.tc_options(), None).slots
 
     long = iq.Problem(2, 32, 8, 1, 128, 32768, 64, 3, 3, 0, False)
-    short = dataclasses.replace(long, tc=8192)
+    short = long._replace(tc=8192)
     monkeypatch.setattr(iq, "TC_FOLD", True)
     assert slots(long) == slots(short) == 2 * 8  # B x KV heads
     monkeypatch.setattr(iq, "TC_FOLD", False)

@@ -24,8 +24,8 @@ import functools
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -257,8 +257,7 @@ class Unsupported(ValueError):
     """This input needs the reference (the dispatcher falls back; a forced kernel raises)."""
 
 
-@dataclass(frozen=True)
-class Problem:
+class _ProblemFields(NamedTuple):
     b: int
     hq: int
     hkv: int
@@ -271,13 +270,23 @@ class Problem:
     kind: int
     causal: bool
 
-    def __post_init__(self):
+
+class Problem(_ProblemFields):
+    """A call's shapes and widths. A named tuple, not a dataclass: a decode step's cache
+    lengths change every step, so one is made (and hashed, as the launch cache's key) per
+    layer and step."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args, **kw):
+        self = super().__new__(cls, *args, **kw)
         if self.hq % self.hkv:
             raise ValueError(f"{self.hq} query heads are not a multiple of {self.hkv} KV heads")
         if self.dim not in HEAD_DIMS:
             raise Unsupported(f"IsoQuant kernels take head dims {HEAD_DIMS}, not {self.dim}")
         if self.causal and self.tf < self.length:
             raise Unsupported("causal queries must lie in the float segment")
+        return self
 
     @property
     def g(self) -> int:
@@ -589,8 +598,7 @@ def split_plan(
     return dict(nrb=nrb, sl=sl, ncb=ncb, slf=slf, nfb=nfb, nsp=nspc + nfb * NW, nspc=nspc)
 
 
-@dataclass(frozen=True, eq=False)
-class _Launch:
+class _Launch(NamedTuple):
     """Everything about a fused call that depends only on shapes and options (cached)."""
 
     kern: str  # kernel name (objects are looked up per call: tests swap them)
