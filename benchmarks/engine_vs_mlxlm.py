@@ -229,10 +229,22 @@ class StubKernels:
         kk.install()  # back to what this backend registers
 
 
+def fresh_plans() -> None:
+    """Forget IsoQuant's launch plans: a real decode step's cache lengths are new every step,
+    so it plans its launches anew; a step rebuilt from the same cache state must pay that too
+    (else it would find last build's plans)."""
+    from app.engine.kvcache.isoquant import kernels as iq
+
+    iq._PLANS.clear()
+    iq._launch.cache_clear()
+    iq._iparams_cached.cache_clear()
+
+
 def host_ms(runners: dict, variants: list[str], steps: int) -> dict:
     """Thread CPU ms to build one decode step's graph with nothing evaluated: each variant
     builds the same step again and again from the same cache state (the caches' attributes
-    are put back after each build, the graph dropped), interleaved variant by variant so that
+    are put back after each build, the graph dropped, IsoQuant's launch plans forgotten as
+    a new cache length would), interleaved variant by variant so that
     they share the machine's state: variant -> (cpu ms list, wall ms list)."""
     out = {v: ([], []) for v in variants}
     for i in range(steps + 2):
@@ -246,6 +258,7 @@ def host_ms(runners: dict, variants: list[str], steps: int) -> dict:
             stub = StubKernels() if v.endswith("_stubbed") else None
             if stub:
                 stub.__enter__()
+            fresh_plans()
             t, c = time.perf_counter(), time.thread_time()
             y = r.step(tok)
             c1, t1 = time.thread_time(), time.perf_counter()
