@@ -389,6 +389,10 @@ def _iparams(p: Problem, **kw) -> mx.array:
 
 @functools.lru_cache(maxsize=1024)
 def _iparams_cached(p: Problem, kw: tuple) -> mx.array:
+    return mx.array(_iparams_words(p, kw), mx.int32)
+
+
+def _iparams_words(p: Problem, kw: tuple) -> list[int]:
     v = [0] * 24
     v[0], v[1], v[2], v[3], v[4], v[7], v[11], v[13] = (
         p.tc, p.tf, p.length, p.rows, p.g, p.hkv, p.hq, p.b,
@@ -399,7 +403,7 @@ def _iparams_cached(p: Problem, kw: tuple) -> mx.array:
             v[16:24] = np.asarray(val, np.uint32).view(np.int32).tolist()
         else:
             v[names[k]] = int(val)
-    return mx.array(v, mx.int32)
+    return v
 
 
 def tc_table_words(levels, form: str) -> tuple[int, ...]:
@@ -627,11 +631,29 @@ def _launch(
     """opts: the tensor-core kernel's (QLO, PLO, QS, FOLD, PF, KI8, VSN, PV8) template switches;
     dtype: the output's (the tensor-core kernel writes it when it folds the combine in); tc16:
     the V codes come in packing.py's tc16 layout (read as they are with the int8 V table, PV8 or
-    VSN: VIL; the other paths take them repacked as rows: _Launch.tc16)."""
+    VSN: VIL; the other paths take them repacked as rows: _Launch.tc16).
+    A decode step's float segment grows by a token every step, which changes only the split
+    plan's float part and one parameter: the rest is made once per plan (_launch_base)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
+    base, words = _launch_base(
+        p._replace(tf=0), rb, tuple(plan.items()), variant, has_sinks, scale, opts, dtype, tc16
+    )
+    words = list(words)
+    words[1] = p.tf  # IQ_P_TF (_iparams_cached's layout)
+    return base._replace(ip=mx.array(words, mx.int32))
+
+
+@functools.lru_cache(maxsize=512)
+def _launch_base(
+    p: Problem, rb: int, plan_items: tuple, variant, has_sinks, scale, opts, dtype, tc16
+) -> tuple[_Launch, tuple]:
+    """_launch's launch record without its parameters array, and the parameters' words
+    (p.tf 0: the caller sets it)."""
+    plan = dict(plan_items)
     nbh = p.b * p.hkv
     kinv, vinv, tab = 1.0, 1.0, ()
+    vil = False
     if variant == "tc":
         (_, kinv, ki8), (_, vinv, vi8) = (
             _tc_levels_cached(p.dim, p.kb),
@@ -653,15 +675,16 @@ def _launch(
     else:
         tmpl = [("D", p.dim), ("RB", rb), ("KB", p.kb), ("VB", p.vb), ("KIND", p.kind)]
         tmpl += [("CAUSAL", p.causal)]
-    ip = _iparams(
-        p, sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
+    kw = dict(
+        sl=plan["sl"], ncb=plan["ncb"], nsp=plan["nsp"], nspc=plan["nspc"], slf=plan["slf"],
         sinks=has_sinks, **({"tab": tab} if tab else {}),
     )  # fmt: skip
+    words = tuple(_iparams_words(p, tuple(sorted(kw.items()))))
     nsp = plan["nsp"]
     out_shapes = [(nbh, nsp, p.rows, p.dim), (nbh, nsp, p.rows), (nbh, nsp, p.rows)]
     if variant == "tc":
         out_shapes.append((p.b, p.hq, p.length, p.dim))
-    return _Launch(
+    run = _Launch(
         kern="iq_fused_tc" if variant == "tc" else "iq_fused_scalar",
         template=tuple(tmpl),
         grid=(
@@ -670,12 +693,13 @@ def _launch(
             else (32 * NW * (plan["ncb"] + plan["nfb"]), plan["nrb"], nbh)
         ),
         out_shapes=out_shapes,
-        ip=ip,
+        ip=None,
         fp=_fparams(scale, kinv, vinv),
         fp_combine=_fparams(scale),
         slots=nbh * plan["nrb"] if variant == "tc" and opts[3] else 0,
         tc16=bool(variant == "tc" and vil),
     )
+    return run, words
 
 
 def _fused_call(q, keys, values, p: Problem, run: _Launch, variant: str, lens, sinks):
