@@ -123,6 +123,17 @@ def treatments(window: int) -> dict[str, dict]:
         # score, Var(ε) from the query's norm and the key's stored scale: docs/quality.md)
         f"abl_scorecorr_w{w}": {**iso(3, 3, w), "explore": {"score_corr": 1.0}},
         f"abl_scorecorr2_w{w}": {**iso(3, 3, w), "explore": {"score_corr": 2.0}},
+        # with the values' scale unbiased too (the values' shrink left uncompensated otherwise)
+        f"abl_scorecorr_ubv_w{w}": {**iso(3, 3, w), "explore": {"score_corr": 1.0, "norm": "ub"}},
+        f"abl_scorecorr_ub_kv_w{w}": {
+            **iso(3, 3, w),
+            "explore": {"score_corr": 1.0, "norm_k": "ub", "norm": "ub"},
+        },
+        # the opposite sign (coded keys' scores raised): which way the perplexity responds
+        **{
+            f"abl_scorecorr_c{c:g}_w{w}": {**iso(3, 3, w), "explore": {"score_corr": c}}
+            for c in (-1.0, -0.5)
+        },
         f"abl_scorecorr_ubk_w{w}": {
             **iso(3, 3, w),
             "explore": {"score_corr": 1.0, "norm_k": "ub"},

@@ -16,7 +16,9 @@ the cache's rotation and codebook) and reports per layer:
 - the measured shrink (least squares of ŝ on s over the coded scores) against a;
 - the measured Var(ε) over the predicted one (ε = ŝ − a·s), and the excess kurtosis of ε
   divided by its predicted standard deviation (0 for a Gaussian);
-- attention KL(float || coded) and the relative error of the attention output, per variant:
+- the float attention's mass on the coded keys and Var(ε)/2 averaged with those weights;
+- attention KL(float || coded), the relative error of the attention output and the coded keys'
+  attention mass, per variant:
   corr_c (the correction times c), ubk (key scale unbiased: ⟨ŷ, y⟩ = ‖y‖², a → 1, the noise
   divided by a) with and without the correction.
 
@@ -76,7 +78,7 @@ def main() -> None:
     d = lm.config["head_dim"]
     q3 = Quantizer.make(d, 3)
     a, noise = code_gain(d, 3)
-    layers, sums = [], {n: [0.0, 0.0] for n in VARIANTS}
+    layers, sums = [], {n: [0.0, 0.0, 0.0] for n in VARIANTS}
     stat_sums = [0.0, 0.0, 0.0]
     print(f"codebook: a = {a:.5f}, E[c²] − a² = {noise:.5f}")
     print("layer  shrink  var/pred  kurt   KL " + " / ".join(VARIANTS))
@@ -92,7 +94,8 @@ def main() -> None:
         pf = mx.softmax(mx.where(causal, sf, -mx.inf), -1)
         of = pf @ vr
         vh = mx.repeat(kse.coded(v, rot, q3, False, 0), rep, 1)
-        row = {"layer": i, "variants": {}}
+        mass_f = mx.sum(pf * is_coded, -1)  # the coded keys' share of the float attention
+        row = {"layer": i, "coded_mass_float": round(float(mx.mean(mass_f)), 5), "variants": {}}
         for name, (norm, c) in VARIANTS.items():
             kh, kn = coded_keys(k, rot, q3, norm)
             sh = (q @ mx.repeat(kh, rep, 1).swapaxes(-1, -2)) * scale
@@ -111,6 +114,9 @@ def main() -> None:
                 row[f"{name}_shrink_fit"] = round(fit, 5)
                 row[f"{name}_var_over_predicted"] = round(ratio, 4)
                 row[f"{name}_excess_kurtosis"] = round(kurt, 3)
+                # Var(ε)/2 weighted by the float attention over the coded keys
+                half = mx.sum(pf * is_coded * var, -1) / mx.maximum(mass_f, 1e-30) / 2
+                row[f"{name}_half_var_attn"] = round(float(mx.mean(half)), 5)
                 if name == "default":
                     stat_sums = [x + y for x, y in zip(stat_sums, (fit, ratio, kurt), strict=True)]
             sc = mx.where(is_coded, sh - c * var / 2, sf)
@@ -118,18 +124,26 @@ def main() -> None:
             oc = (pc * is_coded) @ vh + (pc * ~is_coded) @ vr
             kl = float(mx.mean(mx.sum(pf * (mx.log(pf + 1e-30) - mx.log(pc + 1e-30)), -1)))
             rel_o = float(mx.mean(mx.sqrt(mx.sum((oc - of) ** 2, -1) / mx.sum(of**2, -1))))
-            row["variants"][name] = {"kl": round(kl, 5), "rel_out": round(rel_o, 5)}
-            sums[name] = [sums[name][0] + kl, sums[name][1] + rel_o]
+            mass = float(mx.mean(mx.sum(pc * is_coded, -1)))
+            row["variants"][name] = {"kl": round(kl, 5), "rel_out": round(rel_o, 5),
+                                     "coded_mass": round(mass, 5)}  # fmt: skip
+            sums[name] = [x + y for x, y in zip(sums[name], (kl, rel_o, mass), strict=True)]
         layers.append(row)
         kls = " / ".join(f"{row['variants'][n]['kl']:.4f}" for n in VARIANTS)
         print(f"{i:5d}  {row['default_shrink_fit']:.4f}  {row['default_var_over_predicted']:8.3f}"
               f"  {row['default_excess_kurtosis']:5.2f}  {kls}", flush=True)  # fmt: skip
     n = len(layers)
     means = {
-        name: {"kl": round(s[0] / n, 5), "rel_out": round(s[1] / n, 5)} for name, s in sums.items()
-    }
+        name: {"kl": round(s[0] / n, 5), "rel_out": round(s[1] / n, 5),
+               "coded_mass": round(s[2] / n, 5)}
+        for name, s in sums.items()
+    }  # fmt: skip
+    mass_f = sum(r["coded_mass_float"] for r in layers) / n
+    half = sum(r["default_half_var_attn"] for r in layers) / n
     for name, m in means.items():
-        print(f"mean {name:12s} KL {m['kl']:.5f}  rel out {m['rel_out']:.4f}")
+        print(f"mean {name:12s} KL {m['kl']:.5f}  rel out {m['rel_out']:.4f}  "
+              f"coded mass {m['coded_mass']:.4f}")  # fmt: skip
+    print(f"float attention on the coded keys {mass_f:.4f}; Var(ε)/2 under it {half:.4f}")
     print(f"mean shrink fit {stat_sums[0] / n:.4f} (a = {a:.4f}), var/predicted "
           f"{stat_sums[1] / n:.3f}, excess kurtosis {stat_sums[2] / n:.2f}")  # fmt: skip
     doc = {
@@ -146,6 +160,8 @@ def main() -> None:
             "shrink_fit": round(stat_sums[0] / n, 5),
             "var_over_predicted": round(stat_sums[1] / n, 4),
             "excess_kurtosis": round(stat_sums[2] / n, 3),
+            "coded_mass_float": round(mass_f, 5),
+            "half_var_attn": round(half, 5),
             "variants": means,
         },
         "layers": layers,
