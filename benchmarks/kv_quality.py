@@ -129,10 +129,10 @@ def treatments(window: int) -> dict[str, dict]:
             **iso(3, 3, w),
             "explore": {"score_corr": 1.0, "norm_k": "ub", "norm": "ub"},
         },
-        # the opposite sign (coded keys' scores raised): which way the perplexity responds
+        # c = 0.5, and the opposite sign (coded keys' scores raised): how the perplexity responds
         **{
             f"abl_scorecorr_c{c:g}_w{w}": {**iso(3, 3, w), "explore": {"score_corr": c}}
-            for c in (-1.0, -0.5)
+            for c in (-1.0, -0.5, 0.5)
         },
         f"abl_scorecorr_ubk_w{w}": {
             **iso(3, 3, w),
