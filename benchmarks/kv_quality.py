@@ -24,7 +24,7 @@ the one-token-a-step protocol up to float summation order; each row re-scores it
 --check-steps tokens one at a time over the app's own IsoQuantKVCache and reference attention
 and records the largest per-token NLL difference (`sequential_check_max_abs_nll`).
 Rows named abl_* are ablations (a side kept in float, per-layer bits, encode-side variants,
-an emulated 8-bit scale); mix_* give layer bands other bits and float windows (docs/quality.md).
+an emulated 8-bit scale, a score correction for the keys' coding noise); mix_* give layer bands other bits and float windows (docs/quality.md).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python benchmarks/kv_quality.py [--windows 16] [--treatments a,b]
