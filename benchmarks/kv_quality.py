@@ -24,7 +24,7 @@ the one-token-a-step protocol up to float summation order; each row re-scores it
 --check-steps tokens one at a time over the app's own IsoQuantKVCache and reference attention
 and records the largest per-token NLL difference (`sequential_check_max_abs_nll`).
 Rows named abl_* are ablations (a side kept in float, per-layer bits, encode-side variants,
-an emulated 8-bit scale); mix_* give layer bands other bits and float windows (docs/quality.md).
+an emulated 8-bit scale, a score correction for the keys' coding noise); mix_* give layer bands other bits and float windows (docs/quality.md).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python benchmarks/kv_quality.py [--windows 16] [--treatments a,b]
@@ -53,6 +53,7 @@ from app.engine import kvcache  # noqa: E402
 from app.engine.embedded import ensure_default_model  # noqa: E402
 from app.engine.kvcache import isoquant  # noqa: E402
 from app.engine.kvcache.isoquant.cache import TRIM_EXACT, IsoQuantKVCache  # noqa: E402
+from app.engine.kvcache.isoquant.codebook import code_gain  # noqa: E402
 from app.engine.loader import load  # noqa: E402
 
 WINDOW_TOKENS = 2048
@@ -118,6 +119,25 @@ def treatments(window: int) -> dict[str, dict]:
             "explore": {"center_k": True, "center_v": True, "norm_k": "exact"},
         },
         f"abl_lsnorm_w{w}": {**iso(3, 3, w), "explore": {"norm": "ls", "norm_k": "ls"}},
+        # a score correction for the keys' coding noise (c times Var(ε)/2 off each coded key's
+        # score, Var(ε) from the query's norm and the key's stored scale: docs/quality.md)
+        f"abl_scorecorr_w{w}": {**iso(3, 3, w), "explore": {"score_corr": 1.0}},
+        f"abl_scorecorr2_w{w}": {**iso(3, 3, w), "explore": {"score_corr": 2.0}},
+        # with the values' scale unbiased too (the values' shrink left uncompensated otherwise)
+        f"abl_scorecorr_ubv_w{w}": {**iso(3, 3, w), "explore": {"score_corr": 1.0, "norm": "ub"}},
+        f"abl_scorecorr_ub_kv_w{w}": {
+            **iso(3, 3, w),
+            "explore": {"score_corr": 1.0, "norm_k": "ub", "norm": "ub"},
+        },
+        # c = 0.5, and the opposite sign (coded keys' scores raised): how the perplexity responds
+        **{
+            f"abl_scorecorr_c{c:g}_w{w}": {**iso(3, 3, w), "explore": {"score_corr": c}}
+            for c in (-1.0, -0.5, 0.5)
+        },
+        f"abl_scorecorr_ubk_w{w}": {
+            **iso(3, 3, w),
+            "explore": {"score_corr": 1.0, "norm_k": "ub"},
+        },
         # the first token (SmolLM2's attention sink: 80-95% of the mass in deep layers) in float
         f"abl_sink1_exactk_w{w}": {**iso(3, 3, w, sink=1), "explore": {"norm_k": "exact"}},
         f"abl_sink1_ubk_w{w}": {**iso(3, 3, w, sink=1), "explore": {"norm_k": "ub"}},
@@ -348,13 +368,18 @@ class DualKVCache(_BaseCache):
     is exact), and a token's codes do not depend on when it is encoded, so the scores are the
     sequential protocol's up to float summation order (checked per run: `sequential_check`)."""
 
-    def __init__(self, k, v, kh, vh, codec, window: int, sink: int):
+    def __init__(self, k, v, kh, vh, codec, window: int, sink: int, k_scale=None):
         self.keys, self.values, self.k_hat, self.v_hat = k, v, kh, vh
         self.codec, self.window, self.sink = codec, window, sink
         self.offset = k.shape[2]
+        # score correction (explore_codec's score_corr): the coded keys' stored scales
+        self.score_corr = getattr(codec, "score_corr", None)
+        self.k_scale = k_scale
 
     def update_and_fetch(self, keys, values):
-        kh, vh = self.codec(keys, values)
+        kh, vh, *kn = self.codec(keys, values)
+        if self.score_corr:
+            self.k_scale = mx.concatenate([self.k_scale, kn[0]], axis=2)
         self.keys = mx.concatenate([self.keys, keys], axis=2)
         self.values = mx.concatenate([self.values, values], axis=2)
         self.k_hat = mx.concatenate([self.k_hat, kh.astype(keys.dtype)], axis=2)
@@ -371,6 +396,34 @@ class DualKVCache(_BaseCache):
         j = mx.arange(t)[None]
         coded = (j <= p - self.window) & (j >= self.sink)
         return mx.concatenate([coded, (j <= p) & ~coded], axis=1)  # [n, 2t]
+
+    def corrected_attention(self, q, k, v, scale: float, mask) -> mx.array:
+        """Attention over [coded | float] copies with each coded key's score lowered by
+        score_corr·scale²·|q|²·n² (n its stored scale; float copies uncorrected)."""
+        rep = q.shape[1] // k.shape[1]
+        q32 = q.astype(mx.float32)
+        qn2 = mx.sum(q32 * q32, axis=-1, keepdims=True) * (scale * scale)  # [B, Hq, L, 1]
+        n2 = mx.square(self.k_scale.astype(mx.float32))  # [B, Hkv, t]
+        beta = mx.concatenate([n2, mx.zeros_like(n2)], axis=2)  # [B, Hkv, 2t]
+        beta = mx.repeat(beta, rep, axis=1)[:, :, None, :]  # [B, Hq, 1, 2t]
+        k32, v32 = (mx.repeat(a.astype(mx.float32), rep, axis=1) for a in (k, v))
+        s = (q32 * scale) @ k32.swapaxes(-1, -2) - self.score_corr * qn2 * beta
+        s = mx.where(mask, s, mx.finfo(mx.float32).min)
+        return (mx.softmax(s, axis=-1, precise=True) @ v32).astype(q.dtype)
+
+
+def corrected_sdpa(previous):
+    """An attention function that runs DualKVCache.corrected_attention for caches with a score
+    correction and `previous` otherwise."""
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, DualKVCache) and cache.score_corr:
+            if sinks is not None or mask is None or isinstance(mask, str):
+                raise ValueError("the score correction takes DualKVCache's mask and no sinks")
+            return cache.corrected_attention(queries, keys, values, scale, mask)
+        return previous(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    return sdpa
 
 
 def codecs(spec: dict, kv: list, seed: int) -> list:
@@ -404,7 +457,9 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     "ls" the least-squares scale, "ub" the scale that makes <ŷ, y> = |y|² (the levels are
     centroids, so with |y| the decoded row is y shrunk along itself by about 1 - MSE);
     scale8: the scale stored in 8 bits, log2-uniform over the range of the prefill's scales per
-    window and KV head (later tokens clamped to it)."""
+    window and KV head (later tokens clamped to it); score_corr: c, the coded keys' scores lowered
+    by c·Var(ε)/2 (the codec then returns the keys' stored scales too, and its `score_corr` is
+    c·(E[c²] − a²)/(2D): the score's noise variance over scale²·|q|²·n², code_gain)."""
     from app.engine.kvcache.isoquant.packing import unpack_codes
 
     def mean(a):
@@ -430,6 +485,8 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
         idx = mx.clip(mx.round((lg - lo) / step), 0, 255)
         return mx.power(2.0, lo + idx * step).astype(mx.float16)
 
+    stored = {}
+
     def rt(a, q, m, norm, r=None):
         a = a.astype(mx.float32)
         if m is not None:
@@ -446,14 +503,38 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
             norms = (n * math.sqrt(q.dim)).astype(mx.float16)
         if r is not None:
             norms = scale8(norms, r)
+        stored["last"] = norms
         out = c.rotation.inverse(q.decode_rotated(codes, norms))
         return out if m is None else out + m
 
+    corr = x.get("score_corr")
+
     def f(k, v):
         kh = rt(k, c.kq, mk, x.get("norm_k", "exact"), rk) if kb else k
-        return kh, (rt(v, c.vq, mv, x.get("norm", "exact"), rv) if vb else v)
+        kn = stored["last"] if kb else mx.zeros(k.shape[:3], mx.float16)  # keys' stored scales
+        vh = rt(v, c.vq, mv, x.get("norm", "exact"), rv) if vb else v
+        return (kh, vh, kn) if corr else (kh, vh)
 
+    if corr:
+        if kb and mk is not None:
+            raise ValueError("score_corr takes uncentered keys")
+        f.score_corr = corr * code_gain(c.kq.dim, c.kq.bits)[1] / (2 * c.kq.dim)
     return f
+
+
+def forward_corrected(model, inp: mx.array, caches: list) -> mx.array:
+    """model(inp) over `caches` with corrected_sdpa in the model's modules (restored after)."""
+    mods = [sys.modules[n] for n in isoquant.install(model)]
+    saved = [m.scaled_dot_product_attention for m in mods]
+    try:
+        for m, fn in zip(mods, saved, strict=True):
+            m.scaled_dot_product_attention = corrected_sdpa(fn)
+        logits = model(inp, cache=caches).astype(mx.float32)
+        mx.eval(logits)
+        return logits
+    finally:
+        for m, fn in zip(mods, saved, strict=True):
+            m.scaled_dot_product_attention = fn
 
 
 def score_parallel(
@@ -474,12 +555,13 @@ def score_parallel(
                 c = KVCache()
                 c.update_and_fetch(k, v)
             else:
-                kh, vh = fns[i](k, v)
+                kh, vh, *kn = fns[i](k, v)
                 c = DualKVCache(k, v, kh.astype(k.dtype), vh.astype(v.dtype), fns[i],
-                                layer_bits(spec["window"], i), spec.get("sink", 0))  # fmt: skip
+                                layer_bits(spec["window"], i), spec.get("sink", 0),
+                                kn[0] if kn else None)  # fmt: skip
             caches.append(c)
         inp = tokens[g0:g1, PREFIX - 1 : PREFIX - 1 + scored]
-        logits = model(inp, cache=caches).astype(mx.float32)
+        logits = forward_corrected(model, inp, caches)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tgt = tokens[g0:g1, PREFIX : PREFIX + scored]
         nll = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]

@@ -12,6 +12,7 @@ import pytest
 from app.engine.kvcache.isoquant.attention import IsoQuantTensor, isoquant_attention_reference
 from app.engine.kvcache.isoquant.codebook import (
     Codebook,
+    code_gain,
     int8_lloyd_max,
     kv_codebook,
     lloyd_max,
@@ -236,6 +237,24 @@ def test_encode_decode_error_is_lloyd_max_error():
     xh = decode(codes, norms, rot, q)
     rel = float(mx.sum((xh - x) ** 2) / mx.sum(x * x))
     assert abs(rel - lloyd_max(dim, 3).mse()) < 0.004  # ≈ 0.034: the codebook's own MSE
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_code_gain_is_the_centroid_shrink_and_predicts_the_score_noise(bits):
+    dim = 64
+    a, noise = code_gain(dim, bits)
+    mse = kv_codebook(dim, bits).mse()
+    # Lloyd–Max levels are centroids: E[u c] = E[c²] = 1 − MSE (the int8 grid nearly so)
+    assert abs(a - (1 - mse)) < 2e-4 and abs(noise - mse * (1 - mse)) < 2e-4
+    # coded keys' scores: ŝ = a·s + ε, Var(ε) = noise·|q|²|k|²/D (Monte Carlo over keys)
+    rot = Rotation.make("v3", dim, 1, seed=0, layer=0)
+    k = mx.random.normal((1, 1, 20000, dim), key=mx.random.key(5)) * 2.0
+    q = mx.random.normal((dim,), key=mx.random.key(6))
+    kh = decode(*encode(k, rot, Quantizer.make(dim, bits)), rot, Quantizer.make(dim, bits))
+    s, sh = np.asarray(k @ q).ravel(), np.asarray(kh @ q).ravel()
+    pred = noise * float(mx.sum(q * q)) * np.asarray(mx.sum(k * k, -1)).ravel() / dim
+    assert abs(np.sum(sh * s) / np.sum(s * s) - a) < 0.004
+    assert abs(np.mean((sh - a * s) ** 2) / np.mean(pred) - 1) < 0.02  # MSE alone: 3.4% off
 
 
 # ---- attention -------------------------------------------------------------------------------

@@ -128,3 +128,16 @@ def kv_codebook(dim: int, bits: int) -> Codebook:
     """The codebook the cache encodes with: on the int8 grid for 3 bits (the tensor-core kernel's
     codes), plain Lloyd–Max for 4 bits (no int8 path takes 4-bit codes)."""
     return int8_lloyd_max(dim, bits) if bits == 3 else lloyd_max(dim, bits)
+
+
+@functools.cache
+def code_gain(dim: int, bits: int) -> tuple[float, float]:
+    """(a, E[c²] − a²) of the cache's codebook over the sphere coordinate's density: a coordinate
+    u is decoded as c(u) = a·u + η, a = E[u·c(u)] the shrink (≈ 1 − MSE: the levels are
+    centroids) and η, uncorrelated with u, of variance E[c²] − a² (≈ MSE·(1 − MSE)). A coded
+    key's score is then a·s + ε with Var(ε) ≈ (E[c²] − a²)·‖q‖²‖k‖²/D (docs/quality.md)."""
+    cb = kv_codebook(dim, bits)
+    t, w = _density(dim)
+    c = np.asarray(cb.levels)[np.searchsorted(np.asarray(cb.thresholds), t)]
+    a = float(np.sum(w * t * c))
+    return a, float(np.sum(w * c * c)) - a * a
