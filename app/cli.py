@@ -242,7 +242,10 @@ def bench_text(res: dict) -> str:
         hit = "—" if p.get("hit_rate") is None else f"{p['hit_rate']:.1%}"
         rows.append(("expert hits", "", hit))
         if p.get("MB_read_per_token") is not None:
-            rows.append(("SSD reads", "", f"{p['MB_read_per_token']:.1f} MB/token"))
+            via = {"pinned": "page-locked files", "zero_copy": "into slots"}.get(
+                p.get("read_path"), p.get("read_path") or ""
+            )
+            rows.append(("SSD reads", via, f"{p['MB_read_per_token']:.1f} MB/token"))
         if p.get("read_MBps"):
             rows.append(("", "", f"{p['read_MBps']:.0f} MB/s"))
     lines += [f"  {name:12s} {n:>12s} {v:>12s}" for name, n, v in rows]

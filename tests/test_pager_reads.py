@@ -178,6 +178,7 @@ def test_bench_reports_paging_figures(tmp_path):
 
     text = bench_text({"model": "m", "machine": {"device": "d", "backend": "cpu"}, **res})
     assert f"{p['hit_rate']:.1%}" in text and "paging ms/token: reads" in text
+    assert p["read_path"] == "zero_copy" and "into slots" in text  # the CPU's path, named
 
 
 def test_memory_panel_reads_every_paging_figure_from_the_pager(records):
@@ -302,6 +303,32 @@ def test_pinned_record_files_check_a_record_on_its_first_read(tmp_path):
     paged.options = replace(paged.options, drop_page_cache=True)
     assert paged.read_path == "device_copy"
     paged.close()
+
+
+def test_pinning_needs_the_files_to_fit_in_half_the_free_memory(records, monkeypatch):
+    """By default the files are pinned only where they take at most half the available
+    memory (page-locked pages cannot be reclaimed); too large, the staging path stays."""
+    import psutil
+
+    store = _store(records)
+    files = sum(store.layout(x).file_size for x in store.layers)
+    paged = ExpertPager(store, store.expert_bytes() // 5, PagerOptions(zero_copy=False))
+    paged._copier = copier = _HostCopier()
+    copier.maps = []
+
+    class Free:
+        def __init__(self, n):
+            self.available = n
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Free(2 * files - 1))
+    assert paged._map_records() is None and not copier.maps
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Free(2 * files))
+    maps = paged._map_records()
+    assert sorted(maps) == sorted(store.layers) and len(copier.maps) == len(store.layers)
+    paged._maps = maps
+    assert paged.read_path == "pinned"
+    paged.close()
+    assert not copier.maps
 
 
 def test_pinning_is_off_when_asked(records):

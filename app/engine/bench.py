@@ -78,6 +78,7 @@ def pager_summary(s: dict) -> dict:
     n = s.get("tokens") or 0
     return {
         "hit_rate": s["hit_rate"],
+        "read_path": s.get("read_path"),  # how misses reach the slots (ExpertPager.read_path)
         "read_MBps": s.get("read_MBps"),
         "ms_per_token": s.get("ms_per_token"),
         "host_ms_per_token": s.get("host_parts"),  # the pager's host work by part
