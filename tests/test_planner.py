@@ -350,6 +350,21 @@ def test_prefill_chunk_grows_only_into_memory_the_plan_leaves():
     assert chunk == 2048 and "2048-token steps" in why
 
 
+def test_prefill_peak_counts_one_layer_of_widened_experts_on_cuda():
+    """CUDA's prefill calls widen a layer's routed codes to 8 bits (expert_widen.py): one
+    layer's routed weights at one byte each, beside the step's activations; not elsewhere."""
+    s = sizes.compute(json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()), name="qwen3")
+    cuda, metal = Machine.simulate(80 * GiB, "cuda"), Machine.simulate(80 * GiB, "metal")
+    one_layer = s.experts_per_layer * s.params_per_expert  # 128 x 3 x 768 x 2048
+    assert one_layer == 128 * 3 * 768 * 2048
+    assert planner.widened_expert_bytes(s, metal) == 0
+    assert planner.widened_expert_bytes(s, cuda) == one_layer
+    base = planner.activation_bytes(s, 8192, metal, 2048)
+    assert planner.activation_bytes(s, 8192, cuda, 2048) - base == one_layer
+    wide = dataclasses.replace(s, widths=s.widths.with_bits(routed=8))
+    assert planner.widened_expert_bytes(wide, cuda) == 0  # 8-bit experts are not widened
+
+
 def test_plan_sizes_prefill_chunk_and_counts_it():
     roomy = plan_model(CONFIGS / "qwen3-30b-a3b.json", Machine.simulate(32 * GiB, "metal"))
     assert roomy.prefill_chunk == 2048 and not roomy.paging

@@ -256,7 +256,16 @@ def activation_bytes(s: ModelSizes, context: int, m: Machine, chunk: int = PREFI
     # MLX evaluates the chunk's graph as a whole, so layers' transients can overlap: add them.
     ssm = 3 * s.ssm_heads * min(c, SSM_STEP) ** 2 * 4
     logits = 2 * s.vocab_size * 4  # the last token's logits (fp32) and the sampler's copy
-    return resid + widest + scores + ssm + logits
+    return resid + widest + scores + ssm + logits + widened_expert_bytes(s, m)
+
+
+def widened_expert_bytes(s: ModelSizes, m: Machine) -> int:
+    """One MoE layer's routed codes widened to 8 bits for a prefill call (expert_widen.py:
+    CUDA's default; one layer's copy at a time), else 0."""
+    bits = s.widths.routed.bits
+    if m.backend != "cuda" or not s.moe_layers or bits is None or bits >= 8:
+        return 0
+    return s.experts_per_layer * s.params_per_expert
 
 
 def prefill_chunk(
