@@ -1,4 +1,4 @@
-"""Routed experts' quantized weights widened for prefill calls (issue 39).
+"""Routed experts' quantized weights widened for prefill calls.
 
 MLX's affine quantization stores w = scale * q + bias with codes q of `bits` bits packed in
 uint32 words. The same scales and biases with the same codes written at 8 bits give the very
