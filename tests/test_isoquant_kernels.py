@@ -217,6 +217,46 @@ def test_call_plans_are_cached_per_shape_and_setting(monkeypatch):
     assert len(iq._PLANS) <= 3  # bounded: cleared when full
 
 
+@pytest.mark.parametrize("variant", ["tc", "scalar"])
+def test_a_launch_made_from_a_shared_base_has_its_own_lengths(variant):
+    """Decode steps share one launch base per split plan (_launch_base) and patch their own
+    compressed and float lengths in: every launch's parameters, grid and shapes equal what
+    its own Problem gives when built from nothing."""
+    opts = iq.tc_options()
+    for tc, tf in [(2048, 64), (2049, 64), (2050, 63), (2051, 1), (4096, 80), (33, 0), (32, 17)]:
+        p = iq.Problem(1, 32, 8, 1, 128, tc, tf, 3, 3, 0, False)
+        run = iq._launch(p, variant, None, False, 0.1, opts, None)
+        rb = iq.TC_RB if variant == "tc" else min(iq.SCALAR_RB[128], 4)
+        plan = iq.split_plan(p, rb, None, None, merged=variant == "tc")
+        words = iq._iparams_words(
+            p,
+            tuple(
+                sorted(
+                    {
+                        **{k: plan[k] for k in ("sl", "ncb", "nsp", "nspc", "slf")},
+                        "sinks": False,
+                        **(
+                            {"tab": iq._tc_tables(128, 3, 3, *_forms(run))}
+                            if variant == "tc"
+                            else {}
+                        ),
+                    }.items()
+                )
+            ),
+        )
+        assert run.ip.tolist() == words, (tc, tf)
+        assert run.out_shapes[0] == (8, plan["nsp"], p.rows, 128), (tc, tf)
+        got_rows = run.grid[1] if variant == "tc" else run.grid[0] // (32 * iq.NW)
+        assert got_rows == plan["ncb"] + plan["nfb"], (tc, tf)
+
+
+def _forms(run):
+    t = dict(run.template)
+    kform = "int8" if t["KI8"] else "fp16"
+    vform = "int8" if t["PV8"] else "vsn" if t["VSN"] else "fp16"
+    return kform, vform
+
+
 def test_fp16_level_scale_tightens_the_table():
     from app.engine.kvcache.isoquant.quantizer import Quantizer
 

@@ -632,15 +632,17 @@ def _launch(
     dtype: the output's (the tensor-core kernel writes it when it folds the combine in); tc16:
     the V codes come in packing.py's tc16 layout (read as they are with the int8 V table, PV8 or
     VSN: VIL; the other paths take them repacked as rows: _Launch.tc16).
-    A decode step's float segment grows by a token every step, which changes only the split
-    plan's float part and one parameter: the rest is made once per plan (_launch_base)."""
+    A decode step's cache lengths change every step (the compressed part grows by a token
+    once the window is full), which changes the split plan only every few dozen tokens and
+    two parameters every step: the rest is made once per split plan (_launch_base)."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     base, words = _launch_base(
-        p._replace(tf=0), rb, tuple(plan.items()), variant, has_sinks, scale, opts, dtype, tc16
-    )
+        p._replace(tc=0, tf=0), rb, tuple(plan.items()), variant, has_sinks, scale, opts, dtype,
+        tc16,
+    )  # fmt: skip
     words = list(words)
-    words[1] = p.tf  # IQ_P_TF (_iparams_cached's layout)
+    words[0], words[1] = p.tc, p.tf  # IQ_P_TC, IQ_P_TF (_iparams_words' layout)
     return base._replace(ip=mx.array(words, mx.int32))
 
 
@@ -649,7 +651,7 @@ def _launch_base(
     p: Problem, rb: int, plan_items: tuple, variant, has_sinks, scale, opts, dtype, tc16
 ) -> tuple[_Launch, tuple]:
     """_launch's launch record without its parameters array, and the parameters' words
-    (p.tf 0: the caller sets it)."""
+    (p.tc and p.tf 0: the caller sets them)."""
     plan = dict(plan_items)
     nbh = p.b * p.hkv
     kinv, vinv, tab = 1.0, 1.0, ()
