@@ -236,7 +236,6 @@ def fresh_plans() -> None:
     from app.engine.kvcache.isoquant import kernels as iq
 
     iq._PLANS.clear()
-    iq._launch.cache_clear()
     iq._iparams_cached.cache_clear()
 
 

@@ -616,7 +616,6 @@ class _Launch(NamedTuple):
     tc16: bool = False  # the kernel reads V codes in the tc16 layout (else they come as rows)
 
 
-@functools.lru_cache(maxsize=512)
 def _launch(
     p: Problem,
     variant: str,
@@ -634,7 +633,8 @@ def _launch(
     VSN: VIL; the other paths take them repacked as rows: _Launch.tc16).
     A decode step's cache lengths change every step (the compressed part grows by a token
     once the window is full), which changes the split plan only every few dozen tokens and
-    two parameters every step: the rest is made once per split plan (_launch_base)."""
+    two parameters every step: the rest is made once per split plan (_launch_base). Not cached
+    itself: _plan keeps the launch of each call's shapes."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     base, words = _launch_base(
