@@ -11,7 +11,10 @@ call when the call has many (token, expert) rows (MIN_ROWS: prefill chunks) and 
 gather_qmm at 8 bits; smaller calls (decode, verify) run as mlx-lm runs them. The widened copy
 is transient: made in the call's graph, freed once its matmul has run, never kept. It depends
 on the layer's input (mx.depends), so MLX computes it just before its matmul rather than all
-layers' copies up front.
+layers' copies up front. On CUDA that alone did not bound the peak (the host queued every
+layer's copy before the device freed the first: +15 GB for a 2048-token chunk of
+Qwen3-30B-A3B), so compiled blocks holding widening experts sync once a layer on prefill calls
+(sync_compiled_blocks).
 
 `ROTARYQUANT_EXPERT_PREFILL_BITS`: `8` (the default on CUDA), `4` (codes narrower than 4 bits
 widened to 4), `off` (the default on the CPU and Metal, where it was not measured). Read when a
@@ -167,6 +170,20 @@ def install(model: nn.Module) -> int:
             and m.bits in SOURCE_BITS
         ):
             m.__class__ = _subclass(type(m))
+            n += 1
+    return n
+
+
+def sync_compiled_blocks(model: nn.Module) -> int:
+    """Mark the compiled blocks holding widening experts: their prefill calls sync once a layer
+    (compiled._compiled_call), so the transient copies do not pile up ahead of the device.
+    Returns how many."""
+    from .compiled import is_compiled
+
+    n = 0
+    for _, m in model.named_modules():
+        if is_compiled(m) and any(is_widening(c) for _, c in m.named_modules()):
+            object.__setattr__(m, "_rq_prefill_sync", True)
             n += 1
     return n
 

@@ -151,13 +151,7 @@ def prepare_model(model, *, float_dense: bool = True, compile_blocks: bool = Tru
 
         blocks = compile_all(model)
         if widen_to is not None:
-            from .compiled import is_compiled
-
-            for _, m in model.named_modules():  # compiled blocks holding widening experts
-                if is_compiled(m) and any(
-                    expert_widen.is_widening(c) for _, c in m.named_modules()
-                ):
-                    object.__setattr__(m, "_rq_prefill_sync", True)
+            expert_widen.sync_compiled_blocks(model)
     attention = [p for p in blocks if p.rpartition(".")[2] in ATTENTION_NAMES]
     return {
         "cpu_float_dense_bytes": float_bytes,

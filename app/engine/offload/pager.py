@@ -235,24 +235,26 @@ class SlotPool:
     def copy_row(self, copier, row: int, slot: int) -> None:
         """Queue the copy of staged row `row` into `slot` on the device copier's stream (the
         slot is unpinned and no computation reading it is in flight); lands by copier.sync()."""
-        from .cuda_copy import buffer_address
-
-        if self._bases is None:
-            self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        bases = self._slot_bases()
         pos = self._stage.ctypes.data + row * self.slot_bytes
         for t in self.tensors:
-            copier.copy_async(self._bases[t.name] + slot * t.nbytes, pos, t.nbytes)
+            copier.copy_async(bases[t.name] + slot * t.nbytes, pos, t.nbytes)
             pos += t.nbytes
 
     def copy_record(self, copier, src: int, slot: int) -> None:
         """Queue the copies of one record at host address `src` (a pinned mapping of its file)
         into `slot`, one per tensor; they land by copier.sync()."""
-        from .cuda_copy import buffer_address
-
-        if self._bases is None:
-            self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        bases = self._slot_bases()
         for t in self.tensors:
-            copier.copy_async(self._bases[t.name] + slot * t.nbytes, src + t.offset, t.nbytes)
+            copier.copy_async(bases[t.name] + slot * t.nbytes, src + t.offset, t.nbytes)
+
+    def _slot_bases(self) -> dict[str, int]:
+        """The slot tensors' addresses (device copies), looked up once."""
+        if self._bases is None:
+            from .cuda_copy import buffer_address
+
+            self._bases = {t.name: buffer_address(self.storage[t.name]) for t in self.tensors}
+        return self._bases
 
     def stage_views(self, row: int) -> list[memoryview]:
         mv = memoryview(self._stage[row])
@@ -656,9 +658,7 @@ class ExpertPager:
             try:
                 for e, s in todo:
                     off = lay.record_offset(e)
-                    if self.options.verify and (
-                        self.options.verify_every_read or not self._verified[layer][e]
-                    ):
+                    if self._needs_check(layer, e):
                         with memoryview(mm) as mv:
                             self._check_crc(
                                 layer, lay, e, zlib.crc32(mv[off : off + lay.record_size])
@@ -750,13 +750,17 @@ class ExpertPager:
             )
         if self.options.drop_page_cache:
             os.posix_fadvise(fd, off, lay.stride, os.POSIX_FADV_DONTNEED)
-        if self.options.verify and (
-            self.options.verify_every_read or not self._verified[layer][expert]
-        ):
+        if self._needs_check(layer, expert):
             crc = 0
             for b in bufs:
                 crc = zlib.crc32(b, crc)
             self._check_crc(layer, lay, expert, crc)
+
+    def _needs_check(self, layer: int, expert: int) -> bool:
+        """Whether this read of the record gets its CRC checked (its first in the process, or
+        every one with verify_every_read)."""
+        o = self.options
+        return o.verify and (o.verify_every_read or not self._verified[layer][expert])
 
     def _check_crc(self, layer: int, lay: LayerLayout, expert: int, crc: int) -> None:
         """Compare a record's CRC32 with the manifest's; marks the record checked."""
