@@ -738,6 +738,9 @@ def gpu_mode(a, emit) -> None:
     # process pays its CRC (~1 GB/s a core) on the decode path: a start-up's figure
     if mx.cuda.is_available():
         VARIANTS[:] = [("pinned", {"zero_copy": False, "pin_records": True})]
+        if a.device_route:  # misses resolved by a kernel on the device: no read-backs
+            dev = {"zero_copy": False, "pin_records": True, "device_route": "cuda"}
+            VARIANTS.insert(0, ("device_route", dev))
         if not a.pinned_only:
             VARIANTS.append(("device_copy", {"zero_copy": False, "pin_records": False}))
         if a.first_reads:
@@ -846,6 +849,11 @@ def main():
         choices=("super", "qwen3"),
         default=["super", "qwen3"],
         help="gpu mode: which models' rows (Super first)",
+    )
+    ap.add_argument(
+        "--device-route",
+        action="store_true",
+        help="gpu mode: also (first) the rows with misses resolved on the device",
     )
     ap.add_argument(
         "--pinned-only",

@@ -30,6 +30,7 @@ import numpy as np
 
 _DRIVER_NAMES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08  # the driver may map the pages read-only (a file mapping)
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02  # kernels may read the pages (cuMemHostGetDevicePointer)
 
 
 def _load_driver():
@@ -60,6 +61,11 @@ class DeviceCopier:
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_void_p,
+            ctypes.c_uint,
+        ]
         lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [
             ctypes.c_uint64,
@@ -79,6 +85,7 @@ class DeviceCopier:
         )
         self._registered: list[int] = []
         self._maps: list[tuple[int, mmap.mmap]] = []  # pinned file mappings (address, map)
+        self._device_mapped: set[int] = set()  # mappings kernels can read (device pointers)
         self._local = threading.local()  # which threads have the context current
         self.bind()
         self.stream = ctypes.c_void_p()
@@ -122,17 +129,32 @@ class DeviceCopier:
         finally:
             os.close(fd)
         addr = np.frombuffer(mm, dtype=np.uint8).ctypes.data
-        if self.lib.cuMemHostRegister_v2(addr, size, CU_MEMHOSTREGISTER_READ_ONLY) != 0:
+        ro, dm = CU_MEMHOSTREGISTER_READ_ONLY, CU_MEMHOSTREGISTER_DEVICEMAP
+        if self.lib.cuMemHostRegister_v2(addr, size, ro | dm) == 0:
+            self._device_mapped.add(addr)
+        elif self.lib.cuMemHostRegister_v2(addr, size, ro) != 0:
             mm.close()
             return None
         self._maps.append((addr, mm))
         return addr, mm
+
+    def device_pointer(self, addr: int) -> int | None:
+        """The device address of a pinned mapping's start (kernels read the file's pages over
+        the bus), or None where the driver did not map it for the device."""
+        if addr not in self._device_mapped:
+            return None
+        self.bind()
+        out = ctypes.c_uint64()
+        if self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), addr, 0) != 0:
+            return None
+        return int(out.value)
 
     def unmap_all(self) -> None:
         for addr, mm in self._maps:
             self.lib.cuMemHostUnregister(addr)
             mm.close()
         self._maps.clear()
+        self._device_mapped.clear()
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Synchronous copy (the self-test)."""

@@ -111,6 +111,8 @@ class _PagedSwitch(nn.Module):
 
     def _call(self, x, indices) -> mx.array:
         pager = self._pager
+        if pager.device is not None:
+            return self._call_device(x, indices)
         route = pager.route(self._layer, indices)
         if route.slot_idx is None:
             return self._call_groups(x, indices, route)
@@ -147,6 +149,60 @@ class _PagedSwitch(nn.Module):
         out = x.squeeze(-2)
         pager.track(out)
         return out
+
+    def _call_device(self, x, indices) -> mx.array:
+        """Device-resolved paging: the step gives slots in this layer's share, lazily (no
+        read-back on CUDA); a call with more pairs than the share runs in groups."""
+        pager, layer = self._pager, self._layer
+        pager.tick(layer)
+        state = pager.device[layer]
+        if indices.size > state.share:
+            return self._call_device_groups(x, indices, state)
+        t0 = time.perf_counter()
+        ids = indices.flatten().astype(mx.uint32)
+        idx = pager.device_step(layer, ids).reshape(indices.shape)
+        arrays = _view(pager.arrays(layer), state.lo, state.lo + state.share)
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = idx.size >= SORT_FROM
+        inv_order = None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, idx)
+        x = self._experts(x, idx, do_sort, arrays)
+        if do_sort:
+            x = _scatter_unsort(x, inv_order, indices.shape)
+        out = x.squeeze(-2)
+        pager.track(out)
+        pager.host_parts["graph"] += time.perf_counter() - t0
+        return out
+
+    def _call_device_groups(self, x, indices, state) -> mx.array:
+        """A call with more (token, expert) pairs than the layer's share (a prompt): its
+        experts are read back, then loaded by the device step in groups of at most the share
+        (padded to it: one kernel shape), each group's rows evaluated before the next."""
+        from .device_route import SKIP
+
+        pager, layer = self._pager, self._layer
+        k = indices.shape[-1]
+        mx.eval(indices)
+        flat = np.asarray(indices).reshape(-1).astype(np.int64)
+        uniq = np.unique(flat)
+        xf = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, H]
+        n = state.share
+        parts = []
+        pager.layer_stats[layer].split_calls += 1
+        for i in range(0, len(uniq), n):
+            group = uniq[i : i + n]
+            ids = np.full(n, SKIP, dtype=np.uint32)
+            ids[: len(group)] = group
+            local = pager.device_step(layer, mx.array(ids))
+            mx.eval(local)
+            table = np.full(state.experts, -1, dtype=np.int64)
+            table[group] = np.asarray(local)[: len(group)].astype(np.int64) + state.lo
+            rows = np.nonzero(np.isin(flat, group))[0]
+            got = self._rows(xf, k, rows, table[flat[rows]], flat.size)
+            mx.eval([p for _, p in got])
+            parts.extend(got)
+        return _unpermute(parts, indices.shape)
 
     def _rows(self, xf, k: int, rows: np.ndarray, slots: np.ndarray, n_call: int):
         """Pairs `rows` (positions in the call's flattened pairs) on `slots` (host, slot per

@@ -31,6 +31,12 @@ does not pay (at 95% hits, a Qwen3-30B step of 48 layers x 8 experts has 384 loo
 all hit with probability 0.95^384 ~ 3e-9). Its cost is measured in benchmarks/pager.py
 (`always_resolve`: the read-back forced with every expert resident).
 
+Device-resolved paging (`PagerOptions.device_route`, device_route.py): each layer owns an
+equal share of its pool's slots and keeps its expert -> slot table on the device; one CUDA
+kernel a call resolves hits, picks LRU victims and copies misses straight out of the
+page-locked record files, so a decode step reads nothing back. Off by default until measured
+on a GPU; "reference" runs the same step on the host (its specification; CPU tests).
+
 Writes into slots: with unified memory (CPU, Apple GPU) a record is read with one `preadv`
 straight into the slot tensors' memory (zero copies; safe because only unpinned slots are
 written, after the sync that finished every computation reading them). Elsewhere (CUDA) the
@@ -68,6 +74,8 @@ STAGE_BYTES = 64 << 20  # host staging per batch of records (scatter path): boun
 INLINE_BYTES = 1 << 20  # a call's reads up to this size run on the calling thread: a round
 # trip through the reader threads costs more than copying this much out of the page cache
 
+DEVICE_ROUTES = ("off", "auto", "cuda", "reference")
+
 _NP_STORAGE = {
     "uint32": np.uint32,
     "uint8": np.uint8,
@@ -102,10 +110,17 @@ class PagerOptions:
     pin_records: bool | None = None  # with the device copier: map the record files and
     # page-lock them once, each miss copied by the driver straight from the page cache (no
     # host copy); None: where the files fit in half the host's available memory
+    device_route: str = "off"  # "cuda": misses resolved by a kernel on the device, no read-back
+    # (device_route.py; needs the pinned record files); "auto": that where it is possible;
+    # "reference": the same step on the host (unified memory: CPU tests); "off": host path
 
     def __post_init__(self):
         if self.read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+        if self.device_route not in DEVICE_ROUTES:
+            raise ValueError(
+                f"device_route must be one of {DEVICE_ROUTES}, got {self.device_route!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
 
@@ -381,8 +396,15 @@ class ExpertPager:
         if self.zero_copy:
             for pool in self.pools:  # byte views made here, never first in a reader thread
                 pool.slot_views(0)
+        # layer -> its device-side tables (device_route.LayerState); None: the host path
+        self.device: dict | None = None
+        self.device_backend: str | None = None  # "cuda" or "reference" with self.device
+        self.device_why = "off"  # why the device path is (not) in use
+        self._meta_base: dict[int, np.ndarray] = {}
         if self.full:
             self._load_all()
+        if not self.full and options.device_route != "off":
+            self._device_setup(options.device_route)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -396,6 +418,8 @@ class ExpertPager:
         """How misses reach the slots: zero_copy (preadv into slot memory), pinned (driver
         copies from the page-locked record files), device_copy (preadv into pinned staging,
         then driver copies) or staging (MLX staging and a scatter)."""
+        if self.device is not None:
+            return "device_route" if self.device_backend == "cuda" else "device_route_reference"
         if self.zero_copy:
             return "zero_copy"
         if self._maps is not None and not self.options.drop_page_cache:
@@ -414,6 +438,8 @@ class ExpertPager:
 
     def stats(self) -> dict:
         """Plain numbers for the UI: totals, the configuration and one dict per layer."""
+        if self.device is not None:
+            self._fold_device_stats()
         sb = {layer: self.pool_of[layer].slot_bytes for layer in self.layer_stats}
         out = total(self.layer_stats, sb)
         out.update(
@@ -430,12 +456,15 @@ class ExpertPager:
         out["token_s"] = self.token_s
         n = self.tokens
         out["host_parts"] = {k: 1000 * v / n for k, v in self.host_parts.items()} if n else None
+        out["device_route"] = self.device_why
         return out
 
     def reset_stats(self) -> None:
         for layer, st in self.layer_stats.items():
             resident = st.resident
             self.layer_stats[layer] = LayerStats(resident=resident)
+        if self.device is not None:
+            self._meta_base = self._device_meta()
         self._tick, self.tokens, self.token_s = None, 0, 0.0
         self.host_parts = dict.fromkeys(HOST_PARTS, 0.0)
 
@@ -444,16 +473,7 @@ class ExpertPager:
         import mlx.core as mx
 
         st = self.layer_stats[layer]
-        if layer == self._first_layer:  # a forward pass starts: the last one took now - tick
-            now = time.perf_counter()
-            if self._tick is not None:
-                self.tokens += 1
-                self.token_s += now - self._tick
-            self._tick = now
-            for pool in self.pools:  # probation outlives two passes' keys
-                if pool.pass_keys:
-                    pool.lru.probation_min = min(pool.num_slots, 2 * pool.pass_keys)
-                    pool.pass_keys = 0
+        self.tick(layer)
         if self.no_readback:
             st.hits += indices.size  # every pair hits; counted without reading indices back
             base = self.base[layer]
@@ -471,6 +491,140 @@ class ExpertPager:
             return self._route_host(layer, indices, ids, st)
         finally:
             st.host_s += time.perf_counter() - t1 - (st.read_s - read_before)
+
+    def tick(self, layer: int) -> None:
+        """The token clock: a call of the first MoE layer starts a forward pass."""
+        if layer != self._first_layer:
+            return
+        now = time.perf_counter()  # the last pass took now - tick
+        if self._tick is not None:
+            self.tokens += 1
+            self.token_s += now - self._tick
+        self._tick = now
+        for pool in self.pools:  # probation outlives two passes' keys
+            if pool.pass_keys:
+                pool.lru.probation_min = min(pool.num_slots, 2 * pool.pass_keys)
+                pool.pass_keys = 0
+
+    # -- device-resolved paging (device_route.py) -------------------------------------------
+    def device_step(self, layer: int, ids):
+        """Slots (in `layer`'s share, mx.uint32 like `ids`, flat) for one call's expert ids
+        (mx.uint32, flat; SKIP pads), the misses loaded. CUDA: lazy, no sync. Reference: the
+        ids are read back and the misses read on the host."""
+        import mlx.core as mx
+
+        from . import device_route as dr
+
+        state = self.device[layer]
+        if self.device_backend == "cuda":
+            return dr.step(state, ids)
+        t0 = time.perf_counter()
+        mx.eval(ids, *self._pending)  # every earlier reader of the slots has run
+        self._pending = []
+        host = np.asarray(ids)
+        t1 = time.perf_counter()
+        self.host_parts["readback"] += t1 - t0
+        self.layer_stats[layer].readbacks += 1
+        tables = [np.asarray(a) for a in state.tables()]
+        out, *new, misses = dr.route_reference(host, *tables)
+        self.host_parts["policy"] += time.perf_counter() - t1
+        if misses:
+            pool = self.pool_of[layer]
+            self._read_into(pool, layer, [(e, state.lo + v) for e, v in misses])
+        state.set_tables(*(mx.array(a) for a in new))
+        return mx.array(out)
+
+    def _device_setup(self, want: str) -> None:
+        """Give each layer its share of its pool and its device tables, where the chosen
+        backend can run; otherwise keep the host path and say why (`device_why`)."""
+        from . import device_route as dr
+
+        backend = "reference" if want == "reference" else "cuda"
+        why = None
+        if backend == "reference" and not self.zero_copy:
+            why = "the reference step writes slots from the host (unified memory only)"
+        elif backend == "cuda":
+            if dr.kernel() is None:
+                why = "no CUDA backend"
+            elif self.read_path != "pinned":
+                why = "the record files are not page-locked (pin_records)"
+        shares = {}
+        for pool in self.pools:
+            n = dr.shares(pool.num_slots, pool.layers)
+            lay = self.store.layout(pool.layers[0])
+            widest = max(lay.num_experts for lay in map(self.store.layout, pool.layers))
+            if why is None and n < 1:
+                why = f"fewer slots than layers in a pool ({pool.num_slots} for {len(pool.layers)})"
+            elif why is None and n > dr.MAX_SHARE:
+                why = f"a layer's share of {n} slots is over {dr.MAX_SHARE}"
+            elif why is None and n * lay.slot_elements >= INDEX_LIMIT and backend == "cuda":
+                why = "a layer's share spans more than MLX CUDA's 32-bit weight offsets"
+            shares[id(pool)] = min(n, widest)
+        if why is None and backend == "cuda" and self.options.verify:
+            self.verify_records()  # the kernel copies without a CRC: every record checked now
+        if why is not None:
+            if want in ("cuda", "reference"):
+                raise ValueError(f"device_route={want!r} is not possible here: {why}")
+            self.device_why = f"off ({why})"
+            return
+        states = {}
+        for pool in self.pools:
+            n = shares[id(pool)]
+            for i, layer in enumerate(pool.layers):
+                lay = self.store.layout(layer)
+                st = dr.LayerState(lay.num_experts, n, i * n)
+                if backend == "cuda":
+                    self._device_pointers(pool, layer, st)
+                states[layer] = st
+        self.device, self.device_backend = states, backend
+        self.device_why = backend
+        self._meta_base = self._device_meta()
+
+    def _device_pointers(self, pool: SlotPool, layer: int, st) -> None:
+        """The kernel's addresses for `layer`: its record file (device-mapped) and the start
+        of its share in every slot tensor; and the records' geometry."""
+        import mlx.core as mx
+
+        lay = self.store.layout(layer)
+        addr, _ = self._maps[layer]
+        dev = self._copier.device_pointer(addr)
+        if dev is None:
+            raise ValueError("the driver did not map the record files for kernels")
+        bases = pool._slot_bases()
+        ptrs = [dev + lay.record_offset(0)] + [
+            bases[t.name] + st.lo * t.nbytes for t in pool.tensors
+        ]
+        geom = [lay.stride]
+        for t in pool.tensors:
+            geom += [t.offset, t.nbytes]
+        st.ptrs = mx.array(np.array(ptrs, dtype=np.uint64))
+        st.geom = mx.array(np.array(geom, dtype=np.int64))
+        st.align16 = all(v % 16 == 0 for v in ptrs + geom)
+        mx.eval(st.ptrs, st.geom)
+
+    def _device_meta(self) -> dict[int, np.ndarray]:
+        """Every layer's device counters now and its resident experts (a sync):
+        [clock, hit pairs, missed pairs, records read, resident]."""
+        import mlx.core as mx
+
+        states = self.device.values()
+        mx.eval([s.meta for s in states], [s.owner for s in states])
+        return {
+            layer: np.append(np.asarray(s.meta).astype(np.int64), (np.asarray(s.owner) >= 0).sum())
+            for layer, s in self.device.items()
+        }
+
+    def _fold_device_stats(self) -> None:
+        """The device counters since the last reset into the layers' statistics (each read
+        fills an empty slot or evicts an expert)."""
+        for layer, now in self._device_meta().items():
+            st, base = self.layer_stats[layer], self._meta_base[layer]
+            d = now - base
+            st.hits, st.misses, st.resident = int(d[1]), int(d[2]), int(now[4])
+            if self.device_backend == "cuda":
+                st.reads = int(d[3])
+                st.bytes_read = st.reads * self.store.layout(layer).record_size
+            st.evictions = max(0, int(d[3]) - int(d[4]))
 
     def _route_host(self, layer: int, indices, ids: list[int], st: LayerStats) -> Route:
         """Plain Python on the call's few ids: for a decode call's 8-22 ids, list and dict
@@ -505,8 +659,9 @@ class ExpertPager:
         return np.asarray(self._table[layer], dtype=np.int64)
 
     def track(self, out) -> None:
-        """Keep a call's output: the next call evaluates it before moving its slots."""
-        if not self.no_readback:
+        """Keep a call's output: the next call evaluates it before moving its slots (not on
+        the device path, where the data orders the kernel's writes after earlier reads)."""
+        if not self.no_readback and self.device_backend != "cuda":
             self._pending.append(out)
             if self.options.async_eval:
                 import mlx.core as mx

@@ -156,6 +156,9 @@ using Strides = cuda::std::array<int64_t, 10>;
 _CUDA_TYPES = {
     "uint8": "uint8_t",
     "int32": "int32_t",
+    "uint32": "uint32_t",
+    "int64": "int64_t",
+    "uint64": "uint64_t",
     "float16": "__half",
     "bfloat16": "__nv_bfloat16",
     "float32": "float",
