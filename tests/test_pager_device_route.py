@@ -305,3 +305,15 @@ def test_cuda_kernel_lands_the_resident_bytes(tmp_path):
     s = paged.stats()
     assert s["reads"] > 0 and s["hits"] > 0 and s["readbacks"] == 0
     paged.close()
+
+
+def test_device_route_default_follows_the_environment(monkeypatch):
+    from app.engine.offload.pager import DEVICE_ROUTE_ENV
+
+    monkeypatch.delenv(DEVICE_ROUTE_ENV, raising=False)
+    assert PagerOptions().device_route == "off"
+    monkeypatch.setenv(DEVICE_ROUTE_ENV, "auto")
+    assert PagerOptions().device_route == "auto"
+    monkeypatch.setenv(DEVICE_ROUTE_ENV, "fast")
+    with pytest.raises(ValueError, match="device_route must be one of"):
+        PagerOptions()

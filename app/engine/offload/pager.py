@@ -53,7 +53,7 @@ import os
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -75,6 +75,7 @@ INLINE_BYTES = 1 << 20  # a call's reads up to this size run on the calling thre
 # trip through the reader threads costs more than copying this much out of the page cache
 
 DEVICE_ROUTES = ("off", "auto", "cuda", "reference")
+DEVICE_ROUTE_ENV = "ROTARYQUANT_DEVICE_ROUTE"  # the default of PagerOptions.device_route
 
 _NP_STORAGE = {
     "uint32": np.uint32,
@@ -110,9 +111,10 @@ class PagerOptions:
     pin_records: bool | None = None  # with the device copier: map the record files and
     # page-lock them once, each miss copied by the driver straight from the page cache (no
     # host copy); None: where the files fit in half the host's available memory
-    device_route: str = "off"  # "cuda": misses resolved by a kernel on the device, no read-back
-    # (device_route.py; needs the pinned record files); "auto": that where it is possible;
-    # "reference": the same step on the host (unified memory: CPU tests); "off": host path
+    device_route: str = field(default_factory=lambda: os.environ.get(DEVICE_ROUTE_ENV, "off"))
+    # "cuda": misses resolved by a kernel on the device, no read-back (device_route.py; needs
+    # the pinned record files); "auto": that where it is possible; "reference": the same step
+    # on the host (unified memory: CPU tests); "off" (default until measured): the host path
 
     def __post_init__(self):
         if self.read_threads < 1:
