@@ -145,19 +145,20 @@ int main(int argc, char** argv) {
 
 @pytest.mark.skipif(_gxx() is None, reason="the CUDA emulator needs g++")
 @pytest.mark.parametrize(
-    "sizes,align16",
+    "sizes,align16,share",
     [
-        ((48, 160, 32), True),  # tensor bytes per expert (multiples of 16)
-        ((48, 160, 24), True),  # the 16-byte path with a tail
-        ((37, 5, 130), False),  # awkward sizes: the byte path
+        ((48, 160, 32), True, 7),  # tensor bytes per expert (multiples of 16)
+        ((48, 160, 24), True, 7),  # the 16-byte path with a tail
+        ((37, 5, 130), False, 7),  # awkward sizes: the byte path
+        ((37, 5, 130), False, 4),  # fewer slots than a call's experts: some stay unplaced
     ],
 )
-def test_kernel_matches_the_reference_step_in_the_emulator(sizes, align16):
+def test_kernel_matches_the_reference_step_in_the_emulator(sizes, align16, share):
     """Calls of the kernel body (3 blocks, so blocks share the copies) against the reference:
     the same slot indices and tables after every call, and each slot holding exactly the
     bytes of the record its owner names; SKIP padding and repeated ids included."""
     rng = np.random.default_rng(5)
-    experts, share, pairs, nt, blocks = 23, 7, 6, 32, 3
+    experts, pairs, nt, blocks = 23, 6, 32, 3
     offsets, pos = [], 8  # a record's tensors with gaps, as the record format lays them out
     for n in sizes:
         offsets.append(pos)

@@ -11,8 +11,9 @@ and their last-use stamps as device arrays. One CUDA kernel a call:
    into its slot, tensor by tensor, over the bus;
 3. returns the slot of each (token, expert) pair, which the gathered matmuls then use.
 
-Every block runs the (tiny, sequential) bookkeeping itself in shared memory and copies its
-share of the misses' bytes; block 0 writes the new tables. The kernel writes the slot tensors
+Every block runs the bookkeeping itself in shared memory (thread 0 lists the call's misses;
+each miss's victim is a block-wide argmin of (stamp, slot)) and copies its share of the misses'
+bytes; block 0 writes the new tables. The kernel writes the slot tensors
 through their addresses, which MLX does not track: the order is kept by the data, since the
 gather takes the kernel's slot indices, and a slot's next writer (a later token's call of
 the same layer) depends on every earlier read of it through the residual stream.
@@ -32,7 +33,7 @@ import numpy as np
 
 SKIP = 0xFFFFFFFF  # an id the step passes over (padding of a group)
 META = 4  # [clock, hit pairs, missed pairs, records read]
-MAX_SHARE = 4096  # slots a layer's share may hold (shared memory: 9 bytes a slot)
+MAX_SHARE = 1024  # slots a layer's share may hold (shared memory: 16 bytes a slot and pair)
 THREADS = 256
 BLOCKS = 132
 
@@ -41,10 +42,11 @@ _BODY = r"""
   const int blk = int(blockIdx.x);
   __shared__ int sh_owner[N];
   __shared__ unsigned sh_stamp[N];
-  __shared__ int sh_out[P];
   __shared__ int sh_me[P];
   __shared__ int sh_ms[P];
+  __shared__ unsigned long long sh_red[NT];
   __shared__ int sh_nm;
+  __shared__ unsigned sh_clock;
   for (int i = tid; i < N; i += NT) {
     sh_owner[i] = owner[i];
     sh_stamp[i] = stamp[i];
@@ -53,81 +55,100 @@ _BODY = r"""
     for (int i = tid; i < E; i += NT) slot_of_out[i] = slot_of[i];
   }
   __syncthreads();
-  if (tid == 0) {
+  if (tid == 0) {  // the call's hits stamped first (no miss may evict them), its misses listed
     const unsigned clock = meta[0] + 1u;
-    unsigned hits = 0, missed = 0;
     int nm = 0;
-    for (int j = 0; j < P; ++j) {  // the call's hits first: no miss may evict them
+    for (int j = 0; j < P; ++j) {
       const unsigned e = ids[j];
       if (e >= unsigned(E)) continue;
       const int s = slot_of[e];
-      if (s >= 0 && sh_owner[s] == int(e)) sh_stamp[s] = clock;
-    }
-    for (int j = 0; j < P; ++j) {
-      const unsigned e = ids[j];
-      if (e == 0xFFFFFFFFu || e >= unsigned(E)) {
-        sh_out[j] = 0;
+      if (s >= 0 && sh_owner[s] == int(e)) {
+        sh_stamp[s] = clock;
         continue;
       }
-      int s = slot_of[e];
-      if (s < 0 || sh_owner[s] != int(e)) s = -1;
-      bool fresh = false;
-      for (int m = 0; m < nm; ++m) {
-        if (sh_me[m] == int(e)) {
-          s = sh_ms[m];
-          fresh = true;
-        }
-      }
-      if (s < 0) {
-        int v = -1;
-        unsigned best = 0;
-        for (int i = 0; i < N; ++i) {
-          if (sh_stamp[i] != clock && (v < 0 || sh_stamp[i] < best)) {
-            v = i;
-            best = sh_stamp[i];
-          }
-        }
-        if (v < 0) {
-          sh_out[j] = 0;
-          continue;
-        }
+      bool listed = false;
+      for (int m = 0; m < nm; ++m) listed = listed || sh_me[m] == int(e);
+      if (!listed) sh_me[nm++] = int(e);
+    }
+    sh_nm = nm;
+    sh_clock = clock;
+  }
+  __syncthreads();
+  const int nm = sh_nm;
+  const unsigned clock = sh_clock;
+  for (int m = 0; m < nm; ++m) {  // each miss: the least recent slot (lowest on ties)
+    unsigned long long best = ~0ull;
+    for (int i = tid; i < N; i += NT) {
+      const unsigned long long key =
+          sh_stamp[i] != clock ? ((unsigned long long)sh_stamp[i] << 32) | unsigned(i) : ~0ull;
+      best = key < best ? key : best;
+    }
+    sh_red[tid] = best;
+    __syncthreads();
+    for (int w = NT / 2; w > 0; w >>= 1) {
+      if (tid < w && sh_red[tid + w] < sh_red[tid]) sh_red[tid] = sh_red[tid + w];
+      __syncthreads();
+    }
+    if (tid == 0) {
+      const unsigned long long k = sh_red[0];
+      const int v = k == ~0ull ? -1 : int(k & 0xFFFFFFFFull);
+      sh_ms[m] = v;
+      if (v >= 0) {
         const int old = sh_owner[v];
         if (blk == 0) {
           if (old >= 0) slot_of_out[old] = -1;
-          slot_of_out[e] = v;
+          slot_of_out[sh_me[m]] = v;
         }
-        sh_owner[v] = int(e);
-        sh_me[nm] = int(e);
-        sh_ms[nm] = v;
-        ++nm;
-        s = v;
-        fresh = true;
+        sh_owner[v] = sh_me[m];
+        sh_stamp[v] = clock;
       }
-      sh_stamp[s] = clock;
-      sh_out[j] = s;
-      if (fresh) ++missed; else ++hits;
     }
-    sh_nm = nm;
-    if (blk == 0) {
-      meta_out[0] = clock;
-      meta_out[1] = meta[1] + hits;
-      meta_out[2] = meta[2] + missed;
-      meta_out[3] = meta[3] + unsigned(nm);
-    }
+    __syncthreads();
   }
-  __syncthreads();
   if (blk == 0) {
     for (int i = tid; i < N; i += NT) {
       owner_out[i] = sh_owner[i];
       stamp_out[i] = sh_stamp[i];
     }
-    for (int j = tid; j < P; j += NT) slot_idx[j] = unsigned(sh_out[j]);
+    for (int j = tid; j < P; j += NT) {  // each pair's slot; 0 for SKIP and unplaced ids
+      const unsigned e = ids[j];
+      unsigned out = 0;
+      if (e < unsigned(E)) {
+        const int s = slot_of[e];
+        if (s >= 0 && sh_owner[s] == int(e)) out = unsigned(s);
+        for (int m = 0; m < nm; ++m) {
+          if (sh_me[m] == int(e) && sh_ms[m] >= 0) out = unsigned(sh_ms[m]);
+        }
+      }
+      slot_idx[j] = out;
+    }
+    if (tid == 0) {
+      unsigned hits = 0, missed = 0, reads = 0;
+      for (int m = 0; m < nm; ++m) reads += sh_ms[m] >= 0 ? 1u : 0u;
+      for (int j = 0; j < P; ++j) {
+        const unsigned e = ids[j];
+        if (e >= unsigned(E)) continue;
+        bool fresh = false, placed = false;
+        for (int m = 0; m < nm; ++m) {
+          if (sh_me[m] == int(e)) {
+            fresh = true;
+            placed = sh_ms[m] >= 0;
+          }
+        }
+        if (!fresh) ++hits;
+        else if (placed) ++missed;
+      }
+      meta_out[0] = clock;
+      meta_out[1] = meta[1] + hits;
+      meta_out[2] = meta[2] + missed;
+      meta_out[3] = meta[3] + reads;
+    }
   }
-  const int nm = sh_nm;
   const unsigned long long g = (unsigned long long)blk * NT + tid;
   const unsigned long long gs = (unsigned long long)gridDim.x * NT;
   const unsigned long long stride = (unsigned long long)geom[0];
   for (int m = 0; m < nm; ++m) {
+    if (sh_ms[m] < 0) continue;
     const unsigned char* rec = (const unsigned char*)ptrs[0] + stride * sh_me[m];
     for (int t = 0; t < T; ++t) {
       const unsigned long long nb = (unsigned long long)geom[2 + 2 * t];
