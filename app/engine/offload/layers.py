@@ -137,17 +137,21 @@ class _PagedSwitch(nn.Module):
                 if hi - lo >= self._window:
                     return self._call_windows(x, indices, slots)
                 arrays, idx = _view(arrays, lo, hi + 1), idx - lo
-        # x: [..., H] -> [..., 1, 1, H]; idx: [..., k] slots
-        x = mx.expand_dims(x, (-2, -3))
+        return self._gather(x, idx, indices.shape, arrays)
+
+    def _gather(self, x, idx, shape, arrays) -> mx.array:
+        """One pass of the call's pairs on slots `idx` [..., k] of `arrays`, as mlx-lm's layer
+        runs it (pairs sorted by slot from SORT_FROM on); the output is tracked."""
+        x = mx.expand_dims(x, (-2, -3))  # [..., H] -> [..., 1, 1, H]
         do_sort = idx.size >= SORT_FROM
         inv_order = None
         if do_sort:
             x, idx, inv_order = _gather_sort(x, idx)
         x = self._experts(x, idx, do_sort, arrays)
         if do_sort:
-            x = _scatter_unsort(x, inv_order, indices.shape)
+            x = _scatter_unsort(x, inv_order, shape)
         out = x.squeeze(-2)
-        pager.track(out)
+        self._pager.track(out)
         return out
 
     def _call_device(self, x, indices) -> mx.array:
@@ -162,16 +166,7 @@ class _PagedSwitch(nn.Module):
         ids = indices.flatten().astype(mx.uint32)
         idx = pager.device_step(layer, ids).reshape(indices.shape)
         arrays = _view(pager.arrays(layer), state.lo, state.lo + state.share)
-        x = mx.expand_dims(x, (-2, -3))
-        do_sort = idx.size >= SORT_FROM
-        inv_order = None
-        if do_sort:
-            x, idx, inv_order = _gather_sort(x, idx)
-        x = self._experts(x, idx, do_sort, arrays)
-        if do_sort:
-            x = _scatter_unsort(x, inv_order, indices.shape)
-        out = x.squeeze(-2)
-        pager.track(out)
+        out = self._gather(x, idx, indices.shape, arrays)
         pager.host_parts["graph"] += time.perf_counter() - t0
         return out
 
