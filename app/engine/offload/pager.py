@@ -419,7 +419,9 @@ class ExpertPager:
     def read_path(self) -> str:
         """How misses reach the slots: zero_copy (preadv into slot memory), pinned (driver
         copies from the page-locked record files), device_copy (preadv into pinned staging,
-        then driver copies) or staging (MLX staging and a scatter)."""
+        then driver copies), staging (MLX staging and a scatter), device_route (a kernel
+        copies them from the device-mapped record files) or device_route_reference (its host
+        twin)."""
         if self.device is not None:
             return "device_route" if self.device_backend == "cuda" else "device_route_reference"
         if self.zero_copy:
