@@ -167,6 +167,12 @@ def treatments(window: int) -> dict[str, dict]:
         "mix_k4_l14-29_w4_l12-29_w64": iso(
             per_layer(4, 3, 30, 14, 30), 3, per_layer(4, 64, 30, 12, 30)
         ),
+        # keys coded as k / s per channel (s = the prefill's channel RMS to the power a, a
+        # power of two, geometric mean 1), decoded times s: queries see (q * s) . code(k / s)
+        **{
+            f"abl_smoothk_a{a:g}_w{w}": {**iso(3, 3, w), "explore": {"smooth_k": a}}
+            for a in (-0.5, -0.25, 0.25, 0.5, 1.0)
+        },
         f"abl_scale8_w{w}": {**iso(3, 3, w), "explore": {"scale8": True}, "scale_bits": 8},
         f"abl_scale8_k4_l15-24_w{w}": {
             **iso(per_layer(4, 3, 30), 3, w),
@@ -459,7 +465,9 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     scale8: the scale stored in 8 bits, log2-uniform over the range of the prefill's scales per
     window and KV head (later tokens clamped to it); score_corr: c, the coded keys' scores lowered
     by c·Var(ε)/2 (the codec then returns the keys' stored scales too, and its `score_corr` is
-    c·(E[c²] − a²)/(2D): the score's noise variance over scale²·|q|²·n², code_gain)."""
+    c·(E[c²] − a²)/(2D): the score's noise variance over scale²·|q|²·n², code_gain);
+    smooth_k: a, keys coded as k / s per channel and decoded times s (s from the prefill's
+    channel RMS, see treatments())."""
     from app.engine.kvcache.isoquant.packing import unpack_codes
 
     def mean(a):
@@ -475,6 +483,11 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
         lg = mx.log2(mx.maximum(mx.sqrt(mx.sum(a * a, axis=-1)), 1e-30))  # [B, H, T]
         return mx.min(lg, axis=2, keepdims=True), mx.max(lg, axis=2, keepdims=True)
 
+    sk = None
+    if x.get("smooth_k"):  # per KV head and channel: s = 2^round(a * log2 RMS), centred
+        ms = mx.mean(mx.square(k0[:, :, sink:].astype(mx.float32)), axis=2, keepdims=True)
+        lg = 0.5 * x["smooth_k"] * mx.log2(mx.maximum(ms, 1e-30))
+        sk = mx.power(2.0, mx.round(lg - mx.mean(lg, axis=-1, keepdims=True)))
     rk = log_range(k0, mk) if x.get("scale8") else None
     rv = log_range(v0, mv) if x.get("scale8") else None
 
@@ -487,10 +500,12 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
 
     stored = {}
 
-    def rt(a, q, m, norm, r=None):
+    def rt(a, q, m, norm, r=None, sc=None):
         a = a.astype(mx.float32)
         if m is not None:
             a = a - m
+        if sc is not None:
+            a = a / sc
         y = c.rotation.forward(a)
         codes, _ = q.encode_rotated(y)  # the codes do not depend on the scale
         lv = q.levels[unpack_codes(codes, q.bits)]
@@ -505,12 +520,14 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
             norms = scale8(norms, r)
         stored["last"] = norms
         out = c.rotation.inverse(q.decode_rotated(codes, norms))
+        if sc is not None:
+            out = out * sc
         return out if m is None else out + m
 
     corr = x.get("score_corr")
 
     def f(k, v):
-        kh = rt(k, c.kq, mk, x.get("norm_k", "exact"), rk) if kb else k
+        kh = rt(k, c.kq, mk, x.get("norm_k", "exact"), rk, sk) if kb else k
         kn = stored["last"] if kb else mx.zeros(k.shape[:3], mx.float16)  # keys' stored scales
         vh = rt(v, c.vq, mv, x.get("norm", "exact"), rv) if vb else v
         return (kh, vh, kn) if corr else (kh, vh)
