@@ -248,6 +248,7 @@ class LayerState:
         self.meta = mx.zeros((META,), dtype=mx.uint32)
         self.ptrs = None  # mx.uint64 [1 + T]: the record file's device address, slot bases
         self.geom = None  # mx.int64 [1 + 2T]: record stride, (offset, bytes) per tensor
+        self.tensors = 0  # T: tensors a record holds
         self.align16 = False
         mx.eval(self.slot_of, self.owner, self.stamp, self.meta)
 
@@ -269,16 +270,17 @@ _KERNEL = None
 def kernel():
     """The CUDA step (built once), or None where MLX has no CUDA backend."""
     global _KERNEL
+    if _KERNEL is not None:  # the decode path: one call a paged layer
+        return _KERNEL
     import mlx.core as mx
 
     if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
         return None
-    if _KERNEL is None:
-        from ..kvcache import jit
+    from ..kvcache import jit
 
-        _KERNEL = jit.BakedKernel(
-            "rq_pager_route", INPUTS, OUTPUTS, _BODY, "", ensure_row_contiguous=True
-        )
+    _KERNEL = jit.BakedKernel(
+        "rq_pager_route", INPUTS, OUTPUTS, _BODY, "", ensure_row_contiguous=True
+    )
     return _KERNEL
 
 
@@ -287,12 +289,10 @@ def step(state: LayerState, ids):
     id; the layer's tables move on to the step's outputs."""
     import mlx.core as mx
 
-    k = kernel()
     p = int(ids.size)
-    tensors = (int(state.geom.size) - 1) // 2
-    outs = k(
+    outs = kernel()(
         inputs=[ids, *state.tables(), state.ptrs, state.geom],
-        template=template(p, state.experts, state.share, tensors, state.align16),
+        template=template(p, state.experts, state.share, state.tensors, state.align16),
         grid=(BLOCKS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(p,), (state.experts,), (state.share,), (state.share,), (META,)],

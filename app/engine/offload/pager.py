@@ -603,6 +603,7 @@ class ExpertPager:
             geom += [t.offset, t.nbytes]
         st.ptrs = mx.array(np.array(ptrs, dtype=np.uint64))
         st.geom = mx.array(np.array(geom, dtype=np.int64))
+        st.tensors = len(pool.tensors)
         st.align16 = all(v % 16 == 0 for v in ptrs + geom)
         mx.eval(st.ptrs, st.geom)
 
