@@ -173,31 +173,28 @@ class _PagedSwitch(nn.Module):
     def _call_device_groups(self, x, indices, state) -> mx.array:
         """A call with more (token, expert) pairs than the layer's share (a prompt): its
         experts are read back, then loaded by the device step in groups of at most the share
-        (padded to it: one kernel shape), each group's rows evaluated before the next."""
+        (padded to it: one kernel shape)."""
         from .device_route import SKIP
 
         pager, layer = self._pager, self._layer
-        k = indices.shape[-1]
         mx.eval(indices)
         flat = np.asarray(indices).reshape(-1).astype(np.int64)
         uniq = np.unique(flat)
-        xf = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, H]
         n = state.share
-        parts = []
         pager.layer_stats[layer].split_calls += 1
-        for i in range(0, len(uniq), n):
-            group = uniq[i : i + n]
+
+        def load(group: np.ndarray, rows) -> np.ndarray:
             ids = np.full(n, SKIP, dtype=np.uint32)
             ids[: len(group)] = group
             local = pager.device_step(layer, mx.array(ids))
             mx.eval(local)
             table = np.full(state.experts, -1, dtype=np.int64)
             table[group] = np.asarray(local)[: len(group)].astype(np.int64) + state.lo
-            rows = np.nonzero(np.isin(flat, group))[0]
-            got = self._rows(xf, k, rows, table[flat[rows]], flat.size)
-            mx.eval([p for _, p in got])
-            parts.extend(got)
-        return _unpermute(parts, indices.shape)
+            return table
+
+        groups = [uniq[i : i + n] for i in range(0, len(uniq), n)]
+        rows = [np.nonzero(np.isin(flat, g))[0] for g in groups]
+        return self._run_groups(x, indices, flat, zip(groups, rows, strict=True), load)
 
     def _rows(self, xf, k: int, rows: np.ndarray, slots: np.ndarray, n_call: int):
         """Pairs `rows` (positions in the call's flattened pairs) on `slots` (host, slot per
@@ -241,15 +238,27 @@ class _PagedSwitch(nn.Module):
         """More experts than slots: run the pairs of each group of experts, evaluated before
         the next group reuses the slots, then put the rows back in order."""
         pager, layer = self._pager, self._layer
+        flat = route.flat
+        groups = ((g.experts, g.rows) for g in route.groups)
+
+        def load(experts, rows) -> np.ndarray:
+            return pager.acquire(layer, experts, flat[rows])
+
+        return self._run_groups(x, indices, flat, groups, load, pager.release)
+
+    def _run_groups(self, x, indices, flat, groups, load, done=None) -> mx.array:
+        """Groups [(experts, rows)] of a call's pairs one after another: `load(experts, rows)`
+        makes them resident and returns the expert -> slot table, the group's rows are evaluated
+        (then `done()`) before the next group may reuse the slots; the rows back in order."""
         k = indices.shape[-1]
         xf = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, H]
-        flat = route.flat
         parts = []
-        for g in route.groups:
-            table = pager.acquire(layer, g.experts, flat[g.rows])
-            got = self._rows(xf, k, g.rows, table[flat[g.rows]], flat.size)
+        for experts, rows in groups:
+            table = load(experts, rows)
+            got = self._rows(xf, k, rows, table[flat[rows]], flat.size)
             mx.eval([p for _, p in got])
-            pager.release()
+            if done is not None:
+                done()
             parts.extend(got)
         return _unpermute(parts, indices.shape)
 
