@@ -289,7 +289,7 @@ def row(
         "resident_tps": resident_tps,
         "hit_rate": s["hit_rate"],
         "ms_per_token": breakdown(n, paged["seconds"], s, paged["wait_s"], compute_s),
-        "read_GBps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
+        "read_GBps": read_rate(paged, resident_tps),
         "pread_bound_GBps": bound["GBps"],
         "pread_bound_threads": bound["threads"],
         "read_threads": paged["threads"],
@@ -300,6 +300,19 @@ def row(
         "read_path": s.get("read_path"),
         **extra,
     }
+
+
+def read_rate(paged: dict, resident_tps: float | None) -> float | None:
+    """GB/s the misses were read at: the pager's read timer where it has one; on the device
+    route (copies inside the kernel, untimed), bytes over the time the paged step took beyond
+    the resident step."""
+    s, n = paged["stats"], paged["n"]
+    if s["read_s"]:
+        return s["bytes_read"] / s["read_s"] / 1e9
+    if s.get("read_path") == "device_route" and s["bytes_read"] and resident_tps:
+        extra = paged["seconds"] - n / resident_tps
+        return s["bytes_read"] / extra / 1e9 if extra > 0 else None
+    return None
 
 
 def read_path(
@@ -684,7 +697,7 @@ def model_rows(
         opts = pager.options
         for routing in a.routings:
             for cache in caches[frac]:
-                if cache == "cold" and pager.read_path == "pinned":
+                if cache == "cold" and pager.read_path in ("pinned", "device_route"):
                     continue  # page-locked files: no miss goes to the disk; the unpinned row has it
                 pager.options = replace(opts, drop_page_cache=cache == "cold")
                 if cache == "cold":
@@ -705,6 +718,10 @@ def model_rows(
                     "within_resident_spread": vs["max_abs_logit_diff"]
                     <= ref["spread"]["max_abs_logit_diff"],
                 }
+                if pager.read_path == "device_route":
+                    # the kernel's copies are not timed apart from the step: their rate is the
+                    # bytes over the time the paged step takes beyond the resident one
+                    extra["read_GBps_basis"] = "bytes over paged minus resident step time"
                 if scale:
                     extra["layers_scale"] = scale
                     extra["full_model_tps_est"] = a.tokens / r["seconds"] * scale
