@@ -303,15 +303,11 @@ def row(
 
 
 def read_rate(paged: dict, resident_tps: float | None) -> float | None:
-    """GB/s the misses were read at: the pager's read timer where it has one; on the device
-    route (copies inside the kernel, untimed), bytes over the time the paged step took beyond
-    the resident step."""
-    s, n = paged["stats"], paged["n"]
+    """GB/s the misses were read at, by the pager's read timer; None on the device route
+    (the copies run inside the kernel, untimed: its rows give miss_ms_per_token)."""
+    s = paged["stats"]
     if s["read_s"]:
         return s["bytes_read"] / s["read_s"] / 1e9
-    if s.get("read_path") == "device_route" and s["bytes_read"] and resident_tps:
-        extra = paged["seconds"] - n / resident_tps
-        return s["bytes_read"] / extra / 1e9 if extra > 0 else None
     return None
 
 
@@ -719,9 +715,9 @@ def model_rows(
                     <= ref["spread"]["max_abs_logit_diff"],
                 }
                 if pager.read_path == "device_route":
-                    # the kernel's copies are not timed apart from the step: their rate is the
-                    # bytes over the time the paged step takes beyond the resident one
-                    extra["read_GBps_basis"] = "bytes over paged minus resident step time"
+                    # the kernel's copies are not timed apart from the step: what the misses
+                    # cost is the time the paged step takes beyond the resident one
+                    extra["miss_ms_per_token"] = 1e3 * (r["seconds"] / r["n"] - 1 / ref["tps"])
                 if scale:
                     extra["layers_scale"] = scale
                     extra["full_model_tps_est"] = a.tokens / r["seconds"] * scale
@@ -754,7 +750,8 @@ def gpu_mode(a, emit) -> None:
     # first_reads: the same without the up-front check, so each record's first read in the
     # process pays its CRC (~1 GB/s a core) on the decode path: a start-up's figure
     if mx.cuda.is_available():
-        VARIANTS[:] = [("pinned", {"zero_copy": False, "pin_records": True})]
+        pinned = {"zero_copy": False, "pin_records": True, "device_route": "off"}
+        VARIANTS[:] = [("pinned", pinned)]  # the host path over the pinned files
         if a.device_route:  # misses resolved by a kernel on the device: no read-backs
             dev = {"zero_copy": False, "pin_records": True, "device_route": "cuda"}
             VARIANTS.insert(0, ("device_route", dev))

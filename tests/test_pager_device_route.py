@@ -312,9 +312,9 @@ def test_device_route_default_follows_the_environment(monkeypatch):
     from app.engine.offload.pager import DEVICE_ROUTE_ENV
 
     monkeypatch.delenv(DEVICE_ROUTE_ENV, raising=False)
-    assert PagerOptions().device_route == "off"
-    monkeypatch.setenv(DEVICE_ROUTE_ENV, "auto")
     assert PagerOptions().device_route == "auto"
+    monkeypatch.setenv(DEVICE_ROUTE_ENV, "off")
+    assert PagerOptions().device_route == "off"
     monkeypatch.setenv(DEVICE_ROUTE_ENV, "fast")
     with pytest.raises(ValueError, match="device_route must be one of"):
         PagerOptions()

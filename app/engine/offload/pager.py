@@ -111,10 +111,11 @@ class PagerOptions:
     pin_records: bool | None = None  # with the device copier: map the record files and
     # page-lock them once, each miss copied by the driver straight from the page cache (no
     # host copy); None: where the files fit in half the host's available memory
-    device_route: str = field(default_factory=lambda: os.environ.get(DEVICE_ROUTE_ENV, "off"))
+    device_route: str = field(default_factory=lambda: os.environ.get(DEVICE_ROUTE_ENV, "auto"))
     # "cuda": misses resolved by a kernel on the device, no read-back (device_route.py; needs
-    # the pinned record files); "auto": that where it is possible; "reference": the same step
-    # on the host (unified memory: CPU tests); "off" (default until measured): the host path
+    # the pinned record files); "auto" (default: 2.6x the host path on Qwen3 shapes at 50%,
+    # docs/pager.md): that where it is possible, else the host path; "reference": the same
+    # step on the host (unified memory: CPU tests); "off": the host path
 
     def __post_init__(self):
         if self.read_threads < 1:
