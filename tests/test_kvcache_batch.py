@@ -129,6 +129,55 @@ def test_batched_attention_equals_each_row():
             )
 
 
+def test_rows_of_different_lengths_reach_the_kernel_with_their_code_counts(monkeypatch):
+    """Rows of different lengths keep their codes from position 0, so a registered fused kernel
+    takes them with per-row code counts (`lens`) and no mask; a row with float padding (no
+    codes yet, shorter than the others) goes to the reference instead. Through decode-time
+    compressions (the padded row's padding is dropped, its own tokens become codes), the
+    kernels' ragged reference at that entry equals each row's attention alone."""
+    from dataclasses import replace
+
+    from app.engine.kvcache.isoquant import attention as att
+    from app.engine.kvcache.isoquant import kernels
+
+    calls = []
+
+    def entry(q, k, v, scale, mask=None, sinks=None, lens=None):
+        # as a kernel does, read the rows' lengths from the arguments alone
+        calls.append((mask, lens is not None))
+        k, v = (replace(t, lens=None, fp_start=None) for t in (k, v))
+        return kernels.attention_reference(q, k, v, scale, mask, sinks, lens)
+
+    monkeypatch.setattr(att, "_kernel", entry)
+    singles = [_single(40, 2, 1), _single(70, 6, 2), _single(23, 3, 3), _single(4, 0, 4)]
+    batch = IsoQuantKVCache.merge(singles)
+    assert batch.pad[3] > 0 and len(set(batch.lens[:3])) == 3
+    seen = set()
+    for step in range(14):  # three compressions: the padded row gets codes in the second
+        k, v = _kv(4, 100 + step)
+        k, v = k.reshape(4, H, 1, D), v.reshape(4, H, 1, D)
+        q = mx.random.normal((4, 2 * H, 1, D), key=mx.random.key(200 + step)).astype(mx.float16)
+        mask = batch.make_mask(1)
+        bk, bv = batch.update_and_fetch(k, v)
+        calls.clear()
+        out = att.isoquant_attention(q, bk, bv, scale=D**-0.5, mask=mask)
+        padded = bk.fp_start is not None
+        seen.add(padded)
+        assert calls == ([] if padded else [(None, True)])
+        assert batch.offset.tolist() == [c.offset + step + 1 for c in singles]
+        for i in range(4):
+            rk, rv = batch.extract(i)._fetch()
+            if hasattr(rk, "codes"):
+                ref = isoquant_attention_reference(q[i : i + 1], rk, rv, scale=D**-0.5)
+            else:
+                ref = mx.fast.scaled_dot_product_attention(q[i : i + 1], rk, rv, scale=D**-0.5)
+            np.testing.assert_allclose(
+                np.array(out[i : i + 1]), np.array(ref), rtol=2e-3, atol=2e-3
+            )
+    assert seen == {True, False}
+    assert batch.pad == [0, 0, 0, 0] and min(batch.lens) > 0
+
+
 def test_sink_caches_are_refused():
     c = _single(20, 0, 1, sink=4)
     c.finish_prefill()

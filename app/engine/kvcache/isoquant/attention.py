@@ -45,6 +45,10 @@ class IsoQuantTensor:
     # How `codes` is laid out (packing.py): "rows" (one packed row per token) or "tc16" (V
     # codes in chunks of 16 tokens for the tensor-core kernel; rows T_c.. are padding).
     layout: str = "rows"
+    # Rows of a batch that hold different token counts (batch.py): row b's compressed tokens
+    # are [0, lens[b]) and its float tokens [fp_start[b], T_f); None: every row holds all.
+    lens: mx.array | None = None  # [B] int32
+    fp_start: mx.array | None = None  # [B] int32
 
     def __post_init__(self):
         if self.layout not in V_LAYOUTS:
@@ -133,7 +137,7 @@ class CacheView(IsoQuantTensor):
         d = self.__dict__
         d["_src"] = src  # (codes buffer, code rows, norms buffer, rows, float buffer, lo, hi)
         d["quantizer"], d["rotation"], d["layout"] = quantizer, rotation, layout
-        d["decoded"] = d["prefix"] = None
+        d["decoded"] = d["prefix"] = d["lens"] = d["fp_start"] = None
 
     def _view(self, i: int):
         cb, cr, nb, rows, fb, lo, hi = self._src
@@ -215,6 +219,27 @@ def _mask_rows(mask, lo: int, hi: int, qlen: int, klen: int):
     return mask[..., lo:hi, :]
 
 
+def rows_mask(keys: IsoQuantTensor, qlen: int, mask):
+    """The mask of a batch whose rows hold different token counts (keys.lens / keys.fp_start):
+    bool [B, 1, L, T], each row's own tokens, causal over the float tail when `mask` is (any
+    mask but None: the batch cache's own mask can be older than a compression in the same
+    step, so only its presence is read). Other tensors: `mask` unchanged."""
+    if keys.lens is None and keys.fp_start is None:
+        return mask
+    tp, tc, tf = keys.prefix_len, keys.compressed_len, keys.fp_len
+    b = keys.norms.shape[0]
+    cols = mx.arange(tp + tc + tf)[None, None, :]  # [1, 1, T]
+    ok = cols < tp + tc + tf
+    if keys.lens is not None:  # codes [tp, tp + lens[b])
+        ok = ok & ((cols < tp) | (cols >= tp + tc) | (cols < tp + keys.lens.reshape(b, 1, 1)))
+    if keys.fp_start is not None:  # float tail [tp + tc + fp_start[b], T)
+        ok = ok & ((cols < tp + tc) | (cols >= tp + tc + keys.fp_start.reshape(b, 1, 1)))
+    if mask is not None and qlen > 1:  # query l sees the float tail up to tf - L + l
+        q_pos = mx.arange(tp + tc + tf - qlen, tp + tc + tf)[None, :, None]
+        ok = ok & (cols <= q_pos)
+    return mx.broadcast_to(ok[:, None], (b, 1, qlen, tp + tc + tf))
+
+
 def isoquant_attention_reference(
     queries: mx.array,
     keys: IsoQuantTensor,
@@ -228,6 +253,7 @@ def isoquant_attention_reference(
     Problems of more than SCORE_BLOCK scores run in blocks of query rows."""
     b, hq, qlen, _ = queries.shape
     t_all = keys.prefix_len + keys.compressed_len + keys.fp_len
+    mask = rows_mask(keys, qlen, mask)
     rows = max(1, SCORE_BLOCK // max(1, b * hq * t_all))
     if qlen <= rows:
         return _attend(queries, keys, values, scale, mask, sinks)
@@ -368,6 +394,8 @@ def compiled_eligible(queries, keys, values, mask, sinks) -> bool:
     none for one query), no sinks, V codes as rows, one block of scores."""
     if not COMPILE_REFERENCE or mask is not None or sinks is not None:
         return False
+    if keys.lens is not None or keys.fp_start is not None:
+        return False
     if keys.layout != "rows" or values.layout != "rows":
         return False
     b, hq, qlen, _ = queries.shape
@@ -478,7 +506,15 @@ def isoquant_attention(
         if use_kernel is True:
             raise RuntimeError("the fused IsoQuant kernel does not take a float sink prefix")
         use_kernel = False
+    if keys.fp_start is not None:  # rows with float padding: the kernels take lens only
+        if use_kernel is True:
+            raise RuntimeError("the fused IsoQuant kernel does not take rows' float padding")
+        use_kernel = False
     if use_kernel is not False and _kernel is not None:
+        if keys.lens is not None:  # rows' own lengths replace the batch cache's mask
+            mask = None if queries.shape[2] == 1 or mask is None else "causal"
+            return _kernel(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
+                           lens=keys.lens)  # fmt: skip
         return _kernel(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if use_kernel is True:
         raise RuntimeError("no fused IsoQuant attention kernel is registered on this backend")

@@ -1,14 +1,20 @@
 """BatchIsoQuantKVCache: IsoQuant caches of several requests in one batch (mlx-lm's batch
 protocol: merge, extract, filter, extend, prepare, finalize), for BatchGenerator.
 
-Every row is one token sequence laid out as [padding | codes | float tail], right-aligned:
-    codes  [B, Hkv, C, ..]  packed K/V codes ("rows" layout) + fp16 norms, positions [0, C)
-    float  [B, Hkv, Tf, D]  the recent tokens in the model's dtype, positions [C, C + Tf)
-and row i's tokens start at position pad[i] (left padding, masked like mlx-lm's BatchKVCache).
-The code/float boundary is shared, so a row that holds codes has exactly Tf float tokens; when
-rows with different float tails meet, the longer tails compress their oldest tokens (a token's
-codes do not depend on when it is encoded, so this is what the row's own cache would store
-once it compressed that far). Only rows without codes may have shorter float tails (padded).
+Every row is one token sequence laid out as [codes | float tail]:
+    codes  [B, Hkv, C, ..]  packed K/V codes ("rows" layout) + fp16 norms; row i's compressed
+                            tokens are [0, lens[i]), the rest of its C rows unused
+    float  [B, Hkv, Tf, D]  the recent tokens in the model's dtype; row i's are [pad[i], Tf)
+The code/float boundary is shared, so a row that holds codes has exactly Tf float tokens
+(pad[i] = 0); when rows with different float tails meet, the longer tails compress their oldest
+tokens (a token's codes do not depend on when it is encoded, so this is what the row's own cache
+would store once it compressed that far). Only rows without codes have float padding (a row
+shorter than the others, left-padded as in mlx-lm's BatchKVCache).
+
+Attention reads each row's own tokens from the tensors' lens / fp_start (attention.py), not from
+a mask: rows of different lengths then take the fused kernels, which take per-row code counts
+(`lens`). Rows with float padding (rare: a row without codes beside rows with codes, or a
+left-padded prompt) take the reference attention.
 """
 
 from __future__ import annotations
@@ -78,12 +84,14 @@ class BatchIsoQuantKVCache(_BaseCache):
     def __init__(self, config: dict, pad: list[int]):
         self.config = dict(config)
         self.proto = IsoQuantKVCache(**self.config, v_layout="rows")  # rotation, quantizers
-        self.pad = list(pad)  # per row: positions before the row's first token
+        self.pad = list(pad)  # per row: float positions before the row's first token
+        self.lens = [0] * len(pad)  # per row: its compressed tokens, codes [0, lens[i])
         self.codes = None  # (k_codes, k_norms, v_codes, v_norms) [B, H, C, ..] or None
         self.fp_keys = self.fp_values = None  # [B, H, cap, D]; tokens [0, tf) live
         self.tf = 0
         self.offset = mx.array([-p for p in pad])  # per row: real position of the next token
         self._right = None  # right padding of the prefill in flight (prepare -> finalize)
+        self._rows_arrays = None  # (lens, fp_start) as attention reads them, until they change
 
     # ---- shape -------------------------------------------------------------------------
     @property
@@ -127,9 +135,29 @@ class BatchIsoQuantKVCache(_BaseCache):
         return self._fetch()
 
     def _compress(self, k: int) -> None:
-        """Move the oldest k float tokens of every row into the codes (padding encodes too)."""
+        """Move the oldest k float positions of every row into the codes: row i's own tokens
+        among them go to its codes [lens[i], ..), its padding among them is dropped."""
         enc = self.proto.encode_rows(self.fp_keys[:, :, :k], self.fp_values[:, :, :k])
-        self.codes = enc if self.codes is None else tuple(map(_cat, self.codes, enc))
+        c = self.n_codes
+        if all(p == 0 for p in self.pad) and all(n == c for n in self.lens):
+            self.codes = enc if self.codes is None else tuple(map(_cat, self.codes, enc))
+            self.lens = [n + k for n in self.lens]
+        else:  # rows of different lengths: each row's codes stay a prefix of the C + k rows
+            b = self.batch_size
+            codes = []
+            for i, e in enumerate(enc):
+                grow = mx.zeros((b, *e.shape[1:2], k, *e.shape[3:]), e.dtype)
+                codes.append(grow if self.codes is None else _cat(self.codes[i], grow))
+            for i in range(b):
+                skip = min(self.pad[i], k)
+                n = self.lens[i]
+                if skip < k:
+                    for a, e in zip(codes, enc, strict=True):
+                        a[i : i + 1, :, n : n + k - skip] = e[i : i + 1, :, skip:k]
+                self.lens[i] = n + k - skip
+                self.pad[i] -= skip
+            self.codes = tuple(codes)
+        self._rows_arrays = None
         rest = self.tf - k
         cap = _round_up(max(rest, 1), self.step)
         b, h, _, d = self.fp_keys.shape
@@ -140,21 +168,39 @@ class BatchIsoQuantKVCache(_BaseCache):
             new_v[:, :, :rest] = self.fp_values[:, :, k : self.tf]
         self.fp_keys, self.fp_values, self.tf = new_k, new_v, rest
 
+    def _rows(self) -> tuple[mx.array | None, mx.array | None]:
+        """(lens, fp_start) for the tensors: None where every row holds them all."""
+        if self._rows_arrays is None:
+            c = self.n_codes
+            lens = None if all(n == c for n in self.lens) else mx.array(self.lens, mx.int32)
+            pad = None if all(p == 0 for p in self.pad) else mx.array(self.pad, mx.int32)
+            self._rows_arrays = (lens, pad)
+        return self._rows_arrays
+
     def _fetch(self):
         fk = self.fp_keys[:, :, : self.tf] if self.tf else None
         fv = self.fp_values[:, :, : self.tf] if self.tf else None
         if self.codes is None:
-            return fk, fv  # no codes yet: plain arrays, mlx-lm's own attention
+            return fk, fv  # no codes yet: plain arrays, mlx-lm's own attention (with the mask)
         kc, kn, vc, vn = self.codes
         p = self.proto
+        lens, start = self._rows()
         return (
-            IsoQuantTensor(kc, kn, fk, p.kq, p.rotation),
-            IsoQuantTensor(vc, vn, fv, p.vq, p.rotation),
+            IsoQuantTensor(kc, kn, fk, p.kq, p.rotation, lens=lens, fp_start=start),
+            IsoQuantTensor(vc, vn, fv, p.vq, p.rotation, lens=lens, fp_start=start),
         )
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if window_size is not None:
             raise ValueError("IsoQuant caches hold full attention, not a sliding window")
+        if self.codes is not None:
+            # attention masks each row by the tensors' lens / fp_start (a compression in this
+            # step's update moves tokens after this mask is made): causal or nothing
+            if N == 1:
+                return None
+            if not return_array:
+                return "causal"
+            return create_causal_mask(N, offset=self.size())
         if max(self.pad, default=0) == 0:
             if N == 1:
                 return None  # nothing to hide: the fused decode kernel can run
@@ -166,20 +212,17 @@ class BatchIsoQuantKVCache(_BaseCache):
     # ---- rows <-> batch ------------------------------------------------------------------
     def _row(self, i: int, right: int = 0) -> _Row:
         """Row i's own tokens (`right` padding tokens dropped from its float end)."""
-        c, tf = self.n_codes, self.tf - right
-        lo = self.pad[i]
-        codes = None
-        if lo < c:
-            codes = tuple(a[i : i + 1, :, lo:] for a in self.codes)
-        f0 = max(lo - c, 0)
+        n, tf = self.lens[i], self.tf - right
+        codes = tuple(a[i : i + 1, :, :n] for a in self.codes) if n else None
+        f0 = self.pad[i]
         if f0 >= tf:
-            return _Row(codes, None, None) if codes is not None else _Row(None, None, None)
+            return _Row(codes, None, None)
         fk = self.fp_keys[i : i + 1, :, f0:tf]
         fv = self.fp_values[i : i + 1, :, f0:tf]
         return _Row(codes, fk, fv)
 
     def _load_rows(self, rows: list[_Row]) -> None:
-        """Lay `rows` out as this batch: equalize the float tails, then pad on the left."""
+        """Lay `rows` out as this batch: equalize the float tails, codes from position 0."""
         p = self.proto
         with_codes = [r.t for r in rows if r.n]
         tf = min(with_codes) if with_codes else max((r.t for r in rows), default=0)
@@ -195,18 +238,25 @@ class BatchIsoQuantKVCache(_BaseCache):
             out.append(r)
         c = max((r.n for r in out), default=0)
         b = len(out)
-        self.pad = [c + tf - r.n - r.t for r in out]
+        self.lens = [r.n for r in out]
+        self.pad = [tf - r.t for r in out]
         self.offset = mx.array([r.n + r.t for r in out])
         self.tf = tf
         self.codes = None
+        self._rows_arrays = None
         if c:
             ref = next(r.codes for r in out if r.codes is not None)
-            arrays = [mx.zeros((b, *a.shape[1:2], c, *a.shape[3:]), a.dtype) for a in ref]
-            for i, r in enumerate(out):
-                if r.codes is not None:
-                    for a, src in zip(arrays, r.codes, strict=True):
-                        a[i : i + 1, :, c - r.n :] = src
-            self.codes = tuple(arrays)
+            if all(r.n == c for r in out):
+                self.codes = tuple(
+                    mx.concatenate(a, axis=0) for a in zip(*(r.codes for r in out), strict=True)
+                )
+            else:
+                arrays = [mx.zeros((b, *a.shape[1:2], c, *a.shape[3:]), a.dtype) for a in ref]
+                for i, r in enumerate(out):
+                    if r.codes is not None:
+                        for a, src in zip(arrays, r.codes, strict=True):
+                            a[i : i + 1, :, : r.n] = src
+                self.codes = tuple(arrays)
         self.fp_keys = self.fp_values = None
         ref = next((r for r in out if r.fk is not None), None)
         if ref is not None:
@@ -260,7 +310,7 @@ class BatchIsoQuantKVCache(_BaseCache):
         if any(r.n or r.t for r in rows):
             self._load_rows(rows)
         else:
-            self.pad = [0] * len(keep)
+            self.pad, self.lens = [0] * len(keep), [0] * len(keep)
             self.offset = mx.zeros((len(keep),), mx.int32)
             self.codes = self.fp_keys = self.fp_values = None
             self.tf = 0
@@ -276,7 +326,7 @@ class BatchIsoQuantKVCache(_BaseCache):
         if any(r.n or r.t for r in rows):
             self._load_rows(rows)
         else:
-            self.pad = self.pad + other.pad
+            self.pad, self.lens = self.pad + other.pad, self.lens + other.lens
             self.offset = mx.concatenate([self.offset, other.offset])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:

@@ -126,9 +126,9 @@ def isoquant_attention(
         return attention_reference(queries, keys, values, scale, mask, sinks, lens)
 
 
-def _cache_entry(queries, keys, values, scale, mask=None, sinks=None):
+def _cache_entry(queries, keys, values, scale, mask=None, sinks=None, lens=None):
     # The signature attention.isoquant_attention calls a registered kernel with.
-    return isoquant_attention(queries, keys, values, scale, mask, sinks, use_kernel=None)
+    return isoquant_attention(queries, keys, values, scale, mask, sinks, use_kernel=None, lens=lens)
 
 
 def install() -> bool:
