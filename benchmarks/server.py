@@ -147,11 +147,16 @@ def mlx_lm_server(folder: str, tokens: int, max_batch: int) -> Server:
 
 def compare(a: Server, b: Server, clients: list[int], tokens: int, rounds: int, ctx: str):
     """Rounds alternate between the two servers (a, b, a, b, ...) at each client count, so a
-    change in the machine's load falls on both; returns {clients: (a's runs, b's runs)}."""
+    change in the machine's load falls on both; returns {clients: (a's runs, b's runs)}.
+    Each client count starts with one unmeasured round on each server: the first batch of a
+    new size compiles kernels for its shapes (on a GPU, seconds), and the server that meets a
+    shape first would pay for both, since compiled kernels are cached on disk."""
     for s in (a, b):
         warm(s.base, s.model, ctx)
     out = {}
     for c in clients:
+        for s in (a, b):
+            measure(s.base, s.model, c, tokens, ctx)
         ra, rb = [], []
         for _ in range(rounds):
             ra.append(measure(a.base, a.model, c, tokens, ctx))
