@@ -178,6 +178,30 @@ def test_rows_of_different_lengths_reach_the_kernel_with_their_code_counts(monke
     assert batch.pad == [0, 0, 0, 0] and min(batch.lens) > 0
 
 
+def test_compiled_step_over_rows_of_different_lengths_is_bit_identical(monkeypatch):
+    """Without a kernel (CPU), a batch whose rows hold different code counts runs the compiled
+    decode step with the rows' mask as an input: the same numbers as the op-by-op reference."""
+    from app.engine.kvcache.isoquant import attention as att
+
+    monkeypatch.setattr(att, "_kernel", None)
+    batch = IsoQuantKVCache.merge([_single(40, 2, 1), _single(70, 6, 2), _single(23, 3, 3)])
+    compiled = 0
+    for step in range(6):
+        k, v = _kv(3, 300 + step)
+        k, v = k.reshape(3, H, 1, D), v.reshape(3, H, 1, D)
+        q = mx.random.normal((3, 2 * H, 1, D), key=mx.random.key(400 + step)).astype(mx.float16)
+        mask = batch.make_mask(1)
+        bk, bv = batch.update_and_fetch(k, v)
+        assert bk.lens is not None and mask is None
+        monkeypatch.setattr(att, "COMPILE_REFERENCE", True)
+        compiled += att.compiled_eligible(q, bk, bv, mask, None)
+        fast = att.isoquant_attention(q, bk, bv, scale=D**-0.5, mask=mask)
+        monkeypatch.setattr(att, "COMPILE_REFERENCE", False)
+        slow = att.isoquant_attention(q, bk, bv, scale=D**-0.5, mask=mask)
+        assert mx.array_equal(fast, slow).item(), step
+    assert compiled == 6
+
+
 def test_sink_caches_are_refused():
     c = _single(20, 0, 1, sink=4)
     c.finish_prefill()

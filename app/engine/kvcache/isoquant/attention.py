@@ -391,10 +391,9 @@ def _spec(obj) -> tuple:
 
 def compiled_eligible(queries, keys, values, mask, sinks) -> bool:
     """Whether isoquant_attention runs this call as the compiled step: no mask (mlx-lm passes
-    none for one query), no sinks, V codes as rows, one block of scores."""
+    none for one query; a batch's rows of different lengths carry theirs in the tensors), no
+    sinks, V codes as rows, one block of scores."""
     if not COMPILE_REFERENCE or mask is not None or sinks is not None:
-        return False
-    if keys.lens is not None or keys.fp_start is not None:
         return False
     if keys.layout != "rows" or values.layout != "rows":
         return False
@@ -404,7 +403,8 @@ def compiled_eligible(queries, keys, values, mask, sinks) -> bool:
 
 
 def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scale) -> mx.array:
-    """_attend(queries, keys, values, scale, None, None) as a shapeless compiled graph."""
+    """_attend(queries, keys, values, scale, None, None) as a shapeless compiled graph (with a
+    batch's rows of different lengths, their mask, rows_mask, is one more input)."""
     objs = (keys.rotation, values.rotation, keys.quantizer, values.quantizer)
     uniq, where = [], []
     for o in objs:
@@ -423,14 +423,18 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
     else:
         tensors = views
     present = tuple(a is not None for a in tensors)
+    rows = rows_mask(keys, queries.shape[2], None)
     key = (
         queries.shape, queries.dtype, float(scale), keys.prefix_len > 0, keys.compressed_len > 0,
-        keys.fp_len > 0, views is not None, present, tuple(where), specs,
+        keys.fp_len > 0, views is not None, present, tuple(where), specs, rows is not None,
     )  # fmt: skip
     fn = _TRACES.get(key)
     if fn is None:
         n_cols = sum(1 for n in (keys.prefix_len, keys.compressed_len, keys.fp_len) if n)
-        fn = _trace(uniq, specs, tuple(where), present, float(scale), n_cols, views is not None)
+        fn = _trace(
+            uniq, specs, tuple(where), present, float(scale), n_cols, views is not None,
+            rows is not None,
+        )  # fmt: skip
         if len(_TRACES) >= _TRACES_MAX:
             _TRACES.clear()
         _TRACES[key] = fn
@@ -438,6 +442,8 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
     arrays.extend(_columns(keys.prefix_len, keys.compressed_len, keys.fp_len))
     for o, (names, _) in zip(uniq, specs, strict=True):
         arrays.extend(getattr(o, n) for n in names)
+    if rows is not None:
+        arrays.append(rows)
     return fn(queries, *arrays)
 
 
@@ -456,10 +462,12 @@ def _cache_views(keys, values):
     return (ks[0], ks[2], kf, vs[0], vs[2], vf, ri, fi)
 
 
-def _trace(uniq, specs, where, present, scale, n_cols, views):
+def _trace(uniq, specs, where, present, scale, n_cols, views, masked=False):
     n_t = sum(present)
 
     def step(q, *arrays):
+        mask = arrays[-1] if masked else None
+        arrays = arrays[:-1] if masked else arrays
         it = iter(arrays[:n_t])
         t = [next(it) if p else None for p in present]
         if views:  # the rows the cache's buffers hold for this step, taken by index
@@ -475,7 +483,7 @@ def _trace(uniq, specs, where, present, scale, n_cols, views):
         rk, rv, kq, vq = (objs[i] for i in where)
         keys = IsoQuantTensor(t[0], t[1], t[2], kq, rk, t[3], t[4])
         values = IsoQuantTensor(t[5], t[6], t[7], vq, rv, t[8], t[9])
-        return _attend(q, keys, values, scale, None, None, cols)
+        return _attend(q, keys, values, scale, mask, None, cols)
 
     return mx.compile(step, shapeless=True)
 
