@@ -150,6 +150,42 @@ def test_the_cache_attention_uses_the_kernel_and_the_setting_forces_the_referenc
     assert kk.install()
 
 
+def test_a_batch_of_rows_of_different_lengths_runs_on_the_kernel(monkeypatch):
+    """The batched cache's rows of different lengths reach the fused kernel with their code
+    counts and no mask, through decode-time compressions, and equal each row's attention alone
+    (the reference, on the CPU stream)."""
+    from app.engine.kvcache.isoquant.batch import BatchIsoQuantKVCache
+
+    assert kk.install()
+    mx.random.seed(1)
+    singles = []
+    for n in (300, 170, 41):
+        c = isoquant.IsoQuantKVCache("v3", 3, 3, window=16)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        for _ in range(3):
+            c.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+        singles.append(c)
+    batch = BatchIsoQuantKVCache.merge(singles)
+    calls = []
+    real = iq._fused_call
+    monkeypatch.setattr(iq, "_fused_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for step in range(20):  # crosses a compression (every 16 tokens)
+        mask = batch.make_mask(1)
+        keys, values = batch.update_and_fetch(
+            mx.random.normal((3, 2, 1, 64)), mx.random.normal((3, 2, 1, 64))
+        )
+        assert mask is None and keys.lens is not None and keys.fp_start is None
+        q = mx.random.normal((3, 8, 1, 64))
+        calls.clear()
+        out = isoquant.isoquant_attention(q, keys, values, 0.125, mask=mask)
+        assert calls, step
+        for i in range(3):
+            rk, rv = batch.extract(i)._fetch()
+            with mx.stream(mx.cpu):
+                ref = isoquant.isoquant_attention(q[i : i + 1], rk, rv, 0.125, use_kernel=False)
+            assert iq.rel_error(out[i : i + 1], ref) < TOL, (step, i)
+
+
 @pytest.mark.parametrize(
     "d,kb,vb,kind", [(64, 3, 4, "v3"), (128, 3, 3, "v3"), (256, 4, 3, "dense")]
 )
