@@ -380,7 +380,7 @@ class IsoQuantKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        """mlx-lm's batch protocol: one left-padded batch cache of these caches (kvcache/batch.py)."""
+        """mlx-lm's batch protocol: one batch cache of these caches (batch.py)."""
         from .batch import BatchIsoQuantKVCache
 
         return BatchIsoQuantKVCache.merge(caches)
