@@ -6,6 +6,11 @@ activations, sets the peak; the prompt runs through mlx-lm's generate_step with 
 chunking, then one token is decoded. Same process, alternating modes.
 
     python benchmarks/kv_prefill_peak.py [--tokens 8192] [--chunk 256] [--layers 16]
+
+It also measures one part of the kernel path's prefill (Metal/CUDA) that runs anywhere: a
+layer's compressed K and V dequantized for mx.fast's attention (kernel_path._dequantized), at
+Qwen3-30B-A3B's KV shapes (4 heads x 128) and --dequant-tokens contexts, in one piece against
+pieces of kernel_path.DEQUANT_CHUNK tokens: the peak above the cache, and the output's size.
 """
 
 from __future__ import annotations
@@ -68,6 +73,32 @@ def one(model, mode: str, tokens: int, chunk: int) -> dict:
     }
 
 
+def dequant_peak(tokens: int, chunk: int, heads: int = 4, dim: int = 128) -> dict:
+    """Peak bytes above the cache while one layer's K and V are dequantized to bfloat16."""
+    from app.engine.kvcache.isoquant import IsoQuantKVCache, kernel_path
+
+    c = IsoQuantKVCache("v3", 3, 3, window=64)
+    k1, k2 = mx.random.split(mx.random.key(tokens))
+    shape = (1, heads, tokens, dim)
+    c.update_and_fetch(mx.random.normal(shape, key=k1).astype(mx.bfloat16),
+                       mx.random.normal(shape, key=k2).astype(mx.bfloat16))  # fmt: skip
+    keys, values = c.update_and_fetch(mx.zeros((1, heads, 1, dim), mx.bfloat16),
+                                      mx.zeros((1, heads, 1, dim), mx.bfloat16))  # fmt: skip
+    mx.eval(keys.codes, keys.norms, values.codes, values.norms, keys.fp, values.fp)
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = [kernel_path._dequantized(t, mx.bfloat16, chunk=chunk) for t in (keys, values)]
+    mx.eval(*out)
+    return {
+        "tokens": tokens,
+        "chunk": chunk,
+        "peak_mb": (mx.get_peak_memory() - base) / 2**20,
+        "output_mb": sum(a.nbytes for a in out) / 2**20,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -75,7 +106,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default="float32" if mx.default_device() == mx.cpu else "float16")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dequant-tokens", type=int, nargs="*", default=[8192, 32768])
     a = ap.parse_args()
+    from app.engine.kvcache.isoquant import kernel_path
+
+    dequant = []
+    for t in a.dequant_tokens:
+        for chunk in (0, kernel_path.DEQUANT_CHUNK):
+            dequant.append(dequant_peak(t, chunk))
+            x = dequant[-1]
+            print(
+                f"dequantized K+V, {t:6d} tokens, {'one piece' if not chunk else f'pieces of {chunk}':16s}"
+                f" peak {x['peak_mb']:7.1f} MB  output {x['output_mb']:6.1f} MB",
+                flush=True,
+            )
     model = model_for(a.layers, getattr(mx, a.dtype))
     runs = []
     for r in range(a.rounds):
@@ -100,6 +144,8 @@ def main() -> None:
             "prefill_chunk": a.chunk,
             "runs": runs,
             "min_peak_mb": best,
+            "dequant_kv_heads_dim": [4, 128],
+            "dequant": dequant,
         },
     )
 

@@ -3,6 +3,8 @@ and mx.fast's SDPA (kernel_path.dequantized_attention), held to the MLX-ops refe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -41,6 +43,26 @@ def test_dequantized_attention_matches_the_reference(layout, sink, use_sinks, n_
     want = attention_reference(q, keys, values, 0.125, mask, sinks)
     assert got.shape == want.shape == q.shape and got.dtype == q.dtype
     assert rel_error(got, want) < 2e-5
+
+
+@pytest.mark.parametrize("layout", ["rows", "tc16"])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 71, 72])
+def test_dequantizing_in_pieces_is_exact(layout, chunk):
+    """The prefill route dequantizes the compressed tokens a piece at a time (to bound its
+    temporaries): any piece size, awkward ones included, gives the one-piece result bit for
+    bit, for the codes, a float sink prefix and the window, and with the decoded shadow."""
+    c = _cache(layout, 3, window=9, n=83, seed=11)
+    keys, values = c.update_and_fetch(mx.random.normal((1, HKV, 1, D)),
+                                      mx.random.normal((1, HKV, 1, D)))  # fmt: skip
+    assert keys.compressed_len == 72  # pieces of 71 and 72: 2 and 1
+    for t in (keys, values):
+        for dtype in (mx.float32, mx.bfloat16):
+            whole = kernel_path._dequantized(t, dtype, chunk=0)
+            assert whole.shape == t.shape
+            assert mx.array_equal(kernel_path._dequantized(t, dtype, chunk=chunk), whole).item()
+    shadow = replace(keys.as_rows(), decoded=keys.levels())
+    whole = kernel_path._dequantized(shadow, mx.float32, chunk=0)
+    assert mx.array_equal(kernel_path._dequantized(shadow, mx.float32, chunk=chunk), whole).item()
 
 
 def test_dequantized_attention_in_bfloat16_stays_near_the_reference():
