@@ -242,15 +242,22 @@ def bench_text(res: dict) -> str:
         hit = "—" if p.get("hit_rate") is None else f"{p['hit_rate']:.1%}"
         rows.append(("expert hits", "", hit))
         if p.get("MB_read_per_token") is not None:
-            via = {"pinned": "page-locked files", "zero_copy": "into slots"}.get(
-                p.get("read_path"), p.get("read_path") or ""
-            )
+            via = {
+                "pinned": "page-locked files",
+                "zero_copy": "into slots",
+                "device_route": "by the GPU",
+                "device_route_reference": "device step",
+            }.get(p.get("read_path"), p.get("read_path") or "")
             rows.append(("SSD reads", via, f"{p['MB_read_per_token']:.1f} MB/token"))
         if p.get("read_MBps"):
             rows.append(("", "", f"{p['read_MBps']:.0f} MB/s"))
     lines += [f"  {name:12s} {n:>12s} {v:>12s}" for name, n, v in rows]
     ms = p.get("ms_per_token") if p else None
-    if ms:
+    if ms and p.get("read_path") == "device_route":
+        lines.append(
+            "  paging: misses resolved and copied on the GPU inside the step (no read-backs)"
+        )
+    elif ms:
         lines.append(
             f"  paging ms/token: reads {ms['reads']:.1f} · read-backs {ms['readbacks']:.1f} · "
             f"pager {ms['pager_host']:.1f} · rest {ms['rest']:.1f} (of {ms['total']:.1f})"

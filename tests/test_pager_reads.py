@@ -366,3 +366,29 @@ def test_no_device_copier_without_cuda():
     if mx.cuda.is_available():
         pytest.skip("this checks the fallback on a machine without CUDA")
     assert DeviceCopier.open() is None
+
+
+def test_bench_names_the_device_route(tmp_path, monkeypatch):
+    """`rotaryquant bench` on a model paged through the device route: the route is named and
+    its figures come from the step's counters (the reference backend here; on CUDA the kernel,
+    whose copies run inside the step, gets its own line instead of the read timers)."""
+    from app.cli import bench_text
+    from app.engine.bench import bench_generate
+    from app.engine.generate import Engine
+    from app.engine.offload.pager import DEVICE_ROUTE_ENV
+    from app.engine.testing.random_models import TINY_CONFIGS
+    from app.engine.testing.synth import write_random_converted
+
+    monkeypatch.setenv(DEVICE_ROUTE_ENV, "reference")
+    man = write_random_converted(TINY_CONFIGS["qwen3_moe"], tmp_path / "m", seed=1, dtype="float32")
+    eng = Engine()
+    eng.load(tmp_path / "m", {"expert_budget": man.roles["routed"]["bytes"] // 3})
+    res = bench_generate(eng, prompt_tokens=8, gen_tokens=6, trials=1)
+    p = res["pager"]
+    assert p["read_path"] == "device_route_reference" and p["MB_read_per_token"] > 0
+    head = {"model": "m", "machine": {"device": "d", "backend": "cpu"}}
+    text = bench_text({**head, **res})
+    assert "device step" in text and "paging ms/token: reads" in text
+    gpu = {**res, "pager": {**p, "read_path": "device_route"}}
+    text = bench_text({**head, **gpu})
+    assert "by the GPU" in text and "no read-backs" in text and "paging ms/token" not in text
