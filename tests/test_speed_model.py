@@ -73,3 +73,31 @@ def test_plan_reports_expected_speed_when_paging():
     p = plan_model(f"{CONFIGS}/nemotron-3-super-120b-a12b.json", Machine.simulate("32GB"))
     assert p.paging and any("tok/s" in r for r in p.reasons)
     assert p.min_expert_budget <= p.expert_budget < p.expert_bytes
+
+
+def test_cuda_budget_counts_the_device_route_where_the_records_pin():
+    """On CUDA, where the record files fit in half the host's memory (the pager page-locks them
+    and resolves misses on the GPU), the expected speed has no read-backs and no disk reads:
+    faster than the host path's model at the same budget, and the reason says so. Where they
+    do not fit, the host path's costs stand."""
+    from dataclasses import replace
+
+    s = sizes_for(f"{CONFIGS}/qwen3-30b-a3b.json")
+    left = s.expert_bytes // 2
+    big = Machine.simulate(4 * s.expert_bytes, "cuda")
+    small = Machine.simulate(s.expert_bytes, "cuda")
+    active = s.resident_bytes - s.embedding_bytes + s.active_expert_bytes
+    shape = (s.expert_bytes, active, s.moe_layers, s.experts_per_token, s.bytes_per_expert)
+
+    reasons: list[str] = []
+    b = expert_budget_for_speed(s, big, left, reasons)
+    route = replace(BACKEND_COSTS["cuda"], readback_s=0.0)
+    host = BACKEND_COSTS["cuda"]
+    assert len(reasons) == 1 and "resolved on the GPU" in reasons[0]
+    expected = 1 / step_seconds(b, s.expert_bytes, *shape, route)
+    assert f"{expected:.1f} tok/s" in reasons[0]
+    assert expected > 1 / step_seconds(b, left, *shape, host)
+
+    reasons = []
+    expert_budget_for_speed(s, small, left, reasons)
+    assert len(reasons) == 1 and "resolved on the GPU" not in reasons[0]

@@ -310,6 +310,8 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
     in offload.speed on trace-like routing), not hit rate: the smallest budget within 1% of
     the best, since past the hit curve's knee the pool only holds records that the OS page
     cache would serve from memory anyway."""
+    from dataclasses import replace
+
     from .offload.speed import BACKEND_COSTS, step_seconds, trace_hit_rate
 
     top = min(left, s.expert_bytes)
@@ -317,17 +319,24 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
     if not s.moe_layers or top >= s.expert_bytes or top <= need:
         return top  # all resident (no read-backs), or no room to choose
     active = s.resident_bytes - s.embedding_bytes + s.active_expert_bytes
+    costs, memory = BACKEND_COSTS[m.backend], top
+    device_route = m.backend == "cuda" and s.expert_bytes <= (m.available or m.ram) // 2
+    if device_route:
+        # the pager page-locks the record files where they fit in half the available memory
+        # and resolves misses on the GPU (PagerOptions.device_route): no read-backs, and
+        # every miss a copy from host memory over the bus
+        costs, memory = replace(costs, readback_s=0.0), s.expert_bytes
 
     def tps(b: int) -> float:
         return 1.0 / step_seconds(
             b,
-            top,
+            memory,
             s.expert_bytes,
             active,
             s.moe_layers,
             s.experts_per_token,
             s.bytes_per_expert,
-            BACKEND_COSTS[m.backend],
+            costs,
         )
 
     steps = 64
@@ -335,7 +344,13 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
     best = tps(top)
     pick = next(b for b in cands if tps(b) >= 0.99 * best)
     hit = trace_hit_rate(pick / s.expert_bytes)
-    if pick < top:
+    if device_route:
+        reasons.append(
+            f"expert budget {gb(pick)}: expected {tps(pick):.1f} tok/s ({hit:.0%} hits on "
+            "trace-like routing); the record files fit in half the host's memory, so they are "
+            "page-locked and misses are resolved on the GPU, copied over the bus"
+        )
+    elif pick < top:
         reasons.append(
             f"expert budget {gb(pick)} for an expected {tps(pick):.1f} tok/s ({hit:.0%} hits on "
             f"trace-like routing); all {gb(top)} would give {best:.1f} tok/s: the rest stays "
