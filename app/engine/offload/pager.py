@@ -34,8 +34,9 @@ all hit with probability 0.95^384 ~ 3e-9). Its cost is measured in benchmarks/pa
 Device-resolved paging (`PagerOptions.device_route`, device_route.py): each layer owns an
 equal share of its pool's slots and keeps its expert -> slot table on the device; one CUDA
 kernel a call resolves hits, picks LRU victims and copies misses straight out of the
-page-locked record files, so a decode step reads nothing back. Off by default until measured
-on a GPU; "reference" runs the same step on the host (its specification; CPU tests).
+page-locked record files, so a decode step reads nothing back. On by default ("auto") where it
+can run (H200, Qwen3 shapes at 50%: 75% of resident speed against 29% for the host path);
+"reference" runs the same step on the host (its specification; CPU tests).
 
 Writes into slots: with unified memory (CPU, Apple GPU) a record is read with one `preadv`
 straight into the slot tensors' memory (zero copies; safe because only unpinned slots are
