@@ -15,6 +15,7 @@ K and V are never reconstructed; only the 2**bits-entry level tables are looked 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -228,16 +229,17 @@ def rows_mask(keys: IsoQuantTensor, qlen: int, mask):
         return mask
     tp, tc, tf = keys.prefix_len, keys.compressed_len, keys.fp_len
     b = keys.norms.shape[0]
-    cols = mx.arange(tp + tc + tf)[None, None, :]  # [1, 1, T]
-    ok = cols < tp + tc + tf
+    t = tp + tc + tf
+    cols = mx.arange(t)[None, None, :]  # [1, 1, T]
+    ok = []
     if keys.lens is not None:  # codes [tp, tp + lens[b])
-        ok = ok & ((cols < tp) | (cols >= tp + tc) | (cols < tp + keys.lens.reshape(b, 1, 1)))
+        ok.append((cols < tp) | (cols >= tp + tc) | (cols < tp + keys.lens.reshape(b, 1, 1)))
     if keys.fp_start is not None:  # float tail [tp + tc + fp_start[b], T)
-        ok = ok & ((cols < tp + tc) | (cols >= tp + tc + keys.fp_start.reshape(b, 1, 1)))
+        ok.append((cols < tp + tc) | (cols >= tp + tc + keys.fp_start.reshape(b, 1, 1)))
     if mask is not None and qlen > 1:  # query l sees the float tail up to tf - L + l
-        q_pos = mx.arange(tp + tc + tf - qlen, tp + tc + tf)[None, :, None]
-        ok = ok & (cols <= q_pos)
-    return mx.broadcast_to(ok[:, None], (b, 1, qlen, tp + tc + tf))
+        ok.append(cols <= mx.arange(t - qlen, t)[None, :, None])
+    m = ok[0] if len(ok) == 1 else functools.reduce(mx.logical_and, ok)
+    return mx.broadcast_to(m[:, None], (b, 1, qlen, t))
 
 
 def isoquant_attention_reference(
