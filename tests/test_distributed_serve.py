@@ -150,7 +150,12 @@ def test_pipeline_batcher_answers_in_order_and_fails_with_the_host(smollm2_path,
         assert done[0] == single[QUESTIONS[1]]
         assert order == [len(eng.encode_chat([{"role": "user", "content": q}])) for q in qs]
         assert b.max_batch_seen == 0  # never a batch
-        # a lost host: queued requests and new ones get 503 with its name
+        # a lost host: queued requests and new ones get 503 with its name. The earlier
+        # requests leave the in-flight count just after their answers: wait for that first.
+        deadline = time.monotonic() + 60
+        while b.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.in_flight() == 0
         with b.lock:  # holds the batcher between requests: the next one stays queued
             failed: queue.Queue = queue.Queue()
 
