@@ -289,7 +289,8 @@ def row(
         "resident_tps": resident_tps,
         "hit_rate": s["hit_rate"],
         "ms_per_token": breakdown(n, paged["seconds"], s, paged["wait_s"], compute_s),
-        "read_GBps": read_rate(paged, resident_tps),
+        # None on the device route: its copies run inside the kernel (miss_ms_per_token)
+        "read_GBps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else None,
         "pread_bound_GBps": bound["GBps"],
         "pread_bound_threads": bound["threads"],
         "read_threads": paged["threads"],
@@ -300,15 +301,6 @@ def row(
         "read_path": s.get("read_path"),
         **extra,
     }
-
-
-def read_rate(paged: dict, resident_tps: float | None) -> float | None:
-    """GB/s the misses were read at, by the pager's read timer; None on the device route
-    (the copies run inside the kernel, untimed: its rows give miss_ms_per_token)."""
-    s = paged["stats"]
-    if s["read_s"]:
-        return s["bytes_read"] / s["read_s"] / 1e9
-    return None
 
 
 def read_path(

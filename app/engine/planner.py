@@ -312,7 +312,7 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
     cache would serve from memory anyway."""
     from dataclasses import replace
 
-    from .offload.speed import BACKEND_COSTS, step_seconds, trace_hit_rate
+    from .offload.speed import BACKEND_COSTS, records_pin, step_seconds, trace_hit_rate
 
     top = min(left, s.expert_bytes)
     need = min_expert_budget(s)
@@ -320,11 +320,8 @@ def expert_budget_for_speed(s: ModelSizes, m: Machine, left: int, reasons: list[
         return top  # all resident (no read-backs), or no room to choose
     active = s.resident_bytes - s.embedding_bytes + s.active_expert_bytes
     costs, memory = BACKEND_COSTS[m.backend], top
-    device_route = m.backend == "cuda" and s.expert_bytes <= (m.available or m.ram) // 2
-    if device_route:
-        # the pager page-locks the record files where they fit in half the available memory
-        # and resolves misses on the GPU (PagerOptions.device_route): no read-backs, and
-        # every miss a copy from host memory over the bus
+    device_route = m.backend == "cuda" and records_pin(s.expert_bytes, m.available or m.ram)
+    if device_route:  # no read-backs, and every miss a copy from host memory over the bus
         costs, memory = replace(costs, readback_s=0.0), s.expert_bytes
 
     def tps(b: int) -> float:

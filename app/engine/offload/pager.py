@@ -62,6 +62,7 @@ import numpy as np
 from ..errors import EngineError
 from .lru import POLICIES, NoFreeSlot
 from .records import ExpertRecordError, ExpertStore, LayerLayout, TensorSpec
+from .speed import records_pin
 from .stats import LayerStats, per_token, total
 
 # the host's work of a paged call by part (seconds, summed; `stats()["host_parts"]` per token):
@@ -784,7 +785,7 @@ class ExpertPager:
             import psutil
 
             total = sum({str(path): size for path, size in files.values()}.values())
-            if total > psutil.virtual_memory().available // 2:
+            if not records_pin(total, psutil.virtual_memory().available):
                 return None
         maps, by_file = {}, {}
         for layer, (path, size) in files.items():

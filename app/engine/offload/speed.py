@@ -48,6 +48,13 @@ BACKEND_COSTS = {
 }
 
 
+def records_pin(file_bytes: int, available: int) -> bool:
+    """Whether the pager page-locks the record files on CUDA (PagerOptions.pin_records left
+    at None): they must fit in half the host's available memory. Where they do, misses are
+    resolved on the GPU (device-resolved paging) and copied from host memory over the bus."""
+    return file_bytes <= available // 2
+
+
 def trace_hit_rate(fraction: float) -> float:
     """Interpolated TRACE_HITS at `fraction` of all experts resident (clamped to [0, 1])."""
     f = min(1.0, max(0.0, fraction))
