@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -237,6 +238,38 @@ def fresh_plans() -> None:
 
     iq._PLANS.clear()
     iq._iparams_cached.cache_clear()
+
+
+# primitives that make a view of their input (no kernel launch on a GPU, as a rule)
+VIEWS = frozenset(
+    "Broadcast Reshape Slice ExpandDims Squeeze Transpose Flatten Unflatten StopGradient "
+    "Depends AsStrided Split".split()
+)
+
+
+def step_nodes(r: Runner) -> dict:
+    """The nodes of one decode step's graph from the cache's current state (nothing evaluated,
+    the cache put back): all of them, those that launch work (not views), and the most common
+    primitives. Compiled functions' fused kernels count as one node each."""
+    import collections
+    import tempfile
+
+    mx.eval([v for c in r.cache for v in vars(c).values() if isinstance(v, mx.array)])
+    saved = [dict(vars(c)) for c in r.cache]
+    y = r.step(mx.array([int(r.last)]))
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, y)
+        labels = re.findall(r'label ="([^"]*)"', f.read())
+    del y
+    for cache, state in zip(r.cache, saved, strict=True):
+        vars(cache).clear()
+        vars(cache).update(state)
+    counts = collections.Counter("Compiled" if n.startswith("Compiled") else n for n in labels)
+    return {
+        "graph_nodes": sum(counts.values()),
+        "launch_nodes": sum(c for n, c in counts.items() if n not in VIEWS),
+        "top": dict(counts.most_common(24)),
+    }
 
 
 def host_ms(runners: dict, variants: list[str], steps: int) -> dict:
@@ -460,6 +493,19 @@ def main() -> None:
                 f"wall {statistics.median(wall):7.3f})",
                 flush=True,
             )
+        for v in variants:
+            r = runners[v.split("_")[0]]
+            if v.endswith("_uncompiled"):
+                compiled.uncompile(r.model)
+            res[v]["nodes"] = step_nodes(r)
+            if v.endswith("_uncompiled"):
+                compiled.compile_blocks(r.model)
+            n = res[v]["nodes"]
+            print(
+                f"ctx {ctx} {v:22s} step graph {n['graph_nodes']} nodes, "
+                f"{n['launch_nodes']} not views",
+                flush=True,
+            )
         first = sum(ctx / res[n]["prefill"][0] for n in prefill_names)
         for rnd in range(1, args.prefill_rounds):
             if time.perf_counter() - t_start + first > args.budget_s:
@@ -487,6 +533,15 @@ def main() -> None:
                     ],
                     "host_wall_ms_per_step": round(statistics.median(res[v]["wall"]), 3),
                     "prefill_chunk": runners[base].chunk,
+                    **(
+                        {
+                            "graph_nodes": res[v]["nodes"]["graph_nodes"],
+                            "launch_nodes": res[v]["nodes"]["launch_nodes"],
+                            "step_primitives": res[v]["nodes"]["top"],
+                        }
+                        if "nodes" in res[v]
+                        else {}
+                    ),
                     **({"expert_prefill_bits": widen_bits} if base != "stock" else {}),
                 }
             )
