@@ -216,3 +216,81 @@ def test_larger_prefill_step_stays_within_the_planners_expectation(tmp_path):
         assert measured <= expected + planner.COMPUTE_ALLOWANCE, (chunk, measured, expected)
         ratio[chunk] = measured / expected
     assert ratio[2048] <= ratio[512] * 1.05, ratio
+
+
+def _primitives(y) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, y)
+        return re.findall(r'label ="([^"]*)"', f.read())
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+def test_fused_projections_one_matmul_same_logits(tmp_path, bits):
+    """A decode step's q/k/v projections as one matmul (float and quantized): two matmul nodes
+    a layer fewer, logits bit-identical to mlx-lm's three projections, no extra memory (the
+    projections' arrays become views of the fused ones), and a later weight update is seen."""
+    import gc
+
+    import mlx.nn as nn
+
+    folder = make_random_model("qwen3_moe", tmp_path / "m", seed=5, scale=0.5)
+    model = load(folder).model
+    if bits:
+        nn.quantize(
+            model, group_size=32, bits=bits, class_predicate=lambda _, m: type(m) is nn.Linear
+        )
+    mx.eval(model.parameters())
+    ref = _forward(model, PROMPT, steps=8)
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    gc.collect()
+    before = mx.get_active_memory()
+    compiled.compile_blocks(model)
+    gc.collect()
+    attn = [layer.self_attn for layer in model.layers]
+    assert all("_rq_qkv" in a.__dict__ for a in attn)
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    qkv_bytes = sum(v.nbytes for v in attn[0]._rq_qkv["arrays"].values())
+    assert mx.get_active_memory() - before < qkv_bytes  # not one layer's copy more
+    got = _forward(model, PROMPT, steps=8)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert mx.array_equal(a, b).item(), f"logits differ at step {i}"
+    assert all("_rq_qkv" in a.__dict__ for a in attn)  # still fused after the steps
+    # the step's graph: two (quantized) matmuls a layer fewer than three projections
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=cache)
+    mx.eval([c.state for c in cache])
+    kind = "QuantizedMatmul" if bits else "Matmul"
+    step = model(mx.array([[5]]), cache=cache)
+    fused_n = _primitives(step).count(kind)
+    mx.eval(step, [c.state for c in cache])
+    for c in cache:
+        c.offset -= 1
+    for a in attn:  # the same step, three projections
+        object.__delattr__(a, "_rq_qkv")
+
+    three_n = _primitives(model(mx.array([[5]]), cache=cache)).count(kind)
+    assert three_n - fused_n == 2 * len(attn)
+    # the unfused compiled step rewrapped the projections' arrays (mx.compile's captured
+    # inputs), which reads as an update: fuse them again
+    assert all(compiled.fuse_projections(a) for a in attn)
+    assert all(compiled._qkv_arrays(a) is not None for a in attn)
+    # a batch of two rows through the fused arrays: each row as it is alone
+    x = mx.random.normal((2, 1, model.args.hidden_size))
+    off = mx.array(7, mx.int32)
+    a0 = attn[0]
+    pair = a0._rq_fused_fn(x, off, compiled._qkv_arrays(a0))
+    for r in range(2):
+        one = a0._rq_fused_fn(x[r : r + 1], off, compiled._qkv_arrays(a0))
+        for p, o in zip(pair, one, strict=True):
+            assert mx.allclose(p[r : r + 1], o, atol=1e-5).item()
+    # new weights for one projection: the fusion is dropped and the step follows them
+    new = {k: (v[::-1] if v.dtype == mx.uint32 else v * 2) for k, v in a0.k_proj.items()}
+    a0.k_proj.update(new)
+    cache = make_prompt_cache(model)
+    step = model(mx.array([[5]]), cache=cache)
+    assert "_rq_qkv" not in a0.__dict__ and "_rq_qkv" in attn[1].__dict__
+    compiled.uncompile(model)
+    assert mx.array_equal(step, model(mx.array([[5]]), cache=make_prompt_cache(model))).item()

@@ -182,3 +182,42 @@ def test_prefill_peak_holds_one_layers_widened_weights(tmp_path, monkeypatch, co
     extra = on - off
     assert extra > 0.5 * one_layer  # the widening ran
     assert extra < 1.5 * one_layer, f"extra peak {extra / 1e6:.1f} MB: more than one layer's"
+
+
+def _step_primitives(y) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, y)
+        return re.findall(r'label ="([^"]*)"', f.read())
+
+
+@pytest.mark.parametrize("compile_blocks", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_steps_pass_the_left_indices_as_a_constant(tmp_path, compile_blocks, bits):
+    """A decode step's expert calls hand gather_qmm its default left indices as a constant: the
+    step's graph has three Arange nodes a layer fewer (gate, up, down; the CPU's RoPE makes
+    its own), and its logits equal mlx-lm's own calls bit for bit."""
+    model = _quantized_tiny(tmp_path / "m", bits=bits)
+    tokens = np.random.default_rng(4).integers(3, 1000, 40).tolist()
+    ref_logits, ref_cache = _prefill_logits(model, tokens)
+    prepare_model(model, float_dense=False, compile_blocks=compile_blocks)
+    switches = [m for _, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert switches and all(ew.is_installed(m) for m in switches)
+    assert all(ew.is_widening(m) == (bits == 4) for m in switches)
+    got_logits, cache = _prefill_logits(model, tokens)
+    assert mx.array_equal(got_logits, ref_logits).item()
+    n_layers = TINY_CONFIGS["qwen3_moe"]["num_hidden_layers"]
+    tok = mx.argmax(got_logits[:, -1:], axis=-1)
+    for _ in range(3):
+        mx.eval(tok)
+        y = model(tok, cache=cache)
+        ours = _step_primitives(y).count("Arange")
+        ew.uninstall(model)
+        compiled.uncompile(model)
+        ref = model(tok, cache=ref_cache)
+        prepare_model(model, float_dense=False, compile_blocks=compile_blocks)
+        assert _step_primitives(ref).count("Arange") - ours == 3 * n_layers
+        assert mx.array_equal(y, ref).item()
+        tok = mx.argmax(y[:, -1:], axis=-1)

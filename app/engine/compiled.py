@@ -39,6 +39,8 @@ ROPE_CLASSES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalR
 ATTENTION_CALLS = {"mlx_lm.models.qwen3_moe": True, "mlx_lm.models.qwen3": True,
                    "mlx_lm.models.llama": False}  # fmt: skip
 _PURE_MODULES = ("mlx.nn.", "mlx_lm.models.")
+# one matmul for a decode step's q/k/v projections (fuse_projections); "0" keeps three
+FUSE_QKV = os.environ.get("ROTARYQUANT_FUSE_QKV", "1") != "0"
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -106,10 +108,119 @@ def _offset_array(offset) -> mx.array:
     return a
 
 
-def _attention_pre(self, x, offset):
-    """The module's decode step up to its cache: (queries, keys, values), as mlx-lm's code."""
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def _fusable(projections: list) -> tuple | None:
+    """The array names and matmul settings the q/k/v projections share, if one matrix can do
+    all three: the same class (float Linear, or QuantizedLinear of one width, group and mode),
+    the same arrays, none of them sharded."""
+    kinds = {type(p) for p in projections}
+    if len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
+        return None
+    names = {tuple(sorted(p.keys())) for p in projections}
+    settings = {
+        (getattr(p, "group_size", None), getattr(p, "bits", None), getattr(p, "mode", None))
+        for p in projections
+    }
+    if len(names) != 1 or len(settings) != 1:
+        return None
+    return names.pop(), settings.pop()
+
+
+def fuse_projections(module: nn.Module) -> bool:
+    """One matrix for the q/k/v projections of a decode step: their arrays concatenated along
+    the output rows, and each projection's arrays made views of it (a row range: no copy), so
+    memory is as before and the module tree, parameter paths and prefill calls are mlx-lm's.
+    A single-token, single-row step then runs one matmul for three (two fewer graph nodes a
+    layer) and takes q, k and v as column ranges of its output: each output is the same dot
+    product as before. Batched steps run three matmuls over row ranges of the fused arrays.
+    Returns whether it fused."""
+    projections = [getattr(module, n, None) for n in PROJECTIONS]
+    if any(p is None for p in projections) or (found := _fusable(projections)) is None:
+        return False
+    names, settings = found
+    fused = {k: mx.concatenate([p[k] for p in projections], axis=0) for k in names}
+    mx.eval(fused)
+    bounds, start = [], 0
+    for p in projections:
+        rows = p["weight"].shape[0]
+        bounds.append((start, start + rows))
+        for k in names:
+            p[k] = fused[k][start : start + rows]
+        start += rows
+    mx.eval([p[k] for p in projections for k in names])
+    object.__setattr__(
+        module,
+        "_rq_qkv",
+        {
+            "arrays": fused,
+            "settings": settings,
+            "bounds": bounds,
+            # (container, key, object) that must still hold: the projections in the module and
+            # the views in the projections (plain dict lookups, ~0.1 µs each a step)
+            "held": [(module, n, p) for n, p in zip(PROJECTIONS, projections, strict=True)]
+            + [(p, k, p[k]) for p in projections for k in names],
+        },
+    )
+    return True
+
+
+def _qkv_arrays(module) -> dict | None:
+    """The fused q/k/v arrays, while the projections still hold the views made of them (a
+    later update of their weights drops the fusion)."""
+    fused = module.__dict__.get("_rq_qkv")
+    if fused is None:
+        return None
+    for container, key, obj in fused["held"]:
+        if container.get(key) is not obj:
+            object.__delattr__(module, "_rq_qkv")
+            return None
+    return fused["arrays"]
+
+
+def _project(x, arrays: dict, settings: tuple):
+    """x through a projection given by its arrays, as nn.Linear / nn.QuantizedLinear do."""
+    group_size, bits, mode = settings
+    if "scales" in arrays:
+        y = mx.quantized_matmul(
+            x,
+            arrays["weight"],
+            scales=arrays["scales"],
+            biases=arrays.get("biases"),
+            transpose=True,
+            group_size=group_size,
+            bits=bits,
+            mode=mode,
+        )
+        return y + arrays["bias"] if "bias" in arrays else y
+    if "bias" in arrays:
+        return mx.addmm(arrays["bias"], x, arrays["weight"].T)
+    return x @ arrays["weight"].T
+
+
+def _fused_projections(self, x, arrays: dict):
+    """q, k, v from the fused arrays: one matmul for a one-row step, else three over row
+    ranges of the arrays (views: column ranges of several output rows would be strided)."""
+    fused = self._rq_qkv
+    if x.shape[0] * x.shape[1] == 1:
+        y = _project(x, arrays, fused["settings"])
+        q_end, k_end = fused["bounds"][0][1], fused["bounds"][1][1]
+        return y[..., :q_end], y[..., q_end:k_end], y[..., k_end:]
+    return tuple(
+        _project(x, {k: a[lo:hi] for k, a in arrays.items()}, fused["settings"])
+        for lo, hi in fused["bounds"]
+    )
+
+
+def _attention_pre(self, x, offset, arrays=None):
+    """The module's decode step up to its cache: (queries, keys, values), as mlx-lm's code;
+    with `arrays` (fuse_projections) the projections read the fused arrays."""
     b, n, _ = x.shape
-    queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    if arrays is not None:
+        queries, keys, values = _fused_projections(self, x, arrays)
+    else:
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     queries = queries.reshape(b, n, self.n_heads, -1)
     keys = keys.reshape(b, n, self.n_kv_heads, -1)
     if ATTENTION_CALLS[type(self)._rq_original.__module__]:
@@ -123,7 +234,11 @@ def _attention_call(self, x, mask=None, cache=None):
     b, n, _ = x.shape
     if cache is None or n != 1:
         return type(self)._rq_original.__call__(self, x, mask=mask, cache=cache)
-    queries, keys, values = self._rq_compiled_fn(x, _offset_array(cache.offset))
+    arrays = _qkv_arrays(self)
+    if arrays is None:
+        queries, keys, values = self._rq_compiled_fn(x, _offset_array(cache.offset))
+    else:
+        queries, keys, values = self._rq_fused_fn(x, _offset_array(cache.offset), arrays)
     keys, values = cache.update_and_fetch(keys, values)
     sdpa = sys.modules[type(self).__module__].scaled_dot_product_attention
     output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
@@ -154,6 +269,13 @@ def compile_attention(module: nn.Module) -> None:
     if "_rq_compiled_fn" not in module.__dict__:
         fn = mx.compile(functools.partial(_attention_pre, module), inputs=module)
         object.__setattr__(module, "_rq_compiled_fn", fn)
+    if FUSE_QKV and "_rq_fused_fn" not in module.__dict__ and fuse_projections(module):
+        # the fused step never reads the projections: its captured inputs are the module's
+        # other parts, so the projections' arrays stay the objects fuse_projections() made
+        # (their identity is how a later update is noticed, _qkv_arrays)
+        rest = {k: v for k, v in module.children().items() if k not in PROJECTIONS}
+        fn = mx.compile(functools.partial(_attention_pre, module), inputs=rest)
+        object.__setattr__(module, "_rq_fused_fn", fn)
 
 
 def use_traces(model: nn.Module, key) -> int:

@@ -116,25 +116,53 @@ def widen(w: mx.array, bits: int, to: int = 8) -> mx.array:
     return _widener(bits, to)(w)
 
 
+_LHS: dict[tuple, mx.array] = {}  # gather_qmm's default left indices, one per batch shape
+
+
+def _lhs_indices(batch: tuple) -> mx.array:
+    """arange(prod(batch)) as uint32 of shape `batch`, evaluated once per shape: what
+    mx.gather_qmm builds for itself (an Arange node a call, 3 a MoE layer a decode step) when
+    given only right indices. Passed in, it is a constant and the step has no such node."""
+    a = _LHS.get(batch)
+    if a is None:
+        if len(_LHS) >= 64:
+            _LHS.clear()
+        n = 1
+        for d in batch:
+            n *= d
+        a = _LHS[batch] = mx.arange(n, dtype=mx.uint32).reshape(batch)
+        mx.eval(a)
+    return a
+
+
 def _widened_call(self, x, indices, sorted_indices=False):
-    """QuantizedSwitchLinear's call, its codes widened when the call has many rows."""
-    to = None
-    if indices.size >= MIN_ROWS and self.mode == "affine" and self.bits in SOURCE_BITS:
+    """QuantizedSwitchLinear's call: its codes widened when the call has many rows; unsorted
+    calls (decode, short verify steps) with gather_qmm's left indices passed as a constant.
+    Either way the same products as mlx-lm's call."""
+    bits = self.bits
+    w = self["weight"]
+    if indices.size >= MIN_ROWS and is_widening(self):
         to = prefill_bits()
-    if to is None or to <= self.bits:
+        if to is not None and to > bits:
+            # depends on x: computed when the layer's input is, not with every layer's up front
+            w, bits = widen(mx.depends(w, x), bits, to), to
+    if sorted_indices and bits == self.bits:
         return type(self)._rq_widen_original.__call__(self, x, indices, sorted_indices)
-    # depends on x: computed when the layer's input is, not with every layer's up front
-    w = widen(mx.depends(self["weight"], x), self.bits, to)
+    # unsorted: the left indices gather_qmm would make itself (the GatherQMM node is the same:
+    # its sorted flags are false either way); sorted and widened: mlx-lm's own arguments
+    lhs = None if sorted_indices else _lhs_indices(tuple(x.shape[:-2]))
     y = mx.gather_qmm(
         x,
         w,
         self["scales"],
         self.get("biases"),
+        lhs_indices=lhs,
         rhs_indices=indices,
         transpose=True,
         group_size=self.group_size,
-        bits=to,
+        bits=bits,
         mode=self.mode,
+        global_scale=getattr(self, "global_scale", None),
         sorted_indices=sorted_indices,
     )
     if "bias" in self:
@@ -151,26 +179,28 @@ def _subclass(cls: type) -> type:
     return call_subclass(cls, _widened_call, "_rq_widen_original", _SUBCLASSES)
 
 
-def is_widening(m: nn.Module) -> bool:
+def is_installed(m: nn.Module) -> bool:
     return "_rq_widen_original" in type(m).__dict__
 
 
+def is_widening(m: nn.Module) -> bool:
+    """An installed expert layer whose codes widen for prefill calls (affine, 2-4 bits)."""
+    return (
+        is_installed(m) and getattr(m, "mode", "affine") == "affine" and m.bits in SOURCE_BITS
+    )
+
+
 def install(model: nn.Module) -> int:
-    """Give every resident affine expert layer (QuantizedSwitchLinear at 2, 3 or 4 bits) the
-    widening call; returns how many have it. Idempotent; parameters and paths unchanged."""
+    """Give every resident quantized expert layer (mlx-lm's QuantizedSwitchLinear) the
+    engine's call; returns how many of them widen for prefill (affine, 2-4 bits). Idempotent;
+    parameters and paths unchanged."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     n = 0
     for _, m in model.named_modules():
-        if is_widening(m):
-            n += 1
-        elif (
-            isinstance(m, QuantizedSwitchLinear)
-            and getattr(m, "mode", "affine") == "affine"
-            and m.bits in SOURCE_BITS
-        ):
+        if not is_installed(m) and isinstance(m, QuantizedSwitchLinear):
             m.__class__ = _subclass(type(m))
-            n += 1
+        n += is_widening(m)
     return n
 
 
