@@ -185,9 +185,7 @@ def is_installed(m: nn.Module) -> bool:
 
 def is_widening(m: nn.Module) -> bool:
     """An installed expert layer whose codes widen for prefill calls (affine, 2-4 bits)."""
-    return (
-        is_installed(m) and getattr(m, "mode", "affine") == "affine" and m.bits in SOURCE_BITS
-    )
+    return is_installed(m) and getattr(m, "mode", "affine") == "affine" and m.bits in SOURCE_BITS
 
 
 def install(model: nn.Module) -> int:
