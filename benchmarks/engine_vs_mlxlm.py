@@ -532,6 +532,21 @@ def main() -> None:
                     if res[v]["decode"]
                     else None,
                     "rounds": [round(x, 2) for x in res[v]["decode"]],
+                    # ratios within each round (adjacent in time): the machine's drift cancels
+                    **{
+                        f"decode_vs_{b}_paired": round(
+                            statistics.median(
+                                a / c
+                                for a, c in zip(res[v]["decode"], res[b]["decode"], strict=True)
+                            ),
+                            3,
+                        )
+                        for b in ("stock", "fp16")
+                        if b != base
+                        and res[v]["decode"]
+                        and res[b]["decode"]
+                        and not (b == "fp16" and base == "stock")
+                    },
                     "peak_gb": round(res[base]["peak"] / 1e9, 2),
                     "host_ms_per_step": round(statistics.median(res[v]["host"]), 3),
                     "host_ms_mean": round(statistics.fmean(res[v]["host"]), 3),
@@ -612,7 +627,14 @@ def report(rows: list[dict], args, parts: dict) -> None:
             o = by[(ctx, c)]
             print(
                 f"ctx {ctx} {c}/stock: prefill {o['prefill_tps'] / s['prefill_tps']:.2f}x, decode "
-                f"{o['decode_tps'] / s['decode_tps']:.2f}x, host {o['host_ms_per_step'] / s['host_ms_per_step']:.2f}x"
+                f"{o['decode_tps'] / s['decode_tps']:.2f}x (paired rounds "
+                f"{o.get('decode_vs_stock_paired', 0):.2f}x), host "
+                f"{o['host_ms_per_step'] / s['host_ms_per_step']:.2f}x"
+                + (
+                    f"; decode vs fp16 {o['decode_vs_fp16_paired']:.2f}x (paired rounds)"
+                    if "decode_vs_fp16_paired" in o
+                    else ""
+                )
             )
         off = by.get((ctx, WIDEN_OFF))
         if off:
@@ -647,7 +669,8 @@ def report(rows: list[dict], args, parts: dict) -> None:
         "engine_vs_mlxlm",
         {
             "method": "one process, both models resident; per context each config prefills a fresh "
-            "cache, decode rounds alternate configs (median), host_ms_per_step: median "
+            "cache, decode rounds alternate configs (median; decode_vs_*_paired: the median of "
+            "the ratios within each round), host_ms_per_step: median "
             "thread CPU time to build one decode step's graph (nothing evaluated meanwhile)",
             **other,
             key: this,

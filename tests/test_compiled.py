@@ -81,6 +81,8 @@ def test_compiled_attention_gives_bit_identical_logits(model_of, arch):
     paths = compiled.compile_blocks(model)
     attn = [p for p in paths if p.endswith(".self_attn")]
     assert len(attn) == len(model.layers)
+    # the decoder layers too: a decode step is two compiled calls a layer around the cache
+    assert compiled.compiled_layers(model) == len(model.layers)
     for got, ref in (
         (_forward(model, PROMPT, steps=20), ref_fp),
         (_isoquant_logits(model), ref_iq),
@@ -129,7 +131,12 @@ def test_impure_blocks_and_the_switch_stay_as_built(model_of, monkeypatch):
     assert not compiled.compilable(block)
     paths = compiled.compile_blocks(model)
     assert "model.layers.0.mlp" not in paths and "model.layers.1.mlp" in paths
+    # a layer whose block reads routes on the host keeps mlx-lm's call (its attention compiled)
+    layers = model.model.layers
+    assert compiled.is_compiled(layers[0].self_attn) and not compiled.layer_compilable(layers[0])
+    assert compiled.compiled_layers(model) == len(layers) - 1
     compiled.uncompile(model)
+    assert compiled.compiled_layers(model) == 0
 
 
 def _mlx_lm_tokens(model, n, **kw):

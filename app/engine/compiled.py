@@ -41,6 +41,9 @@ ATTENTION_CALLS = {"mlx_lm.models.qwen3_moe": True, "mlx_lm.models.qwen3": True,
 _PURE_MODULES = ("mlx.nn.", "mlx_lm.models.")
 # one matmul for a decode step's q/k/v projections (fuse_projections); "0" keeps three
 FUSE_QKV = os.environ.get("ROTARYQUANT_FUSE_QKV", "1") != "0"
+# decoder layers of known classes as two compiled calls a decode step; "0": blocks and
+# attention modules compiled on their own
+LAYERS = os.environ.get("ROTARYQUANT_COMPILE_LAYERS", "1") != "0"
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -245,6 +248,82 @@ def _attention_call(self, x, mask=None, cache=None):
     return self.o_proj(output.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+# mlx-lm decoder layer classes whose __call__ is: r = self_attn(input_layernorm(x), mask,
+# cache); h = x + r; out = h + mlp(post_attention_layernorm(h)). Module -> class name.
+LAYER_CALLS = {"mlx_lm.models.qwen3_moe": "Qwen3MoeDecoderLayer",
+               "mlx_lm.models.qwen3": "TransformerBlock",
+               "mlx_lm.models.llama": "TransformerBlock"}  # fmt: skip
+_LAYER_SUBCLASSES: dict[type, type] = {}
+
+
+def _layer_pre(self, x, offset, arrays=None):
+    """A decode step's layer up to its cache: the input norm and the attention's part."""
+    return _attention_pre(self.self_attn, self.input_layernorm(x), offset, arrays)
+
+
+def _layer_post(self, out, x):
+    """A decode step's layer after its attention op: the output projection, both residuals,
+    the post-attention norm and the feed-forward block (its own uncompiled call, inlined)."""
+    b, n, _ = x.shape
+    h = x + self.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+    mlp = self.mlp
+    call = type(mlp).__dict__.get("_rq_original", type(mlp)).__call__
+    return h + call(mlp, self.post_attention_layernorm(h))
+
+
+def _layer_call(self, x, mask=None, cache=None):
+    attn = self.self_attn
+    if cache is None or x.shape[1] != 1 or not is_compiled(attn):
+        return type(self)._rq_layer_original.__call__(self, x, mask=mask, cache=cache)
+    offset = _offset_array(cache.offset)
+    arrays = _qkv_arrays(attn)
+    fused = self.__dict__.get("_rq_pre_fused_fn") if arrays is not None else None
+    if fused is None:
+        queries, keys, values = self._rq_pre_fn(x, offset)
+    else:
+        queries, keys, values = fused(x, offset, arrays)
+    keys, values = cache.update_and_fetch(keys, values)
+    sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
+    out = sdpa(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    return self._rq_post_fn(out, x)
+
+
+def layer_compilable(layer: nn.Module) -> bool:
+    """A decoder layer of a known class (LAYER_CALLS) whose attention module is compiled and
+    whose feed-forward block is pure (not the pager's expert layers)."""
+    cls = type(layer)
+    cls = cls.__dict__.get("_rq_layer_original", cls)
+    if LAYER_CALLS.get(cls.__module__) != cls.__name__:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return attn is not None and is_compiled(attn) and mlp is not None and compilable(mlp)
+
+
+def compile_layer(layer: nn.Module) -> None:
+    """One decode step of the layer as two compiled calls around its cache and attention op:
+    (input norm, q/k/v, norms, RoPE) and (output projection, residuals, post norm,
+    feed-forward). The same ops in the same order as mlx-lm's layer and modules."""
+    d = layer.__dict__
+    attn = layer.self_attn
+    if "_rq_pre_fn" not in d:
+        pre = functools.partial(_layer_pre, layer)
+        parts = {"input_layernorm": layer.input_layernorm, "self_attn": attn}
+        object.__setattr__(layer, "_rq_pre_fn", mx.compile(pre, inputs=parts))
+        if "_rq_qkv" in attn.__dict__:  # the fused projections are read as arguments
+            rest = {k: v for k, v in attn.children().items() if k not in PROJECTIONS}
+            rest["input_layernorm"] = layer.input_layernorm
+            object.__setattr__(layer, "_rq_pre_fused_fn", mx.compile(pre, inputs=rest))
+        post = functools.partial(_layer_post, layer)
+        parts = {
+            "o_proj": attn.o_proj,
+            "post_attention_layernorm": layer.post_attention_layernorm,
+            "mlp": layer.mlp,
+        }
+        object.__setattr__(layer, "_rq_post_fn", mx.compile(post, inputs=parts))
+    original = type(layer).__dict__.get("_rq_layer_original", type(layer))
+    layer.__class__ = call_subclass(original, _layer_call, "_rq_layer_original", _LAYER_SUBCLASSES)
+
+
 def attention_compilable(module: nn.Module) -> bool:
     """An attention module of a known class (ATTENTION_CALLS) with a RoPE that takes an array
     offset, made wholly of MLX / mlx-lm modules, not sharded."""
@@ -319,9 +398,15 @@ def restore_classes(model: nn.Module, marker: str) -> int:
 
 
 def uncompile(model: nn.Module) -> int:
-    """Put every compiled block back to its mlx-lm class (side-by-side benchmarks); returns
-    how many. compile_blocks() turns them back on without tracing again."""
+    """Put every compiled block, attention module and decoder layer back to its mlx-lm class
+    (side-by-side benchmarks); returns how many blocks and attention modules. compile_blocks()
+    turns them back on without tracing again."""
+    restore_classes(model, "_rq_layer_original")
     return restore_classes(model, "_rq_original")
+
+
+def compiled_layers(model: nn.Module) -> int:
+    return sum("_rq_layer_original" in type(m).__dict__ for _, m in model.named_modules())
 
 
 def compile_blocks(model: nn.Module) -> list[str]:
@@ -343,4 +428,8 @@ def compile_blocks(model: nn.Module) -> list[str]:
         elif name in ATTENTION_NAMES and attention_compilable(m):
             compile_attention(m)
             done.append(path)
+    if LAYERS:
+        for path, m in model.named_modules():
+            if path.rpartition(".")[0].endswith("layers") and layer_compilable(m):
+                compile_layer(m)
     return sorted(done)
