@@ -1,4 +1,5 @@
-"""Routed experts' quantized weights widened for prefill calls.
+"""The resident routed experts' call: quantized weights widened for prefill calls, constant
+gather indices for decode calls.
 
 MLX's affine quantization stores w = scale * q + bias with codes q of `bits` bits packed in
 uint32 words. The same scales and biases with the same codes written at 8 bits give the very
@@ -20,6 +21,10 @@ Qwen3-30B-A3B), so compiled blocks holding widening experts sync once a layer on
 widened to 4), `off` (the default on the CPU and Metal, where it was not measured). Read when a
 call is built: inside a compiled block (compiled.py) that is when the block is traced for a
 shape, so a change needs fresh traces (compiled.use_traces).
+
+The same call hands `mx.gather_qmm` its default left indices (`arange` of the call's rows) as
+a constant on unsorted calls (decode, short verify steps), made once per shape: otherwise the
+op builds them itself, one Arange node per call and three a MoE layer every decode step.
 
 Paged expert layers (offload/) have their own classes and are not touched.
 """
