@@ -22,9 +22,10 @@ widened to 4), `off` (the default on the CPU and Metal, where it was not measure
 call is built: inside a compiled block (compiled.py) that is when the block is traced for a
 shape, so a change needs fresh traces (compiled.use_traces).
 
-The same call hands `mx.gather_qmm` its default left indices (`arange` of the call's rows) as
-a constant on unsorted calls (decode, short verify steps), made once per shape: otherwise the
-op builds them itself, one Arange node per call and three a MoE layer every decode step.
+The same call hands `mx.gather_qmm` its default left indices (`arange` of the call's rows,
+broadcast against the experts' indices) as a constant on unsorted calls (decode, short verify
+steps), made once per shape: otherwise the op builds them itself, an Arange node per call
+(three a MoE layer every decode step) and a Broadcast for the gate and up projections.
 
 Paged expert layers (offload/) have their own classes and are not touched.
 """
@@ -36,6 +37,7 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .errors import EngineError
 
@@ -121,21 +123,22 @@ def widen(w: mx.array, bits: int, to: int = 8) -> mx.array:
     return _widener(bits, to)(w)
 
 
-_LHS: dict[tuple, mx.array] = {}  # gather_qmm's default left indices, one per batch shape
+_LHS: dict[tuple, mx.array] = {}  # gather_qmm's default left indices, per (x, indices) shape
 
 
-def _lhs_indices(batch: tuple) -> mx.array:
-    """arange(prod(batch)) as uint32 of shape `batch`, evaluated once per shape: what
-    mx.gather_qmm builds for itself (an Arange node a call, 3 a MoE layer a decode step) when
-    given only right indices. Passed in, it is a constant and the step has no such node."""
-    a = _LHS.get(batch)
+def _lhs_indices(batch: tuple, shape: tuple) -> mx.array:
+    """What mx.gather_qmm builds for itself when given only right indices: arange(prod(batch))
+    as uint32 of shape `batch` (x's batch dims), broadcast against the right indices' `shape`.
+    Made once per shape, contiguous and evaluated, it is a constant: the step has neither the
+    Arange (one a call, three a MoE layer a decode step) nor the left side's Broadcast node."""
+    key = (batch, shape)
+    a = _LHS.get(key)
     if a is None:
         if len(_LHS) >= 64:
             _LHS.clear()
-        n = 1
-        for d in batch:
-            n *= d
-        a = _LHS[batch] = mx.arange(n, dtype=mx.uint32).reshape(batch)
+        rows = np.arange(int(np.prod(batch)), dtype=np.uint32).reshape(batch)
+        full = np.broadcast_shapes(batch, shape)
+        a = _LHS[key] = mx.array(np.ascontiguousarray(np.broadcast_to(rows, full)))
         mx.eval(a)
     return a
 
@@ -155,7 +158,7 @@ def _widened_call(self, x, indices, sorted_indices=False):
         return type(self)._rq_widen_original.__call__(self, x, indices, sorted_indices)
     # unsorted: the left indices gather_qmm would make itself (the GatherQMM node is the same:
     # its sorted flags are false either way); sorted and widened: mlx-lm's own arguments
-    lhs = None if sorted_indices else _lhs_indices(tuple(x.shape[:-2]))
+    lhs = None if sorted_indices else _lhs_indices(tuple(x.shape[:-2]), tuple(indices.shape))
     y = mx.gather_qmm(
         x,
         w,
