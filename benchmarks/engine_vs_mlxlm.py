@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -240,26 +239,18 @@ def fresh_plans() -> None:
     iq._iparams_cached.cache_clear()
 
 
-# primitives that make a view of their input (no kernel launch on a GPU, as a rule)
-VIEWS = frozenset(
-    "Broadcast Reshape Slice ExpandDims Squeeze Transpose Flatten Unflatten StopGradient "
-    "Depends AsStrided Split".split()
-)
-
-
 def step_nodes(r: Runner) -> dict:
     """The nodes of one decode step's graph from the cache's current state (nothing evaluated,
     the cache put back): all of them, those that launch work (not views), and the most common
     primitives. Compiled functions' fused kernels count as one node each."""
     import collections
-    import tempfile
+
+    from app.engine.testing.graphs import VIEWS, primitives
 
     mx.eval([v for c in r.cache for v in vars(c).values() if isinstance(v, mx.array)])
     saved = [dict(vars(c)) for c in r.cache]
     y = r.step(mx.array([int(r.last)]))
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, y)
-        labels = re.findall(r'label ="([^"]*)"', f.read())
+    labels = primitives(y)
     del y
     for cache, state in zip(r.cache, saved, strict=True):
         vars(cache).clear()

@@ -11,6 +11,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from app.engine import compiled
 from app.engine.generate import Engine, GenerationSettings, TokenEvent, token_stream
 from app.engine.loader import load
+from app.engine.testing.graphs import primitives
 from app.engine.testing.random_models import make_random_model
 
 PROMPT = np.random.default_rng(3).integers(3, 1000, 37).tolist()
@@ -225,15 +226,6 @@ def test_larger_prefill_step_stays_within_the_planners_expectation(tmp_path):
     assert ratio[2048] <= ratio[512] * 1.05, ratio
 
 
-def _primitives(y) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, y)
-        return re.findall(r'label ="([^"]*)"', f.read())
-
-
 @pytest.mark.parametrize("bits", [None, 4, 8])
 def test_fused_projections_one_matmul_same_logits(tmp_path, bits):
     """A decode step's q/k/v projections as one matmul (float and quantized): two matmul nodes
@@ -271,14 +263,14 @@ def test_fused_projections_one_matmul_same_logits(tmp_path, bits):
     mx.eval([c.state for c in cache])
     kind = "QuantizedMatmul" if bits else "Matmul"
     step = model(mx.array([[5]]), cache=cache)
-    fused_n = _primitives(step).count(kind)
+    fused_n = primitives(step).count(kind)
     mx.eval(step, [c.state for c in cache])
     for c in cache:
         c.offset -= 1
     for a in attn:  # the same step, three projections
         object.__delattr__(a, "_rq_qkv")
 
-    three_n = _primitives(model(mx.array([[5]]), cache=cache)).count(kind)
+    three_n = primitives(model(mx.array([[5]]), cache=cache)).count(kind)
     assert three_n - fused_n == 2 * len(attn)
     # the unfused compiled step rewrapped the projections' arrays (mx.compile's captured
     # inputs), which reads as an update: fuse them again

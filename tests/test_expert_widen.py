@@ -12,6 +12,7 @@ from app.engine import expert_widen as ew
 from app.engine.errors import EngineError
 from app.engine.generate import prepare_model
 from app.engine.loader import load
+from app.engine.testing.graphs import primitives
 from app.engine.testing.random_models import TINY_CONFIGS, make_random_model
 
 # (bits, to): every widening the engine can ask for
@@ -184,15 +185,6 @@ def test_prefill_peak_holds_one_layers_widened_weights(tmp_path, monkeypatch, co
     assert extra < 1.5 * one_layer, f"extra peak {extra / 1e6:.1f} MB: more than one layer's"
 
 
-def _step_primitives(y) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, y)
-        return re.findall(r'label ="([^"]*)"', f.read())
-
-
 @pytest.mark.parametrize("compile_blocks", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_steps_pass_the_left_indices_as_a_constant(tmp_path, compile_blocks, bits):
@@ -213,11 +205,11 @@ def test_decode_steps_pass_the_left_indices_as_a_constant(tmp_path, compile_bloc
     for _ in range(3):
         mx.eval(tok)
         y = model(tok, cache=cache)
-        ours = _step_primitives(y)
+        ours = primitives(y)
         ew.uninstall(model)
         compiled.uncompile(model)  # (a compiled block keeps its traces: mlx-lm's calls anew)
         ref = model(tok, cache=ref_cache)
-        theirs = _step_primitives(ref)
+        theirs = primitives(ref)
         assert theirs.count("Arange") - ours.count("Arange") == 3 * n_layers
         if not compile_blocks:  # gate and up: the left indices come broadcast
             assert theirs.count("Broadcast") - ours.count("Broadcast") == 2 * n_layers

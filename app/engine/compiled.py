@@ -169,6 +169,13 @@ def fuse_projections(module: nn.Module) -> bool:
     return True
 
 
+def _unprojected(module: nn.Module) -> dict:
+    """The attention module's parts other than its q/k/v projections: a fused step's captured
+    inputs (it reads the fused arrays as arguments, so the projections' arrays stay the objects
+    fuse_projections() made, whose identity is how a later update is noticed)."""
+    return {k: v for k, v in module.children().items() if k not in PROJECTIONS}
+
+
 def _qkv_arrays(module) -> dict | None:
     """The fused q/k/v arrays, while the projections still hold the views made of them (a
     later update of their weights drops the fusion)."""
@@ -310,8 +317,7 @@ def compile_layer(layer: nn.Module) -> None:
         parts = {"input_layernorm": layer.input_layernorm, "self_attn": attn}
         object.__setattr__(layer, "_rq_pre_fn", mx.compile(pre, inputs=parts))
         if "_rq_qkv" in attn.__dict__:  # the fused projections are read as arguments
-            rest = {k: v for k, v in attn.children().items() if k not in PROJECTIONS}
-            rest["input_layernorm"] = layer.input_layernorm
+            rest = {**_unprojected(attn), "input_layernorm": layer.input_layernorm}
             object.__setattr__(layer, "_rq_pre_fused_fn", mx.compile(pre, inputs=rest))
         post = functools.partial(_layer_post, layer)
         parts = {
@@ -349,11 +355,7 @@ def compile_attention(module: nn.Module) -> None:
         fn = mx.compile(functools.partial(_attention_pre, module), inputs=module)
         object.__setattr__(module, "_rq_compiled_fn", fn)
     if FUSE_QKV and "_rq_fused_fn" not in module.__dict__ and fuse_projections(module):
-        # the fused step never reads the projections: its captured inputs are the module's
-        # other parts, so the projections' arrays stay the objects fuse_projections() made
-        # (their identity is how a later update is noticed, _qkv_arrays)
-        rest = {k: v for k, v in module.children().items() if k not in PROJECTIONS}
-        fn = mx.compile(functools.partial(_attention_pre, module), inputs=rest)
+        fn = mx.compile(functools.partial(_attention_pre, module), inputs=_unprojected(module))
         object.__setattr__(module, "_rq_fused_fn", fn)
 
 
