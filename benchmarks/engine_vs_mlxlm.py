@@ -57,6 +57,7 @@ TINY = {
 }
 CONFIGS = ("stock", "fp16", "isoquant3")
 WIDEN_OFF = "fp16_widen_off"  # --prefill-ab: fp16's prefill with the expert widening off
+PAIRED_WITH = {"fp16": ("stock",), "isoquant3": ("stock", "fp16")}  # decode ratios per round
 WARM_STEPS = 8  # decode steps before a round's timing starts
 
 
@@ -239,6 +240,32 @@ def fresh_plans() -> None:
     iq._iparams_cached.cache_clear()
 
 
+@contextlib.contextmanager
+def as_variant(r: Runner, v: str):
+    """The runner's model as variant `v` runs it: "_uncompiled" puts its compiled blocks back
+    to mlx-lm's classes for the duration (compile_blocks turns them on again, no new trace)."""
+    uncompiled = v.endswith("_uncompiled")
+    if uncompiled:
+        compiled.uncompile(r.model)
+    try:
+        yield r
+    finally:
+        if uncompiled:
+            compiled.compile_blocks(r.model)
+
+
+@contextlib.contextmanager
+def kept_state(r: Runner):
+    """The runner's caches exactly as they were once the block ends (a step built, not run)."""
+    saved = [dict(vars(c)) for c in r.cache]
+    try:
+        yield
+    finally:
+        for cache, state in zip(r.cache, saved, strict=True):
+            vars(cache).clear()
+            vars(cache).update(state)
+
+
 def step_nodes(r: Runner) -> dict:
     """The nodes of one decode step's graph from the cache's current state (nothing evaluated,
     the cache put back): all of them, those that launch work (not views), and the most common
@@ -248,13 +275,8 @@ def step_nodes(r: Runner) -> dict:
     from app.engine.testing.graphs import VIEWS, primitives
 
     mx.eval([v for c in r.cache for v in vars(c).values() if isinstance(v, mx.array)])
-    saved = [dict(vars(c)) for c in r.cache]
-    y = r.step(mx.array([int(r.last)]))
-    labels = primitives(y)
-    del y
-    for cache, state in zip(r.cache, saved, strict=True):
-        vars(cache).clear()
-        vars(cache).update(state)
+    with kept_state(r):
+        labels = primitives(r.step(mx.array([int(r.last)])))
     counts = collections.Counter("Compiled" if n.startswith("Compiled") else n for n in labels)
     return {
         "graph_nodes": sum(counts.values()),
@@ -273,26 +295,14 @@ def host_ms(runners: dict, variants: list[str], steps: int) -> dict:
     for i in range(steps + 2):
         for v in variants if i % 2 == 0 else variants[::-1]:
             r = runners[v.split("_")[0]]
-            uncompiled = v.endswith("_uncompiled")
-            if uncompiled:
-                compiled.uncompile(r.model)
-            saved = [dict(vars(c)) for c in r.cache]
             tok = mx.array([r.last])
-            stub = StubKernels() if v.endswith("_stubbed") else None
-            if stub:
-                stub.__enter__()
-            fresh_plans()
-            t, c = time.perf_counter(), time.thread_time()
-            y = r.step(tok)
-            c1, t1 = time.thread_time(), time.perf_counter()
-            del y
-            if stub:
-                stub.__exit__()
-            for cache, state in zip(r.cache, saved, strict=True):
-                vars(cache).clear()
-                vars(cache).update(state)
-            if uncompiled:
-                compiled.compile_blocks(r.model)
+            stub = StubKernels() if v.endswith("_stubbed") else contextlib.nullcontext()
+            with as_variant(r, v), kept_state(r), stub:
+                fresh_plans()
+                t, c = time.perf_counter(), time.thread_time()
+                y = r.step(tok)
+                c1, t1 = time.thread_time(), time.perf_counter()
+                del y
             if i >= 2:  # the first builds of a variant may trace compiled functions
                 out[v][0].append((c1 - c) * 1e3)
                 out[v][1].append((t1 - t) * 1e3)
@@ -471,13 +481,8 @@ def main() -> None:
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]
             for v in order:
-                r = runners[v.split("_")[0]]
-                uncompiled = v.endswith("_uncompiled")
-                if uncompiled:
-                    compiled.uncompile(r.model)
-                res[v]["decode"].append(decode_round(r, args.steps, args.warm))
-                if uncompiled:
-                    compiled.compile_blocks(r.model)
+                with as_variant(runners[v.split("_")[0]], v) as r:
+                    res[v]["decode"].append(decode_round(r, args.steps, args.warm))
                 print(
                     f"ctx {ctx} round {rnd} {v:22s} decode {res[v]['decode'][-1]:8.1f} tok/s",
                     flush=True,
@@ -491,13 +496,8 @@ def main() -> None:
                 flush=True,
             )
         for v in variants:
-            r = runners[v.split("_")[0]]
-            if v.endswith("_uncompiled"):
-                compiled.uncompile(r.model)
-            res[v]["nodes"] = step_nodes(r)
-            if v.endswith("_uncompiled"):
-                compiled.compile_blocks(r.model)
-            n = res[v]["nodes"]
+            with as_variant(runners[v.split("_")[0]], v) as r:
+                n = res[v]["nodes"] = step_nodes(r)
             print(
                 f"ctx {ctx} {v:22s} step graph {n['graph_nodes']} nodes, "
                 f"{n['launch_nodes']} not views",
@@ -532,11 +532,8 @@ def main() -> None:
                             ),
                             3,
                         )
-                        for b in ("stock", "fp16")
-                        if b != base
-                        and res[v]["decode"]
-                        and res[b]["decode"]
-                        and not (b == "fp16" and base == "stock")
+                        for b in PAIRED_WITH.get(base, ())
+                        if res[v]["decode"] and res[b]["decode"]
                     },
                     "peak_gb": round(res[base]["peak"] / 1e9, 2),
                     "host_ms_per_step": round(statistics.median(res[v]["host"]), 3),
@@ -578,15 +575,9 @@ def main() -> None:
     parts = {}
     if args.breakdown:
         for v in host_variants:  # the stubbed variant last: its stubs leave zeros in the cache
-            r = runners[v.split("_")[0]]
-            if v.endswith("_uncompiled"):
-                compiled.uncompile(r.model)
-            if v.endswith("_stubbed"):
-                with StubKernels():
-                    parts[v] = breakdown(r)
-            else:
+            stub = StubKernels() if v.endswith("_stubbed") else contextlib.nullcontext()
+            with as_variant(runners[v.split("_")[0]], v) as r, stub:
                 parts[v] = breakdown(r)
-            compiled.compile_blocks(r.model)
         names = list(dict.fromkeys(k for p in parts.values() for k in p))
         print(
             f"\nhost ms per decode step by part (thread CPU time, mean of 16 steps)\n{'part':46s}"

@@ -240,18 +240,27 @@ def _attention_pre(self, x, offset, arrays=None):
     return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
 
 
+def _cached_attention(owner, attn, x, mask, cache, plain: str, fused: str):
+    """A decode step's attention up to its output projection: `owner`'s compiled part before
+    the cache (its `fused` function while the q/k/v fusion holds, else its `plain` one), the
+    cache update and the model module's attention op (IsoQuant's dispatch included)."""
+    offset = _offset_array(cache.offset)
+    arrays = _qkv_arrays(attn)
+    fn = owner.__dict__.get(fused) if arrays is not None else None
+    if fn is None:
+        queries, keys, values = owner.__dict__[plain](x, offset)
+    else:
+        queries, keys, values = fn(x, offset, arrays)
+    keys, values = cache.update_and_fetch(keys, values)
+    sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
+    return sdpa(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+
+
 def _attention_call(self, x, mask=None, cache=None):
     b, n, _ = x.shape
     if cache is None or n != 1:
         return type(self)._rq_original.__call__(self, x, mask=mask, cache=cache)
-    arrays = _qkv_arrays(self)
-    if arrays is None:
-        queries, keys, values = self._rq_compiled_fn(x, _offset_array(cache.offset))
-    else:
-        queries, keys, values = self._rq_fused_fn(x, _offset_array(cache.offset), arrays)
-    keys, values = cache.update_and_fetch(keys, values)
-    sdpa = sys.modules[type(self).__module__].scaled_dot_product_attention
-    output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+    output = _cached_attention(self, self, x, mask, cache, "_rq_compiled_fn", "_rq_fused_fn")
     return self.o_proj(output.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
@@ -282,16 +291,7 @@ def _layer_call(self, x, mask=None, cache=None):
     attn = self.self_attn
     if cache is None or x.shape[1] != 1 or not is_compiled(attn):
         return type(self)._rq_layer_original.__call__(self, x, mask=mask, cache=cache)
-    offset = _offset_array(cache.offset)
-    arrays = _qkv_arrays(attn)
-    fused = self.__dict__.get("_rq_pre_fused_fn") if arrays is not None else None
-    if fused is None:
-        queries, keys, values = self._rq_pre_fn(x, offset)
-    else:
-        queries, keys, values = fused(x, offset, arrays)
-    keys, values = cache.update_and_fetch(keys, values)
-    sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
-    out = sdpa(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    out = _cached_attention(self, attn, x, mask, cache, "_rq_pre_fn", "_rq_pre_fused_fn")
     return self._rq_post_fn(out, x)
 
 
