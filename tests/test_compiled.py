@@ -293,3 +293,40 @@ def test_fused_projections_one_matmul_same_logits(tmp_path, bits):
     assert "_rq_qkv" not in a0.__dict__ and "_rq_qkv" in attn[1].__dict__
     compiled.uncompile(model)
     assert mx.array_equal(step, model(mx.array([[5]]), cache=make_prompt_cache(model))).item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_token_step_norms_and_rotates_q_and_k_in_one_call(model_of, dtype):
+    """With q/k norms (qwen3_moe), a one-token step takes its heads from one reshape of the
+    fused projection, normalises the q and k heads in one rms_norm (times each head's weight
+    row) and rotates them in one RoPE: logits bit-identical to mlx-lm's two norms and two
+    RoPEs, one RoPE a layer in the graph; a later update of a norm's weight drops the fusion and
+    the step follows it."""
+    import mlx.nn as nn
+
+    model = model_of("qwen3_moe")
+    if dtype == "bfloat16":  # the CPU's gather_mm is float32 only: quantized experts then
+        model.set_dtype(mx.bfloat16)
+        nn.quantize(model, group_size=32, bits=8)
+    mx.eval(model.parameters())
+    ref = _forward(model, PROMPT, steps=6)
+    compiled.compile_blocks(model)
+    attn = [layer.self_attn for layer in model.layers]
+    assert all(compiled.QK_NORM in a._rq_qkv["arrays"] for a in attn)
+    got = _forward(model, PROMPT, steps=6)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert mx.array_equal(a, b).item(), f"logits differ at step {i}"
+    assert all(compiled._qkv_arrays(a) is not None for a in attn)  # still fused
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=cache)
+    mx.eval([c.state for c in cache])
+    # one RoPE a layer (float32 on the CPU: composed of ops, its cos once a layer)
+    labels = primitives(model(mx.array([[5]]), cache=cache))
+    assert sum(n == "RoPE" or "Cos" in n for n in labels) == len(attn), labels
+    # a new weight for one k norm: that layer's fusion is dropped and the step follows it
+    a0 = attn[0]
+    a0.k_norm.update({"weight": a0.k_norm.weight * 1.5})
+    step = model(mx.array([[5]]), cache=make_prompt_cache(model))
+    assert "_rq_qkv" not in a0.__dict__ and "_rq_qkv" in attn[1].__dict__
+    compiled.uncompile(model)
+    assert mx.array_equal(step, model(mx.array([[5]]), cache=make_prompt_cache(model))).item()

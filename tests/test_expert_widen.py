@@ -187,10 +187,14 @@ def test_prefill_peak_holds_one_layers_widened_weights(tmp_path, monkeypatch, co
 
 @pytest.mark.parametrize("compile_blocks", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_decode_steps_pass_the_left_indices_as_a_constant(tmp_path, compile_blocks, bits):
+def test_decode_steps_pass_the_left_indices_as_a_constant(
+    tmp_path, compile_blocks, bits, monkeypatch
+):
     """A decode step's expert calls hand gather_qmm its default left indices as a constant: the
     step's graph has three Arange nodes a layer fewer (gate, up, down; the CPU's RoPE makes
-    its own), and its logits equal mlx-lm's own calls bit for bit."""
+    its own, so q and k keep their two RoPEs here), and its logits equal mlx-lm's own calls bit
+    for bit."""
+    monkeypatch.setattr(compiled, "MERGE_QK", False)
     model = _quantized_tiny(tmp_path / "m", bits=bits)
     tokens = np.random.default_rng(4).integers(3, 1000, 40).tolist()
     ref_logits, ref_cache = _prefill_logits(model, tokens)

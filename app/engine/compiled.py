@@ -44,6 +44,9 @@ FUSE_QKV = os.environ.get("ROTARYQUANT_FUSE_QKV", "1") != "0"
 # decoder layers of known classes as two compiled calls a decode step; "0": blocks and
 # attention modules compiled on their own
 LAYERS = os.environ.get("ROTARYQUANT_COMPILE_LAYERS", "1") != "0"
+# a one-token step's q and k heads normalised in one call and rotated in one (_qk_norm_rows);
+# "0" keeps mlx-lm's two norms and two RoPEs
+MERGE_QK = os.environ.get("ROTARYQUANT_MERGE_QK", "1") != "0"
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -153,6 +156,12 @@ def fuse_projections(module: nn.Module) -> bool:
             p[k] = fused[k][start : start + rows]
         start += rows
     mx.eval([p[k] for p in projections for k in names])
+    held = [(module, n, p) for n, p in zip(PROJECTIONS, projections, strict=True)]
+    held += [(p, k, p[k]) for p in projections for k in names]
+    norms = _qk_norm_rows(module, bounds)
+    if norms is not None:
+        fused[QK_NORM] = norms[0]
+        held += norms[1]
     object.__setattr__(
         module,
         "_rq_qkv",
@@ -160,20 +169,53 @@ def fuse_projections(module: nn.Module) -> bool:
             "arrays": fused,
             "settings": settings,
             "bounds": bounds,
-            # (container, key, object) that must still hold: the projections in the module and
-            # the views in the projections (plain dict lookups, ~0.1 µs each a step)
-            "held": [(module, n, p) for n, p in zip(PROJECTIONS, projections, strict=True)]
-            + [(p, k, p[k]) for p in projections for k in names],
+            # (container, key, object) that must still hold: the projections in the module,
+            # the views in the projections and the q/k norms' weights (plain dict lookups,
+            # ~0.1 µs each a step)
+            "held": held,
         },
     )
     return True
 
 
+QK_NORM = "qk_norm"  # in the fused arrays: the q and k norms' weights, one row per head
+
+
+def _qk_norm_rows(module: nn.Module, bounds: list) -> tuple | None:
+    """The q and k norms' weights as one [Hq + Hkv, 1, D] array (each head's row its norm's
+    weight) and the (container, key, object) entries they were made from, where both norms are
+    RMSNorms of one eps over whole heads: a one-token step then normalises q and k heads in one
+    call (fused_heads). None otherwise."""
+    if not MERGE_QK:
+        return None
+    if not ATTENTION_CALLS.get(type(module).__dict__.get("_rq_original", type(module)).__module__):
+        return None
+    qn, kn = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if type(qn) is not nn.RMSNorm or type(kn) is not nn.RMSNorm or qn.eps != kn.eps:
+        return None
+    qw, kw = qn.get("weight"), kn.get("weight")
+    hq, hkv = module.n_heads, module.n_kv_heads
+    d = bounds[0][1] // hq
+    if qw is None or kw is None or qw.shape != (d,) or kw.shape != (d,) or qw.dtype != kw.dtype:
+        return None
+    rows = mx.concatenate(
+        [mx.broadcast_to(qw, (hq, 1, d)), mx.broadcast_to(kw, (hkv, 1, d))], axis=0
+    )
+    mx.eval(rows)
+    return rows, [(qn, "weight", qw), (kn, "weight", kw)]
+
+
 def _unprojected(module: nn.Module) -> dict:
-    """The attention module's parts other than its q/k/v projections: a fused step's captured
-    inputs (it reads the fused arrays as arguments, so the projections' arrays stay the objects
-    fuse_projections() made, whose identity is how a later update is noticed)."""
-    return {k: v for k, v in module.children().items() if k not in PROJECTIONS}
+    """The attention module's parts a fused step captures: all but its q/k/v projections, and
+    but its q/k norms where their weights are in the fused arrays (it reads those arrays as
+    arguments, so the arrays it was made from stay the objects fuse_projections() saw: their
+    identity is how a later update is noticed, and a compiled function's captured inputs are
+    rewrapped on every call)."""
+    skip = PROJECTIONS
+    fused = module.__dict__.get("_rq_qkv")
+    if fused is not None and QK_NORM in fused["arrays"]:
+        skip += ("q_norm", "k_norm")
+    return {k: v for k, v in module.children().items() if k not in skip}
 
 
 def _qkv_arrays(module) -> dict | None:
@@ -218,26 +260,77 @@ def _fused_projections(self, x, arrays: dict):
         q_end, k_end = fused["bounds"][0][1], fused["bounds"][1][1]
         return y[..., :q_end], y[..., q_end:k_end], y[..., k_end:]
     return tuple(
-        _project(x, {k: a[lo:hi] for k, a in arrays.items()}, fused["settings"])
+        _project(x, {k: a[lo:hi] for k, a in arrays.items() if k != QK_NORM}, fused["settings"])
         for lo, hi in fused["bounds"]
     )
 
 
+def _fused_heads(self, x, offset, arrays: dict):
+    """A one-token step's (queries, keys, values) as [B, heads, 1, D] from one matmul over the
+    fused arrays: its output reshaped to (query, key, value) heads at once (the general path's
+    splits, reshapes and transposes are nine views a layer); where the norms' weights are in
+    the arrays (_qk_norm_rows), the q and k heads normalised in one call and rotated in one.
+    None where the bounds are not whole heads of one head dim.
+
+    The same values as mlx-lm's ops: mx.fast.rms_norm scales x by its norm in float32, rounds
+    to the dtype, then multiplies by the weight in the dtype, so rms_norm(x, None) times the
+    weight is the same product; RoPE acts on each head's row alone."""
+    fused = self._rq_qkv
+    (_, q_end), (_, k_end), (_, v_end) = fused["bounds"]
+    hq, hkv = self.n_heads, self.n_kv_heads
+    d = q_end // hq
+    if d * hq != q_end or k_end - q_end != d * hkv or v_end - k_end != d * hkv:
+        return None
+    y = _project(x, arrays, fused["settings"]).reshape(x.shape[0], hq + 2 * hkv, 1, d)
+    values = y[:, hq + hkv :]
+    rows = arrays.get(QK_NORM)
+    if rows is not None and rows.dtype == y.dtype:
+        qk = mx.fast.rms_norm(y[:, : hq + hkv], None, self.q_norm.eps) * rows
+        qk = self.rope(qk, offset=offset)
+        return qk[:, :hq], qk[:, hq:], values
+    queries, keys = y[:, :hq], y[:, hq : hq + hkv]
+    if ATTENTION_CALLS[type(self)._rq_original.__module__]:
+        queries, keys = self.q_norm(queries), self.k_norm(keys)
+    return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+
+
 def _attention_pre(self, x, offset, arrays=None):
     """The module's decode step up to its cache: (queries, keys, values), as mlx-lm's code;
-    with `arrays` (fuse_projections) the projections read the fused arrays."""
+    with `arrays` (fuse_projections) the projections read the fused arrays. A one-token step
+    shapes its heads as [B, heads, 1, D] at once: for one token, mlx-lm's [B, 1, heads, D]
+    transposed is the same elements in the same order, so every op gives the same values."""
     b, n, _ = x.shape
+    if arrays is not None and n == 1:
+        heads = _fused_heads(self, x, offset, arrays)
+        if heads is not None:
+            return heads
     if arrays is not None:
         queries, keys, values = _fused_projections(self, x, arrays)
     else:
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-    queries = queries.reshape(b, n, self.n_heads, -1)
-    keys = keys.reshape(b, n, self.n_kv_heads, -1)
-    if ATTENTION_CALLS[type(self)._rq_original.__module__]:
-        queries, keys = self.q_norm(queries), self.k_norm(keys)
-    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
-    values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    norms = ATTENTION_CALLS[type(self)._rq_original.__module__]
+    if n == 1:  # heads as [B, heads, 1, D] at once
+        queries = queries.reshape(b, self.n_heads, 1, -1)
+        keys = keys.reshape(b, self.n_kv_heads, 1, -1)
+        values = values.reshape(b, self.n_kv_heads, 1, -1)
+        if norms:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+    else:
+        queries = queries.reshape(b, n, self.n_heads, -1)
+        keys = keys.reshape(b, n, self.n_kv_heads, -1)
+        if norms:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+
+
+def _merge_heads(out, b: int, n: int):
+    """The attention op's [B, heads, n, D] as [B, n, heads * D]: for one token a reshape (the
+    same elements in the same order as mlx-lm's transpose and reshape), one view fewer."""
+    if n == 1:
+        return out.reshape(b, 1, -1)
+    return out.transpose(0, 2, 1, 3).reshape(b, n, -1)
 
 
 def _cached_attention(owner, attn, x, mask, cache, plain: str, fused: str):
@@ -261,7 +354,7 @@ def _attention_call(self, x, mask=None, cache=None):
     if cache is None or n != 1:
         return type(self)._rq_original.__call__(self, x, mask=mask, cache=cache)
     output = _cached_attention(self, self, x, mask, cache, "_rq_compiled_fn", "_rq_fused_fn")
-    return self.o_proj(output.transpose(0, 2, 1, 3).reshape(b, n, -1))
+    return self.o_proj(_merge_heads(output, b, n))
 
 
 # mlx-lm decoder layer classes whose __call__ is: r = self_attn(input_layernorm(x), mask,
@@ -281,7 +374,7 @@ def _layer_post(self, out, x):
     """A decode step's layer after its attention op: the output projection, both residuals,
     the post-attention norm and the feed-forward block (its own uncompiled call, inlined)."""
     b, n, _ = x.shape
-    h = x + self.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+    h = x + self.self_attn.o_proj(_merge_heads(out, b, n))
     mlp = self.mlp
     call = type(mlp).__dict__.get("_rq_original", type(mlp)).__call__
     return h + call(mlp, self.post_attention_layernorm(h))
