@@ -266,11 +266,12 @@ def _fused_projections(self, x, arrays: dict):
 
 
 def _fused_heads(self, x, offset, arrays: dict):
-    """A one-token step's (queries, keys, values) as [B, heads, 1, D] from one matmul over the
-    fused arrays: its output reshaped to (query, key, value) heads at once (the general path's
-    splits, reshapes and transposes are nine views a layer); where the norms' weights are in
-    the arrays (_qk_norm_rows), the q and k heads normalised in one call and rotated in one.
-    None where the bounds are not whole heads of one head dim.
+    """A one-row, one-token step's (queries, keys, values) as [1, heads, 1, D] from one matmul
+    over the fused arrays: its output reshaped to (query, key, value) heads at once (the general
+    path's splits, reshapes and transposes are nine views a layer); the q and k heads rotated
+    in one call, and normalised in one where the norms' weights are in the arrays
+    (_qk_norm_rows) or the module has none. None where the bounds are not whole heads of one
+    head dim.
 
     The same values as mlx-lm's ops: mx.fast.rms_norm scales x by its norm in float32, rounds
     to the dtype, then multiplies by the weight in the dtype, so rms_norm(x, None) times the
@@ -283,15 +284,19 @@ def _fused_heads(self, x, offset, arrays: dict):
         return None
     y = _project(x, arrays, fused["settings"]).reshape(x.shape[0], hq + 2 * hkv, 1, d)
     values = y[:, hq + hkv :]
+    norms = ATTENTION_CALLS[type(self)._rq_original.__module__]
     rows = arrays.get(QK_NORM)
     if rows is not None and rows.dtype == y.dtype:
         qk = mx.fast.rms_norm(y[:, : hq + hkv], None, self.q_norm.eps) * rows
-        qk = self.rope(qk, offset=offset)
-        return qk[:, :hq], qk[:, hq:], values
-    queries, keys = y[:, :hq], y[:, hq : hq + hkv]
-    if ATTENTION_CALLS[type(self)._rq_original.__module__]:
-        queries, keys = self.q_norm(queries), self.k_norm(keys)
-    return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+    elif not norms and MERGE_QK:
+        qk = y[:, : hq + hkv]
+    else:
+        queries, keys = y[:, :hq], y[:, hq : hq + hkv]
+        if norms:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+    qk = self.rope(qk, offset=offset)
+    return qk[:, :hq], qk[:, hq:], values
 
 
 def _attention_pre(self, x, offset, arrays=None):
@@ -300,7 +305,7 @@ def _attention_pre(self, x, offset, arrays=None):
     shapes its heads as [B, heads, 1, D] at once: for one token, mlx-lm's [B, 1, heads, D]
     transposed is the same elements in the same order, so every op gives the same values."""
     b, n, _ = x.shape
-    if arrays is not None and n == 1:
+    if arrays is not None and b * n == 1:  # (several rows: their heads would be strided)
         heads = _fused_heads(self, x, offset, arrays)
         if heads is not None:
             return heads
