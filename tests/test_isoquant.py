@@ -188,6 +188,28 @@ def test_the_cache_encodes_3_bits_on_the_int8_grid_and_4_bits_plain():
     assert np.allclose(np.array(q.levels), int8_lloyd_max(128, 3).levels, rtol=1e-6)
 
 
+def test_level_lookup_is_the_gather_bit_for_bit_at_every_size_and_in_a_shapeless_trace():
+    """Quantizer.lookup (a tree of selects) gives levels[codes] exactly: 3- and 4-bit tables in
+    turn (each size its own trace), awkward shapes, inside a caller's shapeless compiled graph
+    as the token count changes."""
+    from app.engine.kvcache.isoquant.quantizer import lookup
+
+    for bits in (3, 4, 3, 4):
+        q = Quantizer.make(64, bits)
+        for shape in ((7,), (2, 3, 5, 64), (1, 1, 1, 1), (3, 1, 33, 17)):
+            codes = mx.random.randint(0, 2**bits, shape, key=mx.random.key(len(shape) + bits))
+            codes = codes.astype(mx.uint8)
+            got, want = q.lookup(codes), q.levels[codes]
+            assert got.dtype == mx.float32 and got.shape == shape
+            assert mx.array_equal(got, want).item(), (bits, shape)
+    levels = mx.array([-3.5, -1.25, -0.5, -0.125, 0.125, 0.5, 1.25, 3.5], mx.float32)
+    outer = mx.compile(lambda c, s: lookup(levels, c) * s, shapeless=True)
+    for t in (1, 9, 40):
+        codes = mx.random.randint(0, 8, (2, 3, t, 64), key=mx.random.key(t)).astype(mx.uint8)
+        s = mx.random.normal((2, 3, t, 1), key=mx.random.key(t + 1))
+        assert mx.array_equal(outer(codes, s), levels[codes] * s).item(), t
+
+
 # ---- packing ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", (3, 4))
 @pytest.mark.parametrize("dim", (8, 64, 128, 520))

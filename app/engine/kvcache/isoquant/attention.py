@@ -71,7 +71,7 @@ class IsoQuantTensor:
         """levels[codes]: [B, Hkv, T_c, D] float32 unit-variance coordinates (rotated space)."""
         if self.decoded is not None:
             return self.decoded
-        return self.quantizer.levels[self.codes_unpacked()]
+        return self.quantizer.lookup(self.codes_unpacked())
 
     def as_rows(self) -> IsoQuantTensor:
         """The same tensor with its codes in the "rows" layout (self when they already are)."""

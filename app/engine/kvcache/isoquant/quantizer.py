@@ -43,13 +43,53 @@ class Quantizer:
         codes = mx.sum(u[..., None] > self.thresholds, axis=-1).astype(mx.uint8)
         return pack_codes(codes, self.bits), mx.minimum(norms, _FP16_MAX).astype(mx.float16)
 
+    def lookup(self, codes: mx.array) -> mx.array:
+        """levels[codes] for unpacked codes [...] uint8 -> [...] float32, the table's values
+        exactly (lookup())."""
+        return lookup(self.levels, codes)
+
     def decode_rotated(self, codes: mx.array, norms: mx.array) -> mx.array:
         """codes [..., D*bits/8] uint8, norms [...] -> ŷ [..., D] float32 (rotated space)."""
-        return self.scale_levels(self.levels[unpack_codes(codes, self.bits)], norms)
+        return self.scale_levels(self.lookup(unpack_codes(codes, self.bits)), norms)
 
     def scale_levels(self, levels: mx.array, norms: mx.array) -> mx.array:
         """levels[codes] [..., D] (unit coordinate variance), norms [...] -> ŷ [..., D] float32."""
         return levels * (norms.astype(mx.float32) / math.sqrt(self.dim))[..., None]
+
+
+def _select_tree(n: int):
+    """levels[codes] for a table of n = 2**k values: bit 0 picks within pairs, bit 1 within
+    pairs of pairs, ...: n - 1 selects of exact table values, no gather. A function of its own
+    per n (MLX keys compiled traces by the function, and a shapeless trace would serve another
+    table size)."""
+
+    def select(levels: mx.array, codes: mx.array) -> mx.array:
+        vals = [levels[j] for j in range(n)]
+        bit = 0
+        while len(vals) > 1:
+            m = (codes & (1 << bit)) != 0
+            vals = [mx.where(m, vals[i + 1], vals[i]) for i in range(0, len(vals), 2)]
+            bit += 1
+        return vals[0]
+
+    return select
+
+
+_LOOKUPS: dict[int, object] = {}
+
+
+def lookup(levels: mx.array, codes: mx.array) -> mx.array:
+    """levels[codes] (a table of 2**bits values, codes uint8 of any shape) as a tree of selects,
+    compiled once per table size and shapeless (it joins a compiled caller's graph). The same
+    values as the gather bit for bit; on MLX's CPU backend, where a gather costs ~5-8 ns an
+    element, about 2.7x faster (benchmarks/isoquant_lookup.py)."""
+    n = levels.shape[0]
+    if n & (n - 1) or n > 256:
+        return levels[codes]
+    fn = _LOOKUPS.get(n)
+    if fn is None:
+        fn = _LOOKUPS[n] = mx.compile(_select_tree(n), shapeless=True)
+    return fn(levels, codes)
 
 
 def encode(x: mx.array, rotation: Rotation, quantizer: Quantizer) -> tuple[mx.array, mx.array]:
