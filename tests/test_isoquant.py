@@ -189,12 +189,17 @@ def test_the_cache_encodes_3_bits_on_the_int8_grid_and_4_bits_plain():
 
 
 def test_level_lookup_is_the_gather_bit_for_bit_at_every_size_and_in_a_shapeless_trace():
-    """Quantizer.lookup (a tree of selects) gives levels[codes] exactly: 3- and 4-bit tables in
-    turn (each size its own trace), awkward shapes, inside a caller's shapeless compiled graph
-    as the token count changes."""
+    """Quantizer.lookup (a tree of selects up to 8 levels, else the gather) gives levels[codes]
+    exactly: 2-, 3- and 4-bit tables in turn (each tree size its own trace), awkward shapes,
+    inside a caller's shapeless compiled graph as the token count changes."""
     from app.engine.kvcache.isoquant.quantizer import lookup
 
-    for bits in (3, 4, 3, 4):
+    four = mx.array([-1.5, -0.5, 0.5, 1.5], mx.float32)
+    for bits in (3, 4, 3, 2):
+        if bits == 2:  # no 2-bit codebook: a 4-level table of its own through lookup()
+            codes = mx.random.randint(0, 4, (3, 1, 33, 17), key=mx.random.key(2)).astype(mx.uint8)
+            assert mx.array_equal(lookup(four, codes), four[codes]).item()
+            continue
         q = Quantizer.make(64, bits)
         for shape in ((7,), (2, 3, 5, 64), (1, 1, 1, 1), (3, 1, 33, 17)):
             codes = mx.random.randint(0, 2**bits, shape, key=mx.random.key(len(shape) + bits))

@@ -78,13 +78,16 @@ def _select_tree(n: int):
 _LOOKUPS: dict[int, object] = {}
 
 
+TREE_MAX_LEVELS = 8  # 3-bit tables; a 16-level tree (15 selects) ran slower than the gather
+
+
 def lookup(levels: mx.array, codes: mx.array) -> mx.array:
-    """levels[codes] (a table of 2**bits values, codes uint8 of any shape) as a tree of selects,
-    compiled once per table size and shapeless (it joins a compiled caller's graph). The same
-    values as the gather bit for bit; on MLX's CPU backend, where a gather costs ~5-8 ns an
-    element, about 2.7x faster (benchmarks/isoquant_lookup.py)."""
+    """levels[codes] (codes uint8 of any shape): for a table of up to 8 values a tree of selects,
+    compiled once per table size and shapeless (it joins a compiled caller's graph), else the
+    gather. The same values bit for bit; on MLX's CPU backend, where a gather costs ~5-10 ns an
+    element, the 3-bit tree is ~4x faster (benchmarks/isoquant_lookup.py)."""
     n = levels.shape[0]
-    if n & (n - 1) or n > 256:
+    if n & (n - 1) or n > TREE_MAX_LEVELS:
         return levels[codes]
     fn = _LOOKUPS.get(n)
     if fn is None:
