@@ -313,18 +313,16 @@ def _attention_pre(self, x, offset, arrays=None):
         queries, keys, values = _fused_projections(self, x, arrays)
     else:
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-    norms = ATTENTION_CALLS[type(self)._rq_original.__module__]
     if n == 1:  # heads as [B, heads, 1, D] at once
         queries = queries.reshape(b, self.n_heads, 1, -1)
         keys = keys.reshape(b, self.n_kv_heads, 1, -1)
         values = values.reshape(b, self.n_kv_heads, 1, -1)
-        if norms:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
     else:
         queries = queries.reshape(b, n, self.n_heads, -1)
         keys = keys.reshape(b, n, self.n_kv_heads, -1)
-        if norms:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
+    if ATTENTION_CALLS[type(self)._rq_original.__module__]:
+        queries, keys = self.q_norm(queries), self.k_norm(keys)
+    if n != 1:
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
         values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values

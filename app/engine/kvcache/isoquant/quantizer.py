@@ -75,10 +75,8 @@ def _select_tree(n: int):
     return select
 
 
-_LOOKUPS: dict[int, object] = {}
-
-
 TREE_MAX_LEVELS = 8  # 3-bit tables; a 16-level tree (15 selects) ran slower than the gather
+_LOOKUPS: dict[int, object] = {}  # table size -> its compiled tree
 
 
 def lookup(levels: mx.array, codes: mx.array) -> mx.array:
