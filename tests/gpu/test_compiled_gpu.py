@@ -1,10 +1,10 @@
 """The identities the one-token decode step relies on (compiled._fused_heads), bit for bit, on
 whatever backend runs the tests: on a GPU, MLX's CUDA or Metal kernels for rms_norm and RoPE
 (the same checks at head dim 128 passed on the H200, bf16 / fp16 / fp32), on the CPU their
-composed ops. The q and
-k heads normalised in one rms_norm without weight, times a per-head weight array, equal the two
-norms with their weights; one RoPE over the q and k heads equals two; and the heads laid out as
-[B, heads, 1, D] at once equal mlx-lm's [B, 1, heads, D] transposed."""
+composed ops. The q and k heads normalised in one rms_norm without weight, times a per-head
+weight array, equal the two norms with their weights; one RoPE over the q and k heads equals
+two; and the heads laid out as [B, heads, 1, D] at once equal mlx-lm's [B, 1, heads, D]
+transposed."""
 
 from __future__ import annotations
 
