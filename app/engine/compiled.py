@@ -268,10 +268,10 @@ def _fused_projections(self, x, arrays: dict):
 def _fused_heads(self, x, offset, arrays: dict):
     """A one-row, one-token step's (queries, keys, values) as [1, heads, 1, D] from one matmul
     over the fused arrays: its output reshaped to (query, key, value) heads at once (the general
-    path's splits, reshapes and transposes are nine views a layer); the q and k heads rotated
-    in one call, and normalised in one where the norms' weights are in the arrays
-    (_qk_norm_rows) or the module has none. None where the bounds are not whole heads of one
-    head dim.
+    path's splits, reshapes and transposes are nine views a layer), the q and k heads rotated
+    in one call and, where the norms' weights are in the arrays (_qk_norm_rows), normalised in
+    one. None (the general path) where the bounds are not whole heads of one head dim, the
+    module has q/k norms that cannot be merged, or MERGE_QK is off.
 
     The same values as mlx-lm's ops: mx.fast.rms_norm scales x by its norm in float32, rounds
     to the dtype, then multiplies by the weight in the dtype, so rms_norm(x, None) times the
@@ -282,21 +282,19 @@ def _fused_heads(self, x, offset, arrays: dict):
     d = q_end // hq
     if d * hq != q_end or k_end - q_end != d * hkv or v_end - k_end != d * hkv:
         return None
-    y = _project(x, arrays, fused["settings"]).reshape(x.shape[0], hq + 2 * hkv, 1, d)
-    values = y[:, hq + hkv :]
-    norms = ATTENTION_CALLS[type(self)._rq_original.__module__]
     rows = arrays.get(QK_NORM)
-    if rows is not None and rows.dtype == y.dtype:
-        qk = mx.fast.rms_norm(y[:, : hq + hkv], None, self.q_norm.eps) * rows
-    elif not norms and MERGE_QK:
+    norms = ATTENTION_CALLS[type(self)._rq_original.__module__]
+    if (norms and rows is None) or not MERGE_QK:
+        return None  # two norms, or two RoPEs: the general path
+    y = _project(x, arrays, fused["settings"]).reshape(x.shape[0], hq + 2 * hkv, 1, d)
+    if rows is None:
         qk = y[:, : hq + hkv]
+    elif rows.dtype == y.dtype:
+        qk = mx.fast.rms_norm(y[:, : hq + hkv], None, self.q_norm.eps) * rows
     else:
-        queries, keys = y[:, :hq], y[:, hq : hq + hkv]
-        if norms:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+        return None
     qk = self.rope(qk, offset=offset)
-    return qk[:, :hq], qk[:, hq:], values
+    return qk[:, :hq], qk[:, hq:], y[:, hq + hkv :]
 
 
 def _attention_pre(self, x, offset, arrays=None):
