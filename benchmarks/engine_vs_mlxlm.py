@@ -219,6 +219,7 @@ class StubKernels:
         iq.BACKEND = "cuda"
         attention.register_kernel(kk._cache_entry)
         cache.register_encoder(kk.encode_pair)
+        cache.register_step_kernel(kk.window_attention)
         return self
 
     def __exit__(self, *exc):

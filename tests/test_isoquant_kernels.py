@@ -810,3 +810,80 @@ def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
     # tc16 encodes to the split only (zero codes past it in the chunk the kernel reads)
     assert calls and fused.compressed == plain.compressed == 47
     assert mx.array_equal(fused.v_codes, plain.v_codes).item()
+
+
+# -- a decode step over the cache's buffers, read in place --------------------------------------
+
+
+def _twin_caches(kb: int, n: int = 3, window: int = 5, every: int = 3, prompt: int = 37):
+    caches = [
+        IsoQuantKVCache("v3", kb, 3, window=window, layer=1, compress_every=every)
+        for _ in range(n)
+    ]
+    mx.random.seed(kb + window)
+    kv = [mx.random.normal((1, 2, prompt, 64)).astype(mx.float16) for _ in "kv"]
+    for c in caches:
+        c.update_and_fetch(*kv)
+        c.finish_prefill()
+    return caches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kb,g", [(3, 4), (3, 8), (4, 4)])  # tc (PV8, VSN), scalar (4-bit K)
+def test_emulated_step_reads_the_window_in_place_as_the_views_do(emulated, kb, g, monkeypatch):
+    """attend_step (the update and the fused kernel on the cache's unsliced buffers, the window
+    at its row offset) against update_and_fetch and the same kernel on sliced views: bit for
+    bit, step after step, across compressions (every 3 tokens), float-buffer reallocations and
+    the launch plan shared by the layers of a step."""
+    from app.engine.kvcache.isoquant import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "_STEP_KERNEL", emulated.window_attention)
+    variant = "tc" if kb == 3 else "scalar"
+    stepped, layer2, viewed = _twin_caches(kb)
+    calls = []
+    real = emulated._plan
+    monkeypatch.setattr(emulated, "_plan", lambda *a: calls.append(1) or real(*a))
+    offsets = set()
+    for step in range(12):
+        kv = [mx.random.normal((1, 2, 1, 64)).astype(mx.float16) for _ in "kv"]
+        q = mx.random.normal((1, 2 * g, 1, 64)).astype(mx.float16)
+        out = stepped.attend_step(q, *kv, 0.125)
+        k, v = viewed.update_and_fetch(*kv)
+        ref = emulated.fused_attention(q, k, v, 0.125, variant=variant)  # sliced views
+        assert mx.array_equal(out, ref).item(), step
+        # another layer of the same step: the launch was planned once for the step
+        n = len(calls)
+        assert mx.array_equal(layer2.attend_step(q, *kv, 0.125), ref).item()
+        assert len(calls) == n
+        offsets.add(stepped.compressed - stepped.fp_start)
+        assert (stepped.offset, stepped.compressed) == (viewed.offset, viewed.compressed)
+    assert len(offsets) > 2  # the window sat at several rows of its buffer
+
+
+def test_step_declines_before_touching_the_cache(monkeypatch):
+    """attend_step returns None with the cache as it was where the general path must run (no
+    step kernel, several tokens, a sink prefix, within the first window); where the kernel
+    declines after the update, the general attention runs on the same update."""
+    from app.engine.kvcache.isoquant import cache as cache_mod
+
+    q = mx.random.normal((1, 4, 1, 64))
+    kv = [mx.random.normal((1, 2, 1, 64)) for _ in "kv"]
+    c = IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=2)
+    c.update_and_fetch(*(mx.random.normal((1, 2, 9, 64)) for _ in "kv"))
+    assert c.attend_step(q, *kv, 0.125) is None and c.offset == 9  # no step kernel (CPU)
+    monkeypatch.setattr(cache_mod, "_STEP_KERNEL", lambda *a: None)
+    two = [mx.random.normal((1, 2, 2, 64)) for _ in "kv"]
+    assert c.attend_step(mx.random.normal((1, 4, 2, 64)), *two, 0.125) is None
+    sunk = IsoQuantKVCache("v3", 3, 3, window=4, layer=1, sink=2)
+    sunk.update_and_fetch(*(mx.random.normal((1, 2, 9, 64)) for _ in "kv"))
+    young = IsoQuantKVCache("v3", 3, 3, window=16, layer=1)
+    young.update_and_fetch(*(mx.random.normal((1, 2, 9, 64)) for _ in "kv"))
+    for cache in (sunk, young):
+        assert cache.attend_step(q, *kv, 0.125) is None and cache.offset == 9
+    assert c.offset == 9
+    twin = IsoQuantKVCache("v3", 3, 3, window=4, layer=1, compress_every=2)
+    twin.update_and_fetch(*(mx.random.normal((1, 2, 9, 64)) for _ in "kv"))
+    twin.state, twin.offset = c.state, c.offset
+    out = c.attend_step(q, *kv, 0.125)  # declined by the kernel: the general path, updated
+    k, v = twin.update_and_fetch(*kv)
+    assert c.offset == 10 and mx.array_equal(out, kk.isoquant_attention(q, k, v, 0.125)).item()

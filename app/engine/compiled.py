@@ -345,6 +345,11 @@ def _cached_attention(owner, attn, x, mask, cache, plain: str, fused: str):
         queries, keys, values = owner.__dict__[plain](x, offset)
     else:
         queries, keys, values = fn(x, offset, arrays)
+    step = getattr(cache, "attend_step", None)  # IsoQuant: the update and its kernel in one
+    if step is not None:
+        out = step(queries, keys, values, attn.scale, mask)
+        if out is not None:
+            return out
     keys, values = cache.update_and_fetch(keys, values)
     sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
     return sdpa(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)

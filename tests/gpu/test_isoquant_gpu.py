@@ -263,3 +263,33 @@ def test_tc16_pack_matches_packing(d):
             [old_codes[:, :, :off], new_codes, mx.zeros((2, 8, pad, d), mx.uint8)], axis=2
         )
         assert mx.array_equal(out, pack_codes_tc16(want)).item(), (off, n)
+
+
+@pytest.mark.parametrize("kb,g,dtype", [(3, 4, "bfloat16"), (3, 8, "float16"), (4, 4, "bfloat16")])
+def test_a_decode_step_reads_the_cache_in_place_as_its_views_do(kb, g, dtype):
+    """The cache's one-token step (attend_step: the update and the fused kernel over its
+    unsliced buffers, the float window at its row offset, the launch planned once per step)
+    against update_and_fetch and the same kernel on sliced views, bit for bit, over 40 steps
+    that cross compressions; and within TOL of the reference."""
+    assert kk.install()
+    dt = getattr(mx, dtype)
+    caches = [isoquant.IsoQuantKVCache("v3", kb, 3, window=64, layer=1) for _ in range(2)]
+    mx.random.seed(kb + g)
+    kv = [mx.random.normal((1, 4, 700, 128)).astype(dt) for _ in "kv"]
+    for c in caches:
+        c.update_and_fetch(*kv)
+        c.finish_prefill()
+    variant = "tc" if kb == 3 else "scalar"
+    s = 1 / math.sqrt(128)
+    for step in range(40):
+        kv = [mx.random.normal((1, 4, 1, 128)).astype(dt) for _ in "kv"]
+        q = mx.random.normal((1, 4 * g, 1, 128)).astype(dt)
+        out = caches[0].attend_step(q, *kv, s)
+        k, v = caches[1].update_and_fetch(*kv)
+        ref = iq.fused_attention(q, k, v, s, variant=variant)  # variant given: sliced views
+        mx.eval(out, ref)
+        assert mx.array_equal(out, ref).item(), step
+    assert caches[0].compressed - caches[0].fp_start > 0  # the window sat past the buffer's row 0
+    with mx.stream(mx.cpu):
+        exact = iq.attention_reference(q.astype(mx.float32), k, v, s)
+    assert iq.rel_error(out, exact) < 8e-3

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .attention import CacheView, IsoQuantTensor
+from .attention import CacheView, IsoQuantTensor, isoquant_attention
 from .packing import (
     FORMAT_VERSION,
     TC16_CHUNK,
@@ -98,6 +98,19 @@ def register_tc16_packer(fn) -> None:
     _TC16_PACKER = fn
 
 
+# The fused one-token step over a cache's buffers (kernel_path.install registers
+# kernels.window_attention where the backend has kernels): (q, kc, kn, vc, vn, fk, fv, lo, tc, tf,
+# kq, vq, rotation, v_layout, scale) -> output, or None for inputs it does not take.
+_STEP_KERNEL = None
+STEP_SLOTS = 64  # counter slots a cache keeps for it: one per (row, KV head) block of a step
+
+
+def register_step_kernel(fn) -> None:
+    """Install (or, with None, remove) the fused attention of attend_step."""
+    global _STEP_KERNEL
+    _STEP_KERNEL = fn
+
+
 def _compiled_encoder(rotation: Rotation, quantizer: Quantizer):
     return mx.compile(lambda x: quantizer.encode_rotated(rotation.forward(x)))
 
@@ -163,6 +176,8 @@ class IsoQuantKVCache(_BaseCache):
         # a layer IsoQuant cannot code runs as mlx-lm's float cache (why: fallback_reason)
         self.fallback_reason: str | None = None
         self._float: KVCache | None = None
+        # the fused step's counter slots (kernels.window_attention), zeroed, reset by each call
+        self._slots: mx.array | None = None
 
     # ---- setup -------------------------------------------------------------------------
     def _setup(self, n_heads: int, head_dim: int, v_head_dim: int) -> None:
@@ -212,6 +227,18 @@ class IsoQuantKVCache(_BaseCache):
             out = self._float.update_and_fetch(keys, values)
             self.offset = self._float.offset
             return out
+        self._advance(keys, values)
+        out = self._fetch(lazy=n == 1)
+        if n > 1:
+            # what the next step reads compressed is encoded now and its float released, so a
+            # chunked prefill never holds the whole prompt in float
+            self._encode_to(min(self.offset, self.offset + 1 - self.window))
+            self._release_fp(self.offset + 1 - self.window)
+        return out
+
+    def _advance(self, keys: mx.array, values: mx.array) -> None:
+        """Append an update's tokens and move the split attention reads at."""
+        n = keys.shape[2]
         before = self.offset
         # the first query sees `window` float tokens, itself included; a multi-token update's
         # queries see each other in float (deferred prefill within a chunk)
@@ -223,12 +250,35 @@ class IsoQuantKVCache(_BaseCache):
             # a batch of codes ahead of the split (the kernels mask a tc16 chunk's rows past it)
             self._encode_to(min(self.offset, max(split, self.encoded + self.compress_every)))
         self.compressed = split
-        out = self._fetch(lazy=n == 1)
-        if n > 1:
-            # what the next step reads compressed is encoded now and its float released, so a
-            # chunked prefill never holds the whole prompt in float
-            self._encode_to(min(self.offset, self.offset + 1 - self.window))
-            self._release_fp(self.offset + 1 - self.window)
+
+    def attend_step(self, queries, keys, values, scale, mask=None):
+        """update_and_fetch and the attention op of a one-token decode step in one call, the
+        fused kernel reading the cache's buffers in place (kernels.window_attention: no views,
+        its launch planned once per step for all layers). None, with the cache untouched, where
+        the step takes the general path (no kernels, a float sink prefix, a float-only cache, an
+        array mask, more than one token); the caller then calls update_and_fetch."""
+        if (
+            _STEP_KERNEL is None
+            or keys.shape[2] != 1
+            or self.rotation is None
+            or self.sink
+            or self.decoded_shadow
+            or self.offset + 1 - self.window <= 0
+            or not (mask is None or isinstance(mask, str))
+        ):
+            return None
+        self._advance(keys, values)
+        lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
+        if self._slots is None:
+            self._slots = mx.zeros((STEP_SLOTS,), mx.int32)
+        out = _STEP_KERNEL(
+            queries, self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.fp_keys,
+            self.fp_values, lo, self.compressed, hi - lo, self.kq, self.vq, self.rotation,
+            self.v_layout, scale, self._slots,
+        )  # fmt: skip
+        if out is None:
+            k, v = self._fetch(lazy=True)
+            out = isoquant_attention(queries, k, v, scale, mask)
         return out
 
     def finish_prefill(self) -> None:

@@ -38,6 +38,7 @@
 #define IQ_P_HQ 11
 #define IQ_P_SINKS 12 // 1 when the sinks input holds one logit per query head
 #define IQ_P_B 13     // batch
+#define IQ_P_FLO 14   // first float token's row in k_fp / v_fp (a cache's window buffer read in place)
 #define IQ_P_TAB 16   // tensor-core kernel: its K level table (4 words), then V's (tc_table_words)
 
 // Packed rows (packing.py, format 2). 3-bit rows come in blocks of 32 codes: three 32-bit
@@ -513,12 +514,15 @@ IQ_FN void iq_store_partial(
   } else {
     const int spf = (iq_bx - NCB) * IQ_NW + warp;
     const int SLF = iparams[IQ_P_SLF];
+    const long flo = long(iparams[IQ_P_FLO]);
     const int t0 = spf * SLF;
     const int t1 = min(t0 + SLF, Tf);
     iq_warp_attend<D, RB, KB, VB, CAUSAL>(
         IqFloat(), iq_qs, iq_lk, iq_lv, iq_pw + warp * RB * 32,
-        k_fp + b * k_fp_strides[0] + h * k_fp_strides[1], long(k_fp_strides[2]),
-        k_norms, 0L, v_fp + b * v_fp_strides[0] + h * v_fp_strides[1], long(v_fp_strides[2]),
+        k_fp + b * k_fp_strides[0] + h * k_fp_strides[1] + flo * k_fp_strides[2],
+        long(k_fp_strides[2]), k_norms, 0L,
+        v_fp + b * v_fp_strides[0] + h * v_fp_strides[1] + flo * v_fp_strides[2],
+        long(v_fp_strides[2]),
         v_norms, 0L, t0, t1, r0, L, Tf, lane, m, l, o);
     iq_store_partial<D, RB>(part_o, part_m, part_l, bh, iparams[IQ_P_NSPC] + spf, nsp, r0, R,
                             lane, m, l, o);

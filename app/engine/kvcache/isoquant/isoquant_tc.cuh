@@ -1441,8 +1441,9 @@ __device__ __forceinline__ void iq_tc_fold(
   const int spf = (bx - NCB) * IQ_NW + warp;
   const int tf0 = spf * iparams[IQ_P_SLF];
   const int tf1 = min(tf0 + iparams[IQ_P_SLF], Tf);
-  const auto* kf = k_fp + b * k_fp_strides[0] + h * k_fp_strides[1];
-  const auto* vf = v_fp + b * v_fp_strides[0] + h * v_fp_strides[1];
+  const long flo = long(iparams[IQ_P_FLO]);  // the window's first row in a cache's buffer
+  const auto* kf = k_fp + b * k_fp_strides[0] + h * k_fp_strides[1] + flo * k_fp_strides[2];
+  const auto* vf = v_fp + b * v_fp_strides[0] + h * v_fp_strides[1] + flo * v_fp_strides[2];
   const long kfs = long(k_fp_strides[2]), vfs = long(v_fp_strides[2]);
   if (is_fp && tf0 + lane < tf1) {  // their K and V rows into L1 while the query rows load
     iq_prefetch_row<D>(kf + (tf0 + lane) * kfs);

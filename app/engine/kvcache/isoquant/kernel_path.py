@@ -14,7 +14,7 @@ import os
 import mlx.core as mx
 
 from .attention import register_kernel
-from .cache import register_encoder, register_tc16_packer
+from .cache import register_encoder, register_step_kernel, register_tc16_packer
 from .kernels import (
     BACKEND,
     Problem,
@@ -27,6 +27,7 @@ from .kernels import (
     pack_tc16,
     unfused_attention,
     v_layout,
+    window_attention,
 )
 from .packing import register_v_layout
 
@@ -149,15 +150,17 @@ def _cache_entry(queries, keys, values, scale, mask=None, sinks=None, lens=None)
 
 
 def install() -> bool:
-    """Register the kernel paths with the cache (attention, the fused K/V encoder of its
-    decode-time compression and its tc16 write, and the V layout the kernels read fastest) when the backend has
-    kernels and the setting is not "reference"; otherwise make sure none is registered.
+    """Register the kernel paths with the cache (attention, its one-token step over the
+    cache's buffers, the fused K/V encoder of its decode-time compression and its tc16 write,
+    and the V layout the kernels read fastest) when the backend has kernels and the setting is
+    not "reference"; otherwise make sure none is registered.
     Returns whether they are."""
     on = kernels_available() and setting() != "reference"
     register_kernel(_cache_entry if on else None)
     register_encoder(encode_pair if on else None)
     register_v_layout(v_layout if on else None)
     register_tc16_packer(pack_tc16 if on else None)
+    register_step_kernel(window_attention if on else None)
     return on
 
 

@@ -614,6 +614,7 @@ class _Launch(NamedTuple):
     fp_combine: mx.array
     slots: int  # counter slots of the folded combine (tensor-core kernel), else 0
     tc16: bool = False  # the kernel reads V codes in the tc16 layout (else they come as rows)
+    words: tuple = ()  # ip's words (window_attention writes its own lengths and offset)
 
 
 def _launch(
@@ -643,7 +644,7 @@ def _launch(
     )  # fmt: skip
     words = list(words)
     words[0], words[1] = p.tc, p.tf  # IQ_P_TC, IQ_P_TF (_iparams_words' layout)
-    return base._replace(ip=mx.array(words, mx.int32))
+    return base._replace(ip=mx.array(words, mx.int32), words=tuple(words))
 
 
 @functools.lru_cache(maxsize=512)
@@ -797,11 +798,88 @@ def fused_attention(
     D 64/128) or "scalar" (every backend); default picks tc where it applies."""
     if mask is not None and not isinstance(mask, str):
         Problem.of(q, keys, values, mask)  # raises: array masks are the reference's
+    if sinks is None and lens is None and variant is None and split_len is None:
+        src = _window_src(q, keys, values)
+        out = None if src is None else window_attention(q, *src, scale)
+        if out is not None:
+            return out
     p, variant, run = _plan(q, keys, values, scale, mask, sinks, variant, split_len)
     part = _fused_call(q, keys, values, p, run, variant, lens, sinks)
     if run.slots:  # the tensor-core kernel merged its splits itself
         return part[3]
     return combine(part[:3], keys.rotation, p, run, q.dtype, sinks)
+
+
+# -- a cache's decode step, its buffers read in place ----------------------------------------
+
+IP_FLO = 14  # IQ_P_FLO: the float window's first row in the k_fp / v_fp buffers
+# The last step's launch: every layer of a decode step has the same lengths, so the first
+# layer plans (problem, split plan, parameters) and the others reuse it.
+_STEP: list = [None, None]
+
+
+def _window_src(q, keys, values) -> tuple | None:
+    """window_attention's arguments (but the scale) for a one-token step over a cache's
+    CacheView pair (attention.CacheView: its buffers and bounds), else None."""
+    ks, vs = keys.__dict__.get("_src"), values.__dict__.get("_src")
+    if ks is None or vs is None or q.shape[2] != 1 or keys.rotation is not values.rotation:
+        return None
+    kc, kr, kn, tc, fk, lo, hi = ks
+    vc, _, vn, vtc, fv, vlo, vhi = vs
+    if (kr, vtc, vlo, vhi) != (tc, tc, lo, hi) or fk is None or fv is None:
+        return None
+    return (kc, kn, vc, vn, fk, fv, lo, tc, max(0, hi - lo), keys.quantizer, values.quantizer,
+            keys.rotation, values.layout)  # fmt: skip
+
+
+def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, vq, rot, layout,
+                     scale, counters=None):  # fmt: skip
+    """One-token decode attention over a cache's own buffers: codes kc/vc and norms kn/vn whose
+    rows [0, tc) are the compressed tokens, the float window fk/fv[:, :, lo : lo + tf] read in
+    place at row offset `lo` (IQ_P_FLO), so nothing is sliced per layer. The same kernel launch
+    as fused_attention on the sliced views (the same numbers). None where that launch does not
+    apply (the caller takes the general path): a window in another dtype than the queries, V
+    codes the kernel would need repacked.
+    counters: the caller's own zeroed int32 slots for the folded combine (a cache's: its calls
+    run one after another, each step's queries depending on the last step), else slots drawn
+    from the ring per call."""
+    dt = q.dtype
+    key = (q.shape, dt, kc.shape, kn.shape, vc.shape, fk.shape, fk.dtype, fv.dtype, lo, tc, tf,
+           kq.bits, vq.bits, rot.kind, layout, scale)  # fmt: skip
+    step = _STEP[1] if _STEP[0] == key else None
+    if step is None:
+        if fk.dtype != dt or fv.dtype != dt or q.shape[2] != 1 or not tc:
+            return None
+        vrows = -(-tc // 16) * 16 if layout == "tc16" else tc
+        keys = IsoQuantTensor(kc[:, :, :tc], kn[:, :, :tc], fk[:, :, :tf] if tf else None, kq,
+                              rot)  # fmt: skip
+        values = IsoQuantTensor(vc[:, :, :vrows], vn[:, :, :tc], fv[:, :, :tf] if tf else None,
+                                vq, rot, layout=layout)  # fmt: skip
+        p, variant, run = _plan(q, keys, values, scale, None, None, None, None)
+        if layout == "tc16" and not run.tc16:
+            return None
+        words = list(run.words)
+        words[IP_FLO] = lo
+        step = (p, run, mx.array(words, mx.int32), _lens(p, None), variant != "tc")
+        _STEP[0], _STEP[1] = key, step
+    p, run, ip, lens, scalar = step
+    lv, tail = ((kq.levels, vq.levels), ()) if scalar else ((), (_no_sinks(), _no_counters()))
+    if run.slots:
+        own = counters is not None and counters.size >= run.slots
+        tail = (tail[0], counters if own else _counters(run.slots))
+    fk = fk if tf else _dummy_fp(p.dim, dt)
+    fv = fv if tf else _dummy_fp(p.dim, dt)
+    part = _kernel(run.kern, dt)(
+        inputs=[q, kc, kn, vc, vn, fk, fv, _rot_array(rot), *lv, lens, ip, run.fp, *tail],
+        template=run.template,
+        grid=run.grid,
+        threadgroup=(32 * NW, 1, 1),
+        output_shapes=run.out_shapes,
+        output_dtypes=[mx.float32] * 3 + ([] if scalar else [dt]),
+    )
+    if run.slots:
+        return part[3]
+    return combine(part[:3], rot, p, run._replace(ip=ip), dt)
 
 
 def combine(part, rot: Rotation, p: Problem, run: _Launch, dtype, sinks=None) -> mx.array:
