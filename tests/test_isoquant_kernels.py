@@ -817,8 +817,7 @@ def test_emulated_tc16_cache_writes_with_the_fused_pack(emulated, monkeypatch):
 
 def _twin_caches(kb: int, n: int = 3, window: int = 5, every: int = 3, prompt: int = 37):
     caches = [
-        IsoQuantKVCache("v3", kb, 3, window=window, layer=1, compress_every=every)
-        for _ in range(n)
+        IsoQuantKVCache("v3", kb, 3, window=window, layer=1, compress_every=every) for _ in range(n)
     ]
     mx.random.seed(kb + window)
     kv = [mx.random.normal((1, 2, prompt, 64)).astype(mx.float16) for _ in "kv"]
