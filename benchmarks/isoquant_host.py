@@ -1,7 +1,9 @@
 """Host (CPU) time per decode step of the IsoQuant attention path, on this machine: building
 the graph only, nothing evaluated. Parts: a pure-Python yardstick (to compare machines), the
 cache's update_and_fetch, fused_attention with the MLX kernel calls replaced by stubs (our
-Python alone) and with the real kernels, and mlx-lm's KVCache + mx.fast SDPA for comparison.
+Python alone) and with the real kernels, the cache's one-token step (attend_step: the update
+and the kernel on its buffers) against update_and_fetch and the attention call, and mlx-lm's
+KVCache + mx.fast SDPA for comparison.
 32 q / 8 KV heads, d 128, batch 1, 2K context.
 
     python benchmarks/isoquant_host.py [--out FILE]
@@ -123,6 +125,23 @@ def main() -> None:
         return out
 
     res["cache_update_and_fetch_us"] = per_call_us(upd, 500)
+    if iq.kernels_available():
+        from app.engine.kvcache.isoquant import kernel_path as kk
+
+        kk.install()
+
+        def step():  # the cache's one-token step: update and the kernel on its buffers
+            out = c.attend_step(q, *tok, scale)
+            c.offset -= 1
+            return out
+
+        res["cache_attend_step_us"] = per_call_us(step, 500)
+
+        def general():  # the same step through update_and_fetch and the dispatch
+            out = kk.isoquant_attention(q, *upd(), scale)
+            return out
+
+        res["cache_update_plus_attention_us"] = per_call_us(general, 500)
     from mlx_lm.models.cache import KVCache
 
     f = KVCache()

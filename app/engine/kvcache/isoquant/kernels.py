@@ -869,9 +869,6 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
         tail = (tail[0], counters if own else _counters(run.slots))
     fk = fk if tf else _dummy_fp(p.dim, dt)
     fv = fv if tf else _dummy_fp(p.dim, dt)
-    if STEP_COMPILE and run.slots:
-        return _step_call(run, dt)(q, kc, kn, vc, vn, fk, fv, _rot_array(rot), lens, ip, run.fp,
-                                   *tail)  # fmt: skip
     part = _kernel(run.kern, dt)(
         inputs=[q, kc, kn, vc, vn, fk, fv, _rot_array(rot), *lv, lens, ip, run.fp, *tail],
         template=run.template,
@@ -883,34 +880,6 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
     if run.slots:
         return part[3]
     return combine(part[:3], rot, p, run._replace(ip=ip), dt)
-
-
-STEP_COMPILE = os.environ.get("ROTARYQUANT_ISOQUANT_STEP_COMPILE", "0") == "1"
-_STEP_CALLS: dict = {}
-
-
-def _step_call(run: _Launch, dt):
-    """The folded tensor-core launch of a step as a compiled function of its inputs: replayed
-    in C++, without the custom kernel's per-call argument conversion."""
-    key = (run.kern, run.template, run.grid, tuple(map(tuple, run.out_shapes)), dt)
-    fn = _STEP_CALLS.get(key)
-    if fn is None:
-        kern = _kernel(run.kern, dt)
-
-        def call(*inputs):
-            return kern(
-                inputs=list(inputs),
-                template=run.template,
-                grid=run.grid,
-                threadgroup=(32 * NW, 1, 1),
-                output_shapes=run.out_shapes,
-                output_dtypes=[mx.float32] * 3 + [dt],
-            )[3]
-
-        if len(_STEP_CALLS) >= 256:
-            _STEP_CALLS.clear()
-        fn = _STEP_CALLS[key] = mx.compile(call)
-    return fn
 
 
 def combine(part, rot: Rotation, p: Problem, run: _Launch, dtype, sinks=None) -> mx.array:
