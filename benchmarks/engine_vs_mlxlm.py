@@ -239,6 +239,7 @@ def fresh_plans() -> None:
 
     iq._PLANS.clear()
     iq._iparams_cached.cache_clear()
+    iq._STEP[0] = (None, None)  # the step's launch planned by its first layer
 
 
 @contextlib.contextmanager

@@ -815,7 +815,8 @@ def fused_attention(
 IP_FLO = 14  # IQ_P_FLO: the float window's first row in the k_fp / v_fp buffers
 # The last step's launch: every layer of a decode step has the same lengths, so the first
 # layer plans (problem, split plan, parameters) and the others reuse it.
-_STEP: list = [None, None]
+# One (key, launch) pair, replaced whole (a reader on another thread sees one or the other).
+_STEP: list = [(None, None)]
 
 
 def _window_src(q, keys, values) -> tuple | None:
@@ -846,7 +847,9 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
     dt = q.dtype
     key = (q.shape, dt, kc.shape, kn.shape, vc.shape, fk.shape, fk.dtype, fv.dtype, lo, tc, tf,
            kq.bits, vq.bits, rot.kind, layout, scale)  # fmt: skip
-    step = _STEP[1] if _STEP[0] == key else None
+    last_key, step = _STEP[0]
+    if last_key != key:
+        step = None
     if step is None:
         if fk.dtype != dt or fv.dtype != dt or q.shape[2] != 1 or not tc:
             return None
@@ -861,7 +864,7 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
         words = list(run.words)
         words[IP_FLO] = lo
         step = (p, run, mx.array(words, mx.int32), _lens(p, None), variant != "tc")
-        _STEP[0], _STEP[1] = key, step
+        _STEP[0] = (key, step)
     p, run, ip, lens, scalar = step
     lv, tail = ((kq.levels, vq.levels), ()) if scalar else ((), (_no_sinks(), _no_counters()))
     if run.slots:
