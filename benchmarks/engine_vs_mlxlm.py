@@ -233,8 +233,10 @@ class StubKernels:
 
 def fresh_plans() -> None:
     """Forget IsoQuant's launch plans: a real decode step's cache lengths are new every step,
-    so it plans its launches anew; a step rebuilt from the same cache state must pay that too
-    (else it would find last build's plans)."""
+    so it looks its launch up anew; a step rebuilt from the same cache state must pay that too
+    (else it would find last build's). The blocks of steps planned together stay, as they do
+    between real steps (a block is planned one step in STEP_ROWS, as compression is one in
+    compress_every: both weigh in host_ms_mean, not in the median)."""
     from app.engine.kvcache.isoquant import kernels as iq
 
     iq._PLANS.clear()

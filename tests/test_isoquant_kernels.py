@@ -840,23 +840,31 @@ def test_emulated_step_reads_the_window_in_place_as_the_views_do(emulated, kb, g
     variant = "tc" if kb == 3 else "scalar"
     stepped, layer2, viewed = _twin_caches(kb)
     calls = []
-    real = emulated._plan
-    monkeypatch.setattr(emulated, "_plan", lambda *a: calls.append(1) or real(*a))
-    offsets = set()
-    for step in range(12):
+    real = emulated._launch_words
+    monkeypatch.setattr(emulated, "_launch_words", lambda *a: calls.append(1) or real(*a))
+    offsets, planned, blocks, start = set(), 0, 0, None
+    for step in range(20):
         kv = [mx.random.normal((1, 2, 1, 64)).astype(mx.float16) for _ in "kv"]
         q = mx.random.normal((1, 2 * g, 1, 64)).astype(mx.float16)
+        n = len(calls)
         out = stepped.attend_step(q, *kv, 0.125)
+        planned += len(calls) - n
+        # a block: the next STEP_ROWS steps while the window's buffer stays where it is
+        tc, fp_start = stepped.compressed, stepped.fp_start
+        if start is None or start[1] != fp_start or tc - start[0] >= emulated.STEP_ROWS:
+            blocks, start = blocks + 1, (tc, fp_start)
         k, v = viewed.update_and_fetch(*kv)
         ref = emulated.fused_attention(q, k, v, 0.125, variant=variant)  # sliced views
         assert mx.array_equal(out, ref).item(), step
-        # another layer of the same step: the launch was planned once for the step
+        # another layer of the same step: the launch was planned for the step already
         n = len(calls)
         assert mx.array_equal(layer2.attend_step(q, *kv, 0.125), ref).item()
         assert len(calls) == n
         offsets.add(stepped.compressed - stepped.fp_start)
         assert (stepped.offset, stepped.compressed) == (viewed.offset, viewed.compressed)
     assert len(offsets) > 2  # the window sat at several rows of its buffer
+    # the steps between compressions take their launches from one block planned at once
+    assert 1 < blocks < 20 and planned == blocks * emulated.STEP_ROWS
 
 
 def test_step_declines_before_touching_the_cache(monkeypatch):

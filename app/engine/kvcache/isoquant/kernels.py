@@ -334,13 +334,24 @@ def _full_lens(b: int, tc: int) -> mx.array:
     return _pad8(mx.full((b,), tc, mx.int32))
 
 
+# A batch's per-row code counts as the kernels read them, kept for the array they came from:
+# every layer of a step passes the batch cache's same `lens` array (three ops a layer saved).
+_LENS: list = [(None, 0, None)]
+
+
 def _lens(p: Problem, lens) -> mx.array:
     if lens is None:
         return _full_lens(p.b, p.tc)
-    lens = mx.array(lens, mx.int32).reshape(-1)
-    if lens.shape[0] != p.b:
-        raise ValueError(f"lens has {lens.shape[0]} entries for a batch of {p.b}")
-    return _pad8(mx.minimum(lens, p.tc))
+    src, tc, out = _LENS[0]
+    if src is lens and tc == p.tc:
+        return out
+    a = mx.array(lens, mx.int32).reshape(-1)
+    if a.shape[0] != p.b:
+        raise ValueError(f"lens has {a.shape[0]} entries for a batch of {p.b}")
+    out = _pad8(mx.minimum(a, p.tc))
+    if isinstance(lens, mx.array):
+        _LENS[0] = (lens, p.tc, out)
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -636,6 +647,14 @@ def _launch(
     once the window is full), which changes the split plan only every few dozen tokens and
     two parameters every step: the rest is made once per split plan (_launch_base). Not cached
     itself: _plan keeps the launch of each call's shapes."""
+    base, words = _launch_words(p, variant, split_len, has_sinks, scale, opts, warps, dtype, tc16)
+    return base._replace(ip=mx.array(words, mx.int32), words=words)
+
+
+def _launch_words(
+    p: Problem, variant, split_len, has_sinks, scale, opts, warps, dtype, tc16
+) -> tuple[_Launch, tuple]:
+    """_launch's record without its parameters array (ip None), and the parameters' words."""
     rb = TC_RB if variant == "tc" else min(SCALAR_RB[p.dim], 1 << max(0, (p.rows - 1).bit_length()))
     plan = split_plan(p, rb, split_len, warps, merged=variant == "tc")
     base, words = _launch_base(
@@ -644,7 +663,7 @@ def _launch(
     )  # fmt: skip
     words = list(words)
     words[0], words[1] = p.tc, p.tf  # IQ_P_TC, IQ_P_TF (_iparams_words' layout)
-    return base._replace(ip=mx.array(words, mx.int32), words=tuple(words))
+    return base, tuple(words)
 
 
 @functools.lru_cache(maxsize=512)
@@ -813,10 +832,20 @@ def fused_attention(
 # -- a cache's decode step, its buffers read in place ----------------------------------------
 
 IP_FLO = 14  # IQ_P_FLO: the float window's first row in the k_fp / v_fp buffers
+IP_WORDS = 24  # a launch's parameter words (_iparams_words)
 # The last step's launch: every layer of a decode step has the same lengths, so the first
 # layer plans (problem, split plan, parameters) and the others reuse it.
 # One (key, launch) pair, replaced whole (a reader on another thread sees one or the other).
 _STEP: list = [(None, None)]
+# The launches of a cache's next STEP_ROWS steps, planned together, their parameter words
+# (and the lengths') in one array: a step takes its row as a view. An array made from host data
+# costs ~0.1 ms of host time on MLX's CUDA backend (unified-memory allocation and copy), a view
+# ~1 µs. A full window moves by one token a step: step j of a block reads tc0 + j codes and the
+# window from row lo0 + j of its buffer, tf tokens long.
+# Block key -> (tc0, lo0, tf, rows, table), an entry replaced whole; a few keys (layers of
+# other shapes, other caches) keep their own.
+STEP_ROWS = 16
+_BLOCKS: dict = {}
 
 
 def _window_src(q, keys, values) -> tuple | None:
@@ -849,21 +878,11 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
            kq.bits, vq.bits, rot.kind, layout, scale)  # fmt: skip
     last_key, step = _STEP[0]
     if last_key != key:
-        step = None
-    if step is None:
         if fk.dtype != dt or fv.dtype != dt or q.shape[2] != 1 or not tc:
             return None
-        vrows = -(-tc // 16) * 16 if layout == "tc16" else tc
-        keys = IsoQuantTensor(kc[:, :, :tc], kn[:, :, :tc], fk[:, :, :tf] if tf else None, kq,
-                              rot)  # fmt: skip
-        values = IsoQuantTensor(vc[:, :, :vrows], vn[:, :, :tc], fv[:, :, :tf] if tf else None,
-                                vq, rot, layout=layout)  # fmt: skip
-        p, variant, run = _plan(q, keys, values, scale, None, None, None, None)
-        if layout == "tc16" and not run.tc16:
+        step = _block_step(key, q, kc, lo, tc, tf, kq, vq, rot, layout, scale)
+        if step is None:
             return None
-        words = list(run.words)
-        words[IP_FLO] = lo
-        step = (p, run, mx.array(words, mx.int32), _lens(p, None), variant != "tc")
         _STEP[0] = (key, step)
     p, run, ip, lens, scalar = step
     lv, tail = ((kq.levels, vq.levels), ()) if scalar else ((), (_no_sinks(), _no_counters()))
@@ -883,6 +902,46 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
     if run.slots:
         return part[3]
     return combine(part[:3], rot, p, run._replace(ip=ip), dt)
+
+
+def _block_step(key, q, kc, lo, tc, tf, kq, vq, rot, layout, scale):
+    """The step's (problem, launch, parameters view, lengths view, scalar kernel?) from the
+    block of steps it falls in (planned here when it does not); None where the kernel's launch
+    does not take the cache's buffers as they are (V codes to repack)."""
+    opts = tc_options()
+    bkey = (*key[:8], *key[11:], opts, SPLIT_WARPS, BACKEND)  # the step's, less lo, tc, tf
+    tc0, lo0, btf, rows, table = _BLOCKS.get(bkey, (0, 0, -1, (), None))
+    i = tc - tc0
+    if not (btf == tf and lo - lo0 == i and 0 <= i < len(rows)):
+        b, hq, length, dim = q.shape
+        rows, words, lens = [], [], []
+        for j in range(STEP_ROWS):
+            p = Problem(b, hq, kc.shape[1], length, dim, tc + j, tf, kq.bits, vq.bits,
+                        KIND_CODES[rot.kind], False)  # fmt: skip
+            variant = _variant(p)
+            run, w = _launch_words(p, variant, None, False, float(scale), opts, SPLIT_WARPS,
+                                   q.dtype, layout == "tc16")  # fmt: skip
+            if layout == "tc16" and not run.tc16:
+                return None
+            w = list(w)
+            w[IP_FLO] = lo + j
+            rows.append((p, run, variant != "tc"))
+            words += w
+            lens += [tc + j] * max(8, b)  # every batch row holds tc codes; 8+ words (_pad8)
+        nw = len(words)
+        table = mx.array(words + lens, mx.int32)
+        nl = max(8, b)
+        rows = tuple(
+            (p, run, table[nw + j * nl : nw + (j + 1) * nl], sc)
+            for j, (p, run, sc) in enumerate(rows)
+        )
+        tc0, lo0, i = tc, lo, 0
+        if len(_BLOCKS) >= 8:
+            _BLOCKS.clear()
+        _BLOCKS[bkey] = (tc, lo, tf, rows, table)
+    p, run, lens, scalar = rows[i]
+    ip = table[i * IP_WORDS : (i + 1) * IP_WORDS]
+    return p, run, ip, lens, scalar
 
 
 def combine(part, rot: Rotation, p: Problem, run: _Launch, dtype, sinks=None) -> mx.array:
