@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -101,31 +100,17 @@ def _subclass(cls: type, call=_compiled_call) -> type:
     return call_subclass(cls, call, "_rq_original", _SUBCLASSES)
 
 
-# RoPE offsets as arrays: one per position, shared by the layers of a step. Each is a view of
-# a block of OFFSET_ROWS positions made on the device (arange): an array made from host data
-# costs ~0.1 ms of host time on MLX's CUDA backend (unified-memory allocation and copy), a
-# view ~1 µs. Kept per thread (an array is evaluated on the stream of the thread that made it).
-OFFSET_ROWS = 64
-_OFFSETS: dict[tuple, mx.array] = {}
-_OFFSET_BLOCKS: dict[tuple, mx.array] = {}
+_OFFSETS: dict[int, mx.array] = {}  # RoPE offsets as arrays: one per position, shared by layers
 
 
 def _offset_array(offset) -> mx.array:
     if isinstance(offset, mx.array):
         return offset
-    key = (threading.get_ident(), offset)
-    a = _OFFSETS.get(key)
+    a = _OFFSETS.get(offset)
     if a is None:
-        base = offset - offset % OFFSET_ROWS
-        bkey = (key[0], base)
-        block = _OFFSET_BLOCKS.get(bkey)
-        if block is None:
-            if len(_OFFSET_BLOCKS) >= 16:
-                _OFFSET_BLOCKS.clear()
-            block = _OFFSET_BLOCKS[bkey] = mx.arange(base, base + OFFSET_ROWS, dtype=mx.int32)
         if len(_OFFSETS) >= 64:
             _OFFSETS.clear()
-        a = _OFFSETS[key] = block[offset - base]
+        a = _OFFSETS[offset] = mx.array(offset, mx.int32)
     return a
 
 

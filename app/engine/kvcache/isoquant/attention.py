@@ -220,6 +220,11 @@ def _mask_rows(mask, lo: int, hi: int, qlen: int, klen: int):
     return mask[..., lo:hi, :]
 
 
+# The last batch's rows mask, kept for the lens / fp_start arrays it came from: every layer of
+# a step passes the batch cache's same arrays (~20 nodes a layer saved).
+_ROWS_MASK: list = [(None, None, None, None)]
+
+
 def rows_mask(keys: IsoQuantTensor, qlen: int, mask):
     """The mask of a batch whose rows hold different token counts (keys.lens / keys.fp_start):
     bool [B, 1, L, T], each row's own tokens, causal over the float tail when `mask` is (any
@@ -229,6 +234,16 @@ def rows_mask(keys: IsoQuantTensor, qlen: int, mask):
         return mask
     tp, tc, tf = keys.prefix_len, keys.compressed_len, keys.fp_len
     b = keys.norms.shape[0]
+    shape = (b, tp, tc, tf, qlen, mask is not None and qlen > 1)
+    lens, start, got, m = _ROWS_MASK[0]
+    if lens is keys.lens and start is keys.fp_start and got == shape:
+        return m
+    m = _rows_mask(keys, qlen, mask, tp, tc, tf, b)
+    _ROWS_MASK[0] = (keys.lens, keys.fp_start, shape, m)
+    return m
+
+
+def _rows_mask(keys: IsoQuantTensor, qlen: int, mask, tp: int, tc: int, tf: int, b: int):
     t = tp + tc + tf
     cols = mx.arange(t)[None, None, :]  # [1, 1, T]
     ok = []
