@@ -254,9 +254,10 @@ class IsoQuantKVCache(_BaseCache):
     def attend_step(self, queries, keys, values, scale, mask=None):
         """update_and_fetch and the attention op of a one-token decode step in one call, the
         fused kernel reading the cache's buffers in place (kernels.window_attention: no views,
-        its launch planned once per step for all layers). None, with the cache untouched, where
-        the step takes the general path (no kernels, a float sink prefix, a float-only cache, an
-        array mask, more than one token); the caller then calls update_and_fetch."""
+        its launch taken once per step for all layers, planned per block of steps). None, with
+        the cache untouched, where the step takes the general path (no kernels, a float sink
+        prefix, a float-only cache, an array mask, more than one token); the caller then calls
+        update_and_fetch."""
         if (
             _STEP_KERNEL is None
             or keys.shape[2] != 1
