@@ -930,19 +930,16 @@ def _block_step(key, q, kc, lo, tc, tf, kq, vq, rot, layout, scale):
             rows.append((p, run, variant != "tc"))
             words += w
             lens += [tc + j] * max(8, b)  # every batch row holds tc codes; 8+ words (_pad8)
-        nw = len(words)
-        table = mx.array(words + lens, mx.int32)
-        nl = max(8, b)
-        rows = tuple(
-            (p, run, table[nw + j * nl : nw + (j + 1) * nl], sc)
-            for j, (p, run, sc) in enumerate(rows)
-        )
+        table = mx.array(words + lens, mx.int32)  # made from host data: evaluated already
         tc0, lo0, i = tc, lo, 0
         if len(_BLOCKS) >= 8:
             _BLOCKS.clear()
-        _BLOCKS[bkey] = (tc, lo, tf, rows, table)
-    p, run, lens, scalar = rows[i]
+        _BLOCKS[bkey] = (tc, lo, tf, tuple(rows), table)
+    p, run, scalar = rows[i]
+    # the views are made by the step that reads them (on its thread's stream)
+    nl, nw = max(8, p.b), len(rows) * IP_WORDS
     ip = table[i * IP_WORDS : (i + 1) * IP_WORDS]
+    lens = table[nw + i * nl : nw + (i + 1) * nl]
     return p, run, ip, lens, scalar
 
 
