@@ -834,7 +834,7 @@ def fused_attention(
 IP_FLO = 14  # IQ_P_FLO: the float window's first row in the k_fp / v_fp buffers
 IP_WORDS = 24  # a launch's parameter words (_iparams_words)
 # The last step's launch: every layer of a decode step has the same lengths, so the first
-# layer plans (problem, split plan, parameters) and the others reuse it.
+# layer takes it (problem, launch, parameter views) from its block and the others reuse it.
 # One (key, launch) pair, replaced whole (a reader on another thread sees one or the other).
 _STEP: list = [(None, None)]
 # The launches of a cache's next STEP_ROWS steps, planned together, their parameter words
