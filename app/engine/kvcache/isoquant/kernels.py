@@ -837,8 +837,8 @@ IP_WORDS = 24  # a launch's parameter words (_iparams_words)
 # layer takes it (problem, launch, parameter views) from its block and the others reuse it.
 # One (key, launch) pair, replaced whole (a reader on another thread sees one or the other).
 _STEP: list = [(None, None)]
-# The launches of a cache's next STEP_ROWS steps, planned together, their parameter words
-# (and the lengths') in one array: a step takes its row as a view. Planning a step's launch
+# The launches of a cache's next STEP_ROWS steps, planned together, their parameter words in
+# one array: a step takes its row as a view. Planning a step's launch
 # (problem, split plan, launch record, parameters) is ~0.3 ms of Python on the H200's host
 # (tiny-width Qwen3-30B-A3B shapes, 48 layers: 3.68 ms a step built with the plan made anew
 # against 3.38 with it kept); a block pays it once in STEP_ROWS steps. A full window moves by
@@ -907,16 +907,16 @@ def window_attention(q, kc, kn, vc, vn, fk, fv, lo: int, tc: int, tf: int, kq, v
 
 
 def _block_step(key, q, kc, lo, tc, tf, kq, vq, rot, layout, scale):
-    """The step's (problem, launch, parameters view, lengths view, scalar kernel?) from the
-    block of steps it falls in (planned here when it does not); None where the kernel's launch
-    does not take the cache's buffers as they are (V codes to repack)."""
+    """The step's (problem, launch, parameters view, lengths, scalar kernel?) from the block of
+    steps it falls in (planned here when it does not); None where the kernel's launch does not
+    take the cache's buffers as they are (V codes to repack)."""
     opts = tc_options()
     bkey = (*key[:8], *key[11:], opts, SPLIT_WARPS, BACKEND)  # the step's, less lo, tc, tf
     tc0, lo0, btf, rows, table = _BLOCKS.get(bkey, (0, 0, -1, (), None))
     i = tc - tc0
     if not (btf == tf and lo - lo0 == i and 0 <= i < len(rows)):
         b, hq, length, dim = q.shape
-        rows, words, lens = [], [], []
+        rows, words = [], []
         for j in range(STEP_ROWS):
             p = Problem(b, hq, kc.shape[1], length, dim, tc + j, tf, kq.bits, vq.bits,
                         KIND_CODES[rot.kind], False)  # fmt: skip
@@ -929,18 +929,15 @@ def _block_step(key, q, kc, lo, tc, tf, kq, vq, rot, layout, scale):
             w[IP_FLO] = lo + j
             rows.append((p, run, variant != "tc"))
             words += w
-            lens += [tc + j] * max(8, b)  # every batch row holds tc codes; 8+ words (_pad8)
-        table = mx.array(words + lens, mx.int32)  # made from host data: evaluated already
-        tc0, lo0, i = tc, lo, 0
+        table = mx.array(words, mx.int32)  # made from host data: evaluated already
+        i = 0
         if len(_BLOCKS) >= 8:
             _BLOCKS.clear()
         _BLOCKS[bkey] = (tc, lo, tf, tuple(rows), table)
     p, run, scalar = rows[i]
-    # the views are made by the step that reads them (on its thread's stream)
-    nl, nw = max(8, p.b), len(rows) * IP_WORDS
+    # the view is made by the step that reads it (on its thread's stream)
     ip = table[i * IP_WORDS : (i + 1) * IP_WORDS]
-    lens = table[nw + i * nl : nw + (i + 1) * nl]
-    return p, run, ip, lens, scalar
+    return p, run, ip, _lens(p, None), scalar
 
 
 def combine(part, rot: Rotation, p: Problem, run: _Launch, dtype, sinks=None) -> mx.array:
