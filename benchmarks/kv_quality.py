@@ -174,6 +174,17 @@ def treatments(window: int) -> dict[str, dict]:
             for a in (-0.5, -0.25, 0.25, 0.5, 1.0)
         },
         f"abl_scale8_w{w}": {**iso(3, 3, w), "explore": {"scale8": True}, "scale_bits": 8},
+        # an ideal quantizer (the Gaussian test channel) at MSE D per coordinate, K and V:
+        # 1/64 is the Shannon bound at 3 bits; 0.0320 the cache's 3-bit codebook (calibration)
+        **{
+            f"abl_ideal_{name}_w{w}": {**iso(3, 3, w), "explore": {"gauss_d": (d, d)}}
+            for name, d in (
+                ("shannon3", 1 / 64),
+                ("d0.02", 0.02),
+                ("d0.024", 0.024),
+                ("d0.032", 0.032),
+            )  # fmt: skip
+        },
         f"abl_scale8_k4_l15-24_w{w}": {
             **iso(per_layer(4, 3, 30), 3, w),
             "explore": {"scale8": True},
@@ -467,7 +478,12 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
     by c·Var(ε)/2 (the codec then returns the keys' stored scales too, and its `score_corr` is
     c·(E[c²] − a²)/(2D): the score's noise variance over scale²·|q|²·n², code_gain);
     smooth_k: a, keys coded as k / s per channel and decoded times s (s from the prefill's
-    channel RMS, see treatments())."""
+    channel RMS, see treatments());
+    gauss_d: D, the codes replaced by the Gaussian test channel of rate-distortion theory at
+    distortion D per unit-variance rotated coordinate, û = (1 − D)·u + √(D(1 − D))·n with n iid
+    N(0, 1) (MSE exactly D, error uncorrelated with û): what an ideal quantizer of that MSE
+    decodes; D = 2^(−2R) is the Shannon bound at R bits a coordinate (1/64 at 3 bits); same
+    stored scale as the cache."""
     from app.engine.kvcache.isoquant.packing import unpack_codes
 
     def mean(a):
@@ -499,6 +515,15 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
         return mx.power(2.0, lo + idx * step).astype(mx.float16)
 
     stored = {}
+    noise_key = [mx.random.key(int(x.get("noise_seed", 0)) * 1000 + c.layer)]
+
+    def ideal(y, norms, d):
+        """The test channel's output for rotated rows y, scaled back by the stored norms."""
+        n = norms.astype(mx.float32)[..., None]
+        u = y * (math.sqrt(y.shape[-1]) / mx.maximum(n, 1e-30))
+        noise_key[0], sub = mx.random.split(noise_key[0])
+        z = mx.random.normal(u.shape, key=sub)
+        return ((1 - d) * u + math.sqrt(d * (1 - d)) * z) * (n / math.sqrt(y.shape[-1]))
 
     def rt(a, q, m, norm, r=None, sc=None):
         a = a.astype(mx.float32)
@@ -519,7 +544,10 @@ def explore_codec(c, kb, vb, x: dict, k0, v0, sink: int = 0):
         if r is not None:
             norms = scale8(norms, r)
         stored["last"] = norms
-        out = c.rotation.inverse(q.decode_rotated(codes, norms))
+        if x.get("gauss_d"):
+            out = c.rotation.inverse(ideal(y, norms, x["gauss_d"][q is c.vq]))
+        else:
+            out = c.rotation.inverse(q.decode_rotated(codes, norms))
         if sc is not None:
             out = out * sc
         return out if m is None else out + m
