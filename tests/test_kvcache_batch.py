@@ -129,6 +129,46 @@ def test_batched_attention_equals_each_row():
             )
 
 
+def test_compressions_write_in_place_and_keep_every_row(monkeypatch):
+    """Decode-time compressions write codes into the batch's spare rows and move the float
+    tail's start instead of reallocating: with tiny capacity steps (codes grown 4 rows at a
+    time, float buffers of 16, so both grow, and a long prefill's float buffer shrinks) 40 steps
+    keep each row equal to its own cache and bit-identical to a batch with the default steps,
+    and between growths the code buffers are the same arrays."""
+    def build():
+        return IsoQuantKVCache.merge([_single(40, 2, 1), _single(70, 6, 2), _single(61, 0, 3)])
+
+    big = build()
+    monkeypatch.setattr(BatchIsoQuantKVCache, "code_step", 4)
+    monkeypatch.setattr(BatchIsoQuantKVCache, "step", 16)
+    small = build()
+    caps, kept = set(), 0
+    for step in range(40):
+        k, v = _kv(3, 300 + step)
+        k, v = k.reshape(3, H, 1, D), v.reshape(3, H, 1, D)
+        q = mx.random.normal((3, 2 * H, 1, D), key=mx.random.key(400 + step)).astype(mx.float16)
+        before = small.codes
+        outs = []
+        for b in (big, small):
+            bk, bv = b.update_and_fetch(k, v)
+            outs.append(isoquant_attention_reference(q, bk, bv, scale=D**-0.5))
+        if before is not None and small.codes[1].shape[2] == before[1].shape[2]:
+            kept += all(a is b for a, b in zip(before, small.codes, strict=True))
+        caps.add(small.codes[1].shape[2])
+        assert small.fp_keys.shape[2] <= 32  # the prefill's 80-row buffer was given back
+        np.testing.assert_array_equal(np.array(outs[0]), np.array(outs[1]))
+        for x, y in zip(big.state, small.state, strict=True):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+        for i in range(3):
+            rk, rv = small.extract(i)._fetch()
+            ref = isoquant_attention_reference(q[i : i + 1], rk, rv, scale=D**-0.5)
+            np.testing.assert_allclose(
+                np.array(outs[1][i : i + 1]), np.array(ref), rtol=2e-3, atol=2e-3
+            )
+    assert len(caps) > 3 and kept > 10  # grown several times, written in place in between
+    assert small.c == max(small.lens) and small.n_codes == small.c
+
+
 def test_rows_of_different_lengths_reach_the_kernel_with_their_code_counts(monkeypatch):
     """Rows of different lengths keep their codes from position 0, so a registered fused kernel
     takes them with per-row code counts (`lens`) and no mask; a row with float padding (no

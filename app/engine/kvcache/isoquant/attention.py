@@ -130,15 +130,16 @@ class CacheView(IsoQuantTensor):
     norms = _lazy_field("_norms", 1)
     fp = _lazy_field("_fp", 2)
 
-    def __init__(self, *args, src=None, **kw):
+    def __init__(self, *args, src=None, lens=None, fp_start=None, **kw):
         if src is None:
-            IsoQuantTensor.__init__(self, *args, **kw)
+            IsoQuantTensor.__init__(self, *args, lens=lens, fp_start=fp_start, **kw)
             return
         quantizer, rotation, layout = args
         d = self.__dict__
         d["_src"] = src  # (codes buffer, code rows, norms buffer, rows, float buffer, lo, hi)
         d["quantizer"], d["rotation"], d["layout"] = quantizer, rotation, layout
-        d["decoded"] = d["prefix"] = d["lens"] = d["fp_start"] = None
+        d["decoded"] = d["prefix"] = None
+        d["lens"], d["fp_start"] = lens, fp_start  # a batch's rows (batch.py), else None
 
     def _view(self, i: int):
         cb, cr, nb, rows, fb, lo, hi = self._src

@@ -5,6 +5,11 @@ Every row is one token sequence laid out as [codes | float tail]:
     codes  [B, Hkv, C, ..]  packed K/V codes ("rows" layout) + fp16 norms; row i's compressed
                             tokens are [0, lens[i]), the rest of its C rows unused
     float  [B, Hkv, Tf, D]  the recent tokens in the model's dtype; row i's are [pad[i], Tf)
+Both live in buffers with spare capacity: the codes in rows [0, C) of buffers grown CODE_STEP
+rows at a time, the float tail in rows [f0, f0 + Tf) of its buffers. A compression writes its
+codes in place and moves f0 past the tokens it took; nothing is reallocated or copied but when
+a buffer is full (or, for the float tail, much larger than the tokens it holds). Attention gets
+the buffers themselves (attention.CacheView) with the row counts, so a step slices nothing.
 The code/float boundary is shared, so a row that holds codes has exactly Tf float tokens
 (pad[i] = 0); when rows with different float tails meet, the longer tails compress their oldest
 tokens (a token's codes do not depend on when it is encoded, so this is what the row's own cache
@@ -25,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .attention import IsoQuantTensor
+from .attention import CacheView
 from .cache import IsoQuantKVCache, _round_up
 from .packing import pack_codes, preferred_v_layout, unpack_v_codes
 
@@ -80,14 +85,17 @@ def _row_of_single(c: IsoQuantKVCache) -> _Row:
 
 class BatchIsoQuantKVCache(_BaseCache):
     step = 256  # grow the float tail in steps so decode doesn't reallocate each token
+    code_step = 256  # likewise the codes: a compression writes into spare rows
 
     def __init__(self, config: dict, pad: list[int]):
         self.config = dict(config)
         self.proto = IsoQuantKVCache(**self.config, v_layout="rows")  # rotation, quantizers
         self.pad = list(pad)  # per row: float positions before the row's first token
         self.lens = [0] * len(pad)  # per row: its compressed tokens, codes [0, lens[i])
-        self.codes = None  # (k_codes, k_norms, v_codes, v_norms) [B, H, C, ..] or None
-        self.fp_keys = self.fp_values = None  # [B, H, cap, D]; tokens [0, tf) live
+        self.codes = None  # (k_codes, k_norms, v_codes, v_norms) [B, H, cap, ..] or None
+        self.c = 0  # code rows in use: C = max(lens)
+        self.fp_keys = self.fp_values = None  # [B, H, cap, D]; tokens [f0, f0 + tf) live
+        self.f0 = 0
         self.tf = 0
         self.offset = mx.array([-p for p in pad])  # per row: real position of the next token
         self._right = None  # right padding of the prefill in flight (prepare -> finalize)
@@ -96,7 +104,7 @@ class BatchIsoQuantKVCache(_BaseCache):
     # ---- shape -------------------------------------------------------------------------
     @property
     def n_codes(self) -> int:
-        return 0 if self.codes is None else self.codes[1].shape[2]
+        return self.c
 
     @property
     def batch_size(self) -> int:
@@ -117,16 +125,15 @@ class BatchIsoQuantKVCache(_BaseCache):
         # keys, values: [B, Hkv, L, D]
         b, h, n, d = keys.shape
         self._setup(h, d, values.shape[-1])
-        if self.fp_keys is None or self.tf + n > self.fp_keys.shape[2]:
-            cap = _round_up(self.tf + n, self.step)
-            new_k = mx.zeros((b, h, cap, d), keys.dtype)
-            new_v = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
-            if self.tf:
-                new_k[:, :, : self.tf] = self.fp_keys[:, :, : self.tf]
-                new_v[:, :, : self.tf] = self.fp_values[:, :, : self.tf]
-            self.fp_keys, self.fp_values = new_k, new_v
-        self.fp_keys[:, :, self.tf : self.tf + n] = keys
-        self.fp_values[:, :, self.tf : self.tf + n] = values
+        if self.fp_keys is None:
+            cap = _round_up(n, self.step)
+            self.fp_keys = mx.zeros((b, h, cap, d), keys.dtype)
+            self.fp_values = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
+        elif self.f0 + self.tf + n > self.fp_keys.shape[2]:
+            self._move_float(_round_up(self.tf + n, self.step))
+        end = self.f0 + self.tf
+        self.fp_keys[:, :, end : end + n] = keys
+        self.fp_values[:, :, end : end + n] = values
         self.tf += n
         self.offset = self.offset + n
         p = self.proto
@@ -137,36 +144,56 @@ class BatchIsoQuantKVCache(_BaseCache):
     def _compress(self, k: int) -> None:
         """Move the oldest k float positions of every row into the codes: row i's own tokens
         among them go to its codes [lens[i], ..), its padding among them is dropped."""
-        enc = self.proto.encode_rows(self.fp_keys[:, :, :k], self.fp_values[:, :, :k])
-        c = self.n_codes
+        f0 = self.f0
+        enc = self.proto.encode_rows(
+            self.fp_keys[:, :, f0 : f0 + k], self.fp_values[:, :, f0 : f0 + k]
+        )
+        c = self.c
         if all(p == 0 for p in self.pad) and all(n == c for n in self.lens):
-            self.codes = enc if self.codes is None else tuple(map(_cat, self.codes, enc))
+            self._reserve(enc, c + k)
+            for a, e in zip(self.codes, enc, strict=True):
+                a[:, :, c : c + k] = e
             self.lens = [n + k for n in self.lens]
-        else:  # rows of different lengths: each row's codes stay a prefix of the C + k rows
-            b = self.batch_size
-            codes = []
-            for i, e in enumerate(enc):
-                grow = mx.zeros((b, *e.shape[1:2], k, *e.shape[3:]), e.dtype)
-                codes.append(grow if self.codes is None else _cat(self.codes[i], grow))
-            for i in range(b):
-                skip = min(self.pad[i], k)
+        else:  # rows of different lengths: each writes after its own codes
+            skips = [min(p, k) for p in self.pad]
+            self._reserve(enc, max(n + k - s for n, s in zip(self.lens, skips, strict=True)))
+            for i, skip in enumerate(skips):
                 n = self.lens[i]
                 if skip < k:
-                    for a, e in zip(codes, enc, strict=True):
+                    for a, e in zip(self.codes, enc, strict=True):
                         a[i : i + 1, :, n : n + k - skip] = e[i : i + 1, :, skip:k]
                 self.lens[i] = n + k - skip
                 self.pad[i] -= skip
-            self.codes = tuple(codes)
+        self.c = max(self.lens)
         self._rows_arrays = None
-        rest = self.tf - k
-        cap = _round_up(max(rest, 1), self.step)
+        self.f0, self.tf = f0 + k, self.tf - k
+        need = _round_up(self.tf + self.proto.compress_every, self.step)
+        if self.fp_keys.shape[2] > need:  # after a long prefill: give the memory back
+            self._move_float(need)
+
+    def _reserve(self, enc, rows: int) -> None:
+        """Code buffers of at least `rows` rows (like enc's arrays), rows [0, C) kept."""
+        if self.codes is not None and self.codes[1].shape[2] >= rows:
+            return
+        cap = _round_up(rows, self.code_step)
+        new = []
+        for i, e in enumerate(enc):
+            a = mx.zeros((self.batch_size, e.shape[1], cap, *e.shape[3:]), e.dtype)
+            if self.codes is not None and self.c:
+                a[:, :, : self.c] = self.codes[i][:, :, : self.c]
+            new.append(a)
+        self.codes = tuple(new)
+
+    def _move_float(self, cap: int) -> None:
+        """The live float tokens into new buffers of `cap` rows, from row 0."""
         b, h, _, d = self.fp_keys.shape
         new_k = mx.zeros((b, h, cap, d), self.fp_keys.dtype)
         new_v = mx.zeros((b, h, cap, self.fp_values.shape[-1]), self.fp_values.dtype)
-        if rest:
-            new_k[:, :, :rest] = self.fp_keys[:, :, k : self.tf]
-            new_v[:, :, :rest] = self.fp_values[:, :, k : self.tf]
-        self.fp_keys, self.fp_values, self.tf = new_k, new_v, rest
+        if self.tf:
+            lo, hi = self.f0, self.f0 + self.tf
+            new_k[:, :, : self.tf] = self.fp_keys[:, :, lo:hi]
+            new_v[:, :, : self.tf] = self.fp_values[:, :, lo:hi]
+        self.fp_keys, self.fp_values, self.f0 = new_k, new_v, 0
 
     def _rows(self) -> tuple[mx.array | None, mx.array | None]:
         """(lens, fp_start) for the tensors: None where every row holds them all."""
@@ -178,17 +205,20 @@ class BatchIsoQuantKVCache(_BaseCache):
         return self._rows_arrays
 
     def _fetch(self):
-        fk = self.fp_keys[:, :, : self.tf] if self.tf else None
-        fv = self.fp_values[:, :, : self.tf] if self.tf else None
-        if self.codes is None:
-            return fk, fv  # no codes yet: plain arrays, mlx-lm's own attention (with the mask)
+        lo, hi = self.f0, self.f0 + self.tf
+        if self.codes is None:  # no codes yet: plain arrays, mlx-lm's own attention (with the mask)
+            if not self.tf:
+                return None, None
+            return self.fp_keys[:, :, lo:hi], self.fp_values[:, :, lo:hi]
         kc, kn, vc, vn = self.codes
-        p = self.proto
+        p, c = self.proto, self.c
         lens, start = self._rows()
         return (
-            IsoQuantTensor(kc, kn, fk, p.kq, p.rotation, lens=lens, fp_start=start),
-            IsoQuantTensor(vc, vn, fv, p.vq, p.rotation, lens=lens, fp_start=start),
-        )
+            CacheView(p.kq, p.rotation, "rows", src=(kc, c, kn, c, self.fp_keys, lo, hi),
+                      lens=lens, fp_start=start),
+            CacheView(p.vq, p.rotation, "rows", src=(vc, c, vn, c, self.fp_values, lo, hi),
+                      lens=lens, fp_start=start),
+        )  # fmt: skip
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if window_size is not None:
@@ -214,11 +244,11 @@ class BatchIsoQuantKVCache(_BaseCache):
         """Row i's own tokens (`right` padding tokens dropped from its float end)."""
         n, tf = self.lens[i], self.tf - right
         codes = tuple(a[i : i + 1, :, :n] for a in self.codes) if n else None
-        f0 = self.pad[i]
-        if f0 >= tf:
+        if self.pad[i] >= tf:
             return _Row(codes, None, None)
-        fk = self.fp_keys[i : i + 1, :, f0:tf]
-        fv = self.fp_values[i : i + 1, :, f0:tf]
+        lo, hi = self.f0 + self.pad[i], self.f0 + tf
+        fk = self.fp_keys[i : i + 1, :, lo:hi]
+        fv = self.fp_values[i : i + 1, :, lo:hi]
         return _Row(codes, fk, fv)
 
     def _load_rows(self, rows: list[_Row]) -> None:
@@ -241,7 +271,7 @@ class BatchIsoQuantKVCache(_BaseCache):
         self.lens = [r.n for r in out]
         self.pad = [tf - r.t for r in out]
         self.offset = mx.array([r.n + r.t for r in out])
-        self.tf = tf
+        self.tf, self.f0, self.c = tf, 0, c
         self.codes = None
         self._rows_arrays = None
         if c:
@@ -313,7 +343,7 @@ class BatchIsoQuantKVCache(_BaseCache):
             self.pad, self.lens = [0] * len(keep), [0] * len(keep)
             self.offset = mx.zeros((len(keep),), mx.int32)
             self.codes = self.fp_keys = self.fp_values = None
-            self.tf = 0
+            self.tf = self.f0 = self.c = 0
 
     def extend(self, other: BatchIsoQuantKVCache) -> None:
         """Append other's rows after this batch's rows (in place)."""
@@ -349,9 +379,10 @@ class BatchIsoQuantKVCache(_BaseCache):
     # ---- the rest of the protocol ---------------------------------------------------------
     @property
     def state(self):
-        codes = self.codes or (None, None, None, None)
-        fk = None if self.fp_keys is None else self.fp_keys[:, :, : self.tf]
-        fv = None if self.fp_values is None else self.fp_values[:, :, : self.tf]
+        codes = tuple(a[:, :, : self.c] for a in self.codes or ()) or (None,) * 4
+        lo, hi = self.f0, self.f0 + self.tf
+        fk = None if self.fp_keys is None else self.fp_keys[:, :, lo:hi]
+        fv = None if self.fp_values is None else self.fp_values[:, :, lo:hi]
         return tuple(a for a in (*codes, fk, fv, self.offset) if a is not None)
 
     def is_trimmable(self) -> bool:

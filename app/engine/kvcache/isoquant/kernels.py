@@ -856,6 +856,8 @@ def _window_src(q, keys, values) -> tuple | None:
     ks, vs = keys.__dict__.get("_src"), values.__dict__.get("_src")
     if ks is None or vs is None or q.shape[2] != 1 or keys.rotation is not values.rotation:
         return None
+    if keys.lens is not None or keys.fp_start is not None:  # a batch's rows of other lengths
+        return None
     kc, kr, kn, tc, fk, lo, hi = ks
     vc, _, vn, vtc, fv, vlo, vhi = vs
     if (kr, vtc, vlo, vhi) != (tc, tc, lo, hi) or fk is None or fv is None:
