@@ -135,6 +135,7 @@ def test_compressions_write_in_place_and_keep_every_row(monkeypatch):
     time, float buffers of 16, so both grow, and a long prefill's float buffer shrinks) 40 steps
     keep each row equal to its own cache and bit-identical to a batch with the default steps,
     and between growths the code buffers are the same arrays."""
+
     def build():
         return IsoQuantKVCache.merge([_single(40, 2, 1), _single(70, 6, 2), _single(61, 0, 3)])
 
