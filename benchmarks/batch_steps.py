@@ -1,0 +1,98 @@
+"""A server's batch step by step: 8 prompts at once through mlx-lm's BatchGenerator (as the
+server's batcher drives it), fp16 against isoquant3, on the --qwen3 model of server.py.
+
+    python benchmarks/batch_steps.py            # Qwen3-30B-A3B shapes, random 4-bit weights
+    python benchmarks/batch_steps.py --small    # the same code path at toy sizes (CPU check)
+
+Per round and mode: the time to the first token of the batch (the prompts' prefill), the decode
+steps' median, mean and slowest (each `next()` that returned tokens after the first), and the
+aggregate tok/s. The slowest steps show what a step that compresses costs: IsoQuant caches
+compress every 16 tokens, and a step whose compression is dear stands out of the median.
+Modes alternate per round. Writes benchmarks/results/batch_steps.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+MODES = ("fp16", "isoquant3")
+
+
+def one(model, mode: str, rows: int, prompt: int, tokens: int) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    from app.engine import kvcache
+
+    gen = BatchGenerator(model, stop_tokens=[[10**9]], completion_batch_size=rows,
+                         prefill_batch_size=rows, prefill_step_size=512)  # fmt: skip
+    # rows 3 tokens apart in length: their code counts differ, as real clients' do
+    prompts = [[(i * 31 + j * 7 + 1) % 900 for j in range(prompt + 3 * i)] for i in range(rows)]
+    caches = [kvcache.make_cache(model, mode, max_tokens=prompt + 64 + tokens) for _ in prompts]
+    t0 = time.perf_counter()
+    gen.insert(prompts, [tokens] * rows, caches=caches)
+    first, n, live, steps = None, 0, rows, []
+    while live:
+        ts = time.perf_counter()
+        _, out = gen.next()
+        for r in out:
+            n += 1
+            live -= r.finish_reason is not None
+        if out and first is None:
+            first = time.perf_counter() - t0
+        elif out:
+            steps.append(time.perf_counter() - ts)
+    total = time.perf_counter() - t0
+    gen.close()
+    ms = sorted(1e3 * s for s in steps)
+    return {
+        "mode": mode, "first_token_s": round(first, 3), "total_s": round(total, 3), "tokens": n,
+        "tps": round(n / total, 2), "step_ms_median": round(statistics.median(ms), 2),
+        "step_ms_mean": round(statistics.mean(ms), 2), "slowest_steps_ms": [round(x, 1) for x in ms[-8:]],
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="toy sizes of the --qwen3 model")
+    ap.add_argument("--workdir", default="/tmp/rq-bench-server", help="where the model is built")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=530, help="prompt tokens of the first row")
+    ap.add_argument("--tokens", type=int, default=128, help="decode tokens per row")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+
+    from mlx_lm import load
+    from record import write_result
+    from server import build_qwen3
+
+    name = "qwen3-30b-a3b-shapes-random-4bit" + ("-small" if a.small else "")
+    folder = Path(a.workdir) / name
+    build_qwen3(folder, a.small, None)
+    model, _ = load(str(folder))
+    for mode in MODES:  # kernels and compiled graphs for these shapes, untimed
+        one(model, mode, a.rows, a.prompt, 16)
+    runs = []
+    for r in range(a.rounds):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            x = {**one(model, mode, a.rows, a.prompt, a.tokens), "round": r}
+            runs.append(x)
+            print(f"round {r} {mode:10s} first token {x['first_token_s']:6.2f} s  step median "
+                  f"{x['step_ms_median']:7.2f} ms  mean {x['step_ms_mean']:7.2f}  slowest "
+                  f"{x['slowest_steps_ms']}  {x['tps']:7.1f} tok/s", flush=True)  # fmt: skip
+    med = {m: statistics.median(x["tps"] for x in runs if x["mode"] == m) for m in MODES}
+    print(f"\nmedian tok/s: fp16 {med['fp16']:.1f}, isoquant3 {med['isoquant3']:.1f}")
+    write_result("batch_steps", {
+        "model": name, "rows": a.rows, "prompt_tokens": f"{a.prompt} + 3 per row",
+        "decode_tokens": a.tokens, "runs": runs, "median_tps": med,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
