@@ -120,10 +120,9 @@ def _lazy_field(name: str, i: int):
 
 class CacheView(IsoQuantTensor):
     """An IsoQuantTensor over the cache's buffers: the views attention reads (codes and norms of
-    the first `rows` rows, the float window fp[:, :, lo:hi]) are sliced only when read. The
-    compiled decode step (_attend_compiled) never reads them: it takes the rows from the buffers
-    by index arrays made once per step for every layer, so a step slices nothing per layer.
-    Read by anything else (the kernels, the op-by-op reference) it is the IsoQuantTensor it
+    the first `rows` rows, the float window fp[:, :, lo:hi]) are sliced only when read: the
+    kernels take the buffers themselves (buffers(), the window by its row offset), so their
+    step slices nothing. Read by anything else (the references) it is the IsoQuantTensor it
     stands for; dataclasses.replace gives a plain one."""
 
     codes = _lazy_field("_codes", 0)
@@ -434,25 +433,21 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
             where.append(len(uniq))
             uniq.append(o)
     specs = tuple(_spec(o) for o in uniq)
-    views = _cache_views(keys, values)
-    if views is None:
-        tensors = (keys.codes, keys.norms, keys.fp, keys.decoded, keys.prefix)
-        tensors += (values.codes, values.norms, values.fp, values.decoded, values.prefix)
-    else:
-        tensors = views
+    # a CacheView's codes, norms and window are read as slices of its buffers: taking the rows
+    # by index inside the trace instead is a gather of every row, which on a CPU cost 20-25% of
+    # a one-token step at 512-2K tokens and 40-50% over a batch's 8 rows (kv_host_step.py)
+    tensors = (keys.codes, keys.norms, keys.fp, keys.decoded, keys.prefix)
+    tensors += (values.codes, values.norms, values.fp, values.decoded, values.prefix)
     present = tuple(a is not None for a in tensors)
     rows = rows_mask(keys, queries.shape[2], None)
     key = (
         queries.shape, queries.dtype, float(scale), keys.prefix_len > 0, keys.compressed_len > 0,
-        keys.fp_len > 0, views is not None, present, tuple(where), specs, rows is not None,
+        keys.fp_len > 0, present, tuple(where), specs, rows is not None,
     )  # fmt: skip
     fn = _TRACES.get(key)
     if fn is None:
         n_cols = sum(1 for n in (keys.prefix_len, keys.compressed_len, keys.fp_len) if n)
-        fn = _trace(
-            uniq, specs, tuple(where), present, float(scale), n_cols, views is not None,
-            rows is not None,
-        )  # fmt: skip
+        fn = _trace(uniq, specs, tuple(where), present, float(scale), n_cols, rows is not None)
         if len(_TRACES) >= _TRACES_MAX:
             _TRACES.clear()
         _TRACES[key] = fn
@@ -465,24 +460,7 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
     return fn(queries, *arrays)
 
 
-def _cache_views(keys, values):
-    """(K codes, K norms, K float, V codes, V norms, V float buffers, rows index, float index)
-    of a CacheView pair in V's "rows" layout, else None. Float entries None without a window."""
-    ks, vs = keys.__dict__.get("_src"), values.__dict__.get("_src")
-    if ks is None or vs is None or (ks[1], ks[3], ks[5], ks[6]) != (vs[1], vs[3], vs[5], vs[6]):
-        return None
-    if ks[2].shape[0] > 1:  # a batch's buffers: sliced views cost nothing, a take of their rows
-        return None  # is a gather of every row (MLX's CPU gather: 8 rows x 30 layers, +50% a step)
-    cr, rows, lo, hi = ks[1], ks[3], ks[5], ks[6]
-    if cr != rows or vs[1] != rows or not rows:
-        return None
-    ri = _rows_index(0, rows)
-    fi = _rows_index(lo, hi) if hi > lo else None
-    kf, vf = (ks[4], vs[4]) if hi > lo else (None, None)
-    return (ks[0], ks[2], kf, vs[0], vs[2], vf, ri, fi)
-
-
-def _trace(uniq, specs, where, present, scale, n_cols, views, masked=False):
+def _trace(uniq, specs, where, present, scale, n_cols, masked=False):
     n_t = sum(present)
 
     def step(q, *arrays):
@@ -490,11 +468,6 @@ def _trace(uniq, specs, where, present, scale, n_cols, views, masked=False):
         arrays = arrays[:-1] if masked else arrays
         it = iter(arrays[:n_t])
         t = [next(it) if p else None for p in present]
-        if views:  # the rows the cache's buffers hold for this step, taken by index
-            kc, kn, kf, vc, vn, vf, ri, fi = t
-            kf, vf = (None, None) if fi is None else (mx.take(kf, fi, 2), mx.take(vf, fi, 2))
-            t = [mx.take(kc, ri, 2), mx.take(kn, ri, 2), kf, None, None]
-            t += [mx.take(vc, ri, 2), mx.take(vn, ri, 2), vf, None, None]
         cols = arrays[n_t : n_t + n_cols]
         rest, objs = list(arrays[n_t + n_cols :]), []
         for o, (names, _) in zip(uniq, specs, strict=True):

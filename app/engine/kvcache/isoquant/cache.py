@@ -476,8 +476,7 @@ class IsoQuantKVCache(_BaseCache):
         r = self._n_rows
         if lazy and r and not self.decoded_shadow and not self._n_sink:
             # A single-token step (nothing is written before attention reads it): the views are
-            # sliced only if read; the compiled decode step takes the rows from the buffers by
-            # index, so nothing is sliced per layer and step.
+            # sliced only if read; the kernels read the buffers as they are.
             lo, hi = self.compressed - self.fp_start, self.offset - self.fp_start
             keys = CacheView(
                 self.kq, self.rotation, "rows",
