@@ -168,6 +168,9 @@ def test_compressions_write_in_place_and_keep_every_row(monkeypatch):
             )
     assert len(caps) > 3 and kept > 10  # grown several times, written in place in between
     assert small.c == max(small.lens) and small.n_codes == small.c
+    # bytes in use count the rows the state holds, not the buffers' spare rows
+    assert small.used_nbytes == sum(a.nbytes for a in small.state[:6])
+    assert small.used_nbytes < small.capacity_nbytes == small.nbytes
 
 
 def test_rows_of_different_lengths_reach_the_kernel_with_their_code_counts(monkeypatch):

@@ -5,7 +5,7 @@ Every row is one token sequence laid out as [codes | float tail]:
     codes  [B, Hkv, C, ..]  packed K/V codes ("rows" layout) + fp16 norms; row i's compressed
                             tokens are [0, lens[i]), the rest of its C rows unused
     float  [B, Hkv, Tf, D]  the recent tokens in the model's dtype; row i's are [pad[i], Tf)
-Both live in buffers with spare capacity: the codes in rows [0, C) of buffers grown CODE_STEP
+Both live in buffers with spare capacity: the codes in rows [0, C) of buffers grown `code_step`
 rows at a time, the float tail in rows [f0, f0 + Tf) of its buffers. A compression writes its
 codes in place and moves f0 past the tokens it took; nothing is reallocated or copied but when
 a buffer is full (or, for the float tail, much larger than the tokens it holds). Attention gets
@@ -390,5 +390,17 @@ class BatchIsoQuantKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffers (spare rows included): what the batch has allocated."""
         arrays = (*(self.codes or ()), self.fp_keys, self.fp_values)
         return sum(a.nbytes for a in arrays if a is not None)
+
+    capacity_nbytes = nbytes
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the rows in use: codes [0, C) and the float tail's tf tokens."""
+        total = sum(a.nbytes // a.shape[2] * self.c for a in self.codes or ())
+        for a in (self.fp_keys, self.fp_values):
+            if a is not None:
+                total += a.nbytes // a.shape[2] * self.tf
+        return total
