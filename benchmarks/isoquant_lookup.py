@@ -1,17 +1,24 @@
-"""IsoQuant's code-to-level lookup on the CPU: MLX's gather against a tree of selects.
+"""IsoQuant's code-to-level decoding on the CPU: unpack + gather, unpack + a tree of selects,
+and the lookup by word.
 
 Without kernels (MLX's CPU backend) IsoQuant attention decodes its compressed K/V every step:
-unpack the 3-bit codes, then levels[codes] (quantizer.lookup). MLX's CPU gather costs ~5-8 ns
-an element; the tree of selects (bit 0 picks within pairs of levels, bit 1 within pairs of
-pairs, ...) compiled into one fused pass gives the same values bit for bit. Side by side in one
-process, medians of timed evaluations:
+3-bit codes to levels[codes]. Three ways, the same values bit for bit (asserted):
 
-  lookup rows   levels[codes] alone, eager gather vs Quantizer.lookup (the compiled tree for
-                3-bit tables; 4-bit tables keep the gather: a 15-select tree was slower)
-  attention     one layer's decode attention as the server's batches run it (8 rows, SmolLM2's
-                3 KV heads of 64, 9 query heads; compressed tokens plus a 64-token float
-                window): the compiled reference with the gather and with the tree, and
-                mx.fast SDPA over the same token count in float32 (what a float cache runs)
+  gather    unpack_codes (a sum over each block's bytes, then shifts), then levels[codes] as
+            MLX's gather (~5-8 ns an element on a CPU)
+  tree      unpack_codes, then a tree of selects (bit 0 picks within pairs of levels, bit 1
+            within pairs of pairs, ...) compiled into one fused pass (Quantizer.lookup)
+  words     what the cache does: the codes viewed as uint32 words, unpacked by shifts and
+            masks and looked up in a byte table held in one uint64 (levels = scale · int8
+            grid), all in one elementwise pass (Quantizer.lookup_words)
+
+Side by side in one process, medians of timed evaluations:
+
+  decode rows     packed [8, 3, 128, 64] 3-bit codes -> levels, each way alone
+  attention rows  one layer's decode attention as the server's batches run it (8 rows,
+                  SmolLM2's 3 KV heads of 64, 9 query heads; compressed tokens plus a 64-token
+                  float window): the compiled reference step each way, and mx.fast SDPA over
+                  the same token count in float32 (what a float cache runs)
 
     python benchmarks/isoquant_lookup.py
 
@@ -33,7 +40,7 @@ from record import write_result  # noqa: E402
 
 from app.engine.kvcache.isoquant import attention as at  # noqa: E402
 from app.engine.kvcache.isoquant.packing import pack_codes  # noqa: E402
-from app.engine.kvcache.isoquant.quantizer import TREE_MAX_LEVELS, Quantizer  # noqa: E402
+from app.engine.kvcache.isoquant.quantizer import Quantizer  # noqa: E402
 from app.engine.kvcache.isoquant.rotation import Rotation  # noqa: E402
 
 B, HKV, HQ, D, WINDOW = 8, 3, 9, 64, 64
@@ -50,18 +57,28 @@ def median_ms(fn, n: int = 60) -> float:
     return round(statistics.median(ts) * 1e3, 4)
 
 
-class Gather:
-    """Quantizer.lookup as the plain gather for the block's duration (new traces under a key
-    of their own: the compiled attention is keyed by its inputs, so it is cleared)."""
+class Way:
+    """Decode the codes one way for the block's duration: "gather" and "tree" unpack the
+    bytes (no lookup by word), "gather" then takes levels[codes] as MLX's gather. New traces
+    under a key of their own: the compiled attention is keyed by its inputs, so it is cleared."""
+
+    def __init__(self, way: str):
+        self.way = way
 
     def __enter__(self):
-        self.saved = Quantizer.lookup
-        Quantizer.lookup = lambda self, codes: self.levels[codes]
+        self.saved = Quantizer.lookup, at.IsoQuantTensor.code_words
+        if self.way in ("gather", "tree"):
+            at.IsoQuantTensor.code_words = lambda self: None
+        if self.way == "gather":
+            Quantizer.lookup = lambda self, codes: self.levels[codes]
         at._TRACES.clear()
 
     def __exit__(self, *exc):
-        Quantizer.lookup = self.saved
+        Quantizer.lookup, at.IsoQuantTensor.code_words = self.saved
         at._TRACES.clear()
+
+
+WAYS = ("gather", "tree", "words")
 
 
 def layer_tensors(tc: int, seed: int):
@@ -80,53 +97,54 @@ def layer_tensors(tc: int, seed: int):
 
 def main() -> None:
     rows = []
-    for bits in (3, 4):
-        q = Quantizer.make(D, bits)
-        codes = mx.random.randint(0, 2**bits, (B, HKV, 128, D)).astype(mx.uint8)
-        mx.eval(codes)
-        assert mx.array_equal(q.lookup(codes), q.levels[codes]).item()
-        gather = median_ms(lambda q=q, c=codes: q.levels[c])
-        tree = median_ms(lambda q=q, c=codes: q.lookup(c))
-        rows.append(
-            {"what": "lookup", "bits": bits, "elements": codes.size, "gather_ms": gather,
-             "lookup_ms": tree, "lookup_is_tree": 2**bits <= TREE_MAX_LEVELS,
-             "speedup": round(gather / tree, 2)}
-        )  # fmt: skip
+    q = Quantizer.make(D, 3)
+    codes = mx.random.randint(0, 8, (B, HKV, 128, D)).astype(mx.uint8)
+    t = at.IsoQuantTensor(pack_codes(codes, 3), mx.ones((B, HKV, 128), mx.float16), None, q,
+                          Rotation.make("v3", D, HKV, seed=0))  # fmt: skip
+    mx.eval(t.codes)
+    row = {"what": "decode", "elements": codes.size}
+    for way in WAYS:
+        with Way(way):
+            assert mx.array_equal(t.levels(), q.levels[codes]).item()
+            row[f"{way}_ms"] = median_ms(t.levels)
+    rows.append(row)
     query = mx.random.normal((B, HQ, 1, D))
-    for tc in (48, 192, 960):
+    for tc in (16, 48, 192, 960):
         keys, values = layer_tensors(tc, tc)
         want = at.isoquant_attention_reference(query, keys, values, 0.125)
         assert at.compiled_eligible(query, keys, values, None, None)
-        tree = median_ms(lambda k=keys, v=values: at._attend_compiled(query, k, v, 0.125))
-        assert mx.array_equal(at._attend_compiled(query, keys, values, 0.125), want).item()
-        with Gather():
-            gather = median_ms(lambda k=keys, v=values: at._attend_compiled(query, k, v, 0.125))
+        row = {"what": "attention", "compressed_tokens": tc, "float_tokens": WINDOW}
+        for way in WAYS:
+            with Way(way):
+                got = at._attend_compiled(query, keys, values, 0.125)
+                assert mx.array_equal(got, want).item()
+                row[f"{way}_ms"] = median_ms(
+                    lambda k=keys, v=values: at._attend_compiled(query, k, v, 0.125)
+                )
         kf = mx.random.normal((B, HKV, tc + WINDOW, D))
-        sdpa = median_ms(
+        row["float_sdpa_ms"] = median_ms(
             lambda kf=kf: mx.fast.scaled_dot_product_attention(query, kf, kf, scale=0.125)
         )
-        rows.append(
-            {"what": "attention", "compressed_tokens": tc, "float_tokens": WINDOW,
-             "gather_ms": gather, "lookup_ms": tree, "float_sdpa_ms": sdpa,
-             "speedup": round(gather / tree, 2)}
-        )  # fmt: skip
-    print(
-        f"{'what':10s} {'size':>12s} {'gather ms':>10s} {'lookup ms':>10s} {'speedup':>8s} {'float SDPA ms':>14s}"
-    )
+        rows.append(row)
     for r in rows:
-        size = f"{r['bits']}-bit" if r["what"] == "lookup" else f"Tc {r['compressed_tokens']}"
+        r["words_vs_tree"] = round(r["tree_ms"] / r["words_ms"], 2)
+    head = f"{'what':10s} {'size':>10s}" + "".join(f"{w + ' ms':>11s}" for w in WAYS)
+    print(head + f"{'words/tree':>11s} {'float SDPA ms':>14s}")
+    for r in rows:
+        size = f"Tc {r['compressed_tokens']}" if r["what"] == "attention" else "3-bit"
+        times = "".join(f"{r[w + '_ms']:11.3f}" for w in WAYS)
         print(
-            f"{r['what']:10s} {size:>12s} {r['gather_ms']:10.3f} {r['lookup_ms']:10.3f} "
-            f"{r['speedup']:7.2f}x {r.get('float_sdpa_ms', float('nan')):14.3f}"
+            f"{r['what']:10s} {size:>10s}{times}{r['words_vs_tree']:10.2f}x "
+            f"{r.get('float_sdpa_ms', float('nan')):14.3f}"
         )
     write_result(
         "isoquant_lookup",
         {
             "command": "python benchmarks/isoquant_lookup.py",
             "shape": {"B": B, "Hkv": HKV, "Hq": HQ, "D": D, "float_window": WINDOW},
-            "method": "one process; median of 60 timed evaluations after 5 warm-ups; lookup "
-            "equals the gather bit for bit (asserted); attention: the compiled reference step "
-            "(attention._attend_compiled) with Quantizer.lookup as the plain gather and as it is",
+            "method": "one process; median of 60 timed evaluations after 5 warm-ups; every way "
+            "gives the gather's levels bit for bit (asserted); attention: the compiled "
+            "reference step (attention._attend_compiled) decoding each way",
             "rows": rows,
         },
     )

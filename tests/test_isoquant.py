@@ -215,6 +215,42 @@ def test_level_lookup_is_the_gather_bit_for_bit_at_every_size_and_in_a_shapeless
         assert mx.array_equal(outer(codes, s), levels[codes] * s).item(), t
 
 
+def test_lookup_by_word_is_unpack_and_gather_bit_for_bit():
+    """3-bit codes of D % 32 == 0 are looked up by word (Quantizer.lookup_words over
+    packing.code_words): levels[unpack_codes(..)] exactly at every such head dim, from rows
+    that are a strided slice of a larger buffer, inside a caller's shapeless compiled graph as
+    the token count changes; the levels are the grid's float32 products, within an ulp of the
+    codebook's. Other dims and 4 bits have no byte table."""
+    from app.engine.kvcache.isoquant.attention import IsoQuantTensor, _word_columns
+    from app.engine.kvcache.isoquant.packing import code_words
+
+    for dim in (32, 64, 96, 128, 256, 512):
+        q, cb = Quantizer.make(dim, 3), kv_codebook(dim, 3)
+        g = np.rint(np.asarray(cb.levels) / cb.scale)
+        assert np.array_equal(np.array(q.levels), g.astype(np.float32) * np.float32(cb.scale))
+        np.testing.assert_allclose(np.array(q.levels), cb.levels, rtol=2**-23)
+        codes = mx.random.randint(0, 8, (2, 3, 41, dim), key=mx.random.key(dim))
+        packed = pack_codes(codes.astype(mx.uint8), 3)
+        buf = mx.concatenate([packed, packed[:, :, :7]], axis=2)[:, 1:, 3:38]  # strided rows
+        for p, c in ((packed, codes), (buf, codes[:, 1:, 3:38])):
+            got = q.lookup_words(*_word_columns(code_words(p)))
+            assert got.dtype == mx.float32 and got.shape == c.shape
+            assert mx.array_equal(got, q.levels[c]).item(), dim
+        t = IsoQuantTensor(buf, mx.ones(buf.shape[:3], mx.float16), None, q, None)
+        assert t.code_words() is not None and mx.array_equal(t.levels(), q.levels[c]).item()
+    outer = mx.compile(lambda s, *w: q.lookup_words(*w) * s, shapeless=True)
+    for t in (1, 9, 40):
+        codes = mx.random.randint(0, 8, (2, 3, t, 512), key=mx.random.key(t)).astype(mx.uint8)
+        s = mx.random.normal((2, 3, t, 1), key=mx.random.key(t + 1))
+        words = _word_columns(code_words(pack_codes(codes, 3)))
+        assert mx.array_equal(outer(s, *words), q.levels[codes] * s).item(), t
+    for dim, bits in ((80, 3), (64, 4), (8, 3)):
+        q = Quantizer.make(dim, bits)
+        assert q.grid is None
+        with pytest.raises(ValueError, match="no byte table"):
+            q.lookup_words(None, None, None, None)
+
+
 # ---- packing ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", (3, 4))
 @pytest.mark.parametrize("dim", (8, 64, 128, 520))

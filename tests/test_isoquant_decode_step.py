@@ -114,7 +114,8 @@ def test_model_logits_are_bit_identical_with_the_compiled_step(tmp_path, monkeyp
 @pytest.mark.parametrize("layout", ["rows", "tc16"])
 def test_cache_views_read_as_the_tensors_they_stand_for(layout):
     """A single-token step hands CacheViews: read, they are the codes, norms and float window
-    a multi-token fetch slices; dataclasses.replace and as_rows give plain tensors."""
+    a multi-token fetch slices (their codes' words and levels too); dataclasses.replace and
+    as_rows give plain tensors."""
     import dataclasses
 
     c = IsoQuantKVCache(window=4, compress_every=4, v_layout=layout)
@@ -133,6 +134,12 @@ def test_cache_views_read_as_the_tensors_they_stand_for(layout):
         plain = dataclasses.replace(lazy, layout=lazy.layout)
         assert "_src" not in plain.__dict__ and mx.array_equal(plain.codes, eager.codes).item()
         assert mx.array_equal(lazy.as_rows().codes, eager.as_rows().codes).item()
+        # the codes by word, viewed from the whole buffer: the rows' levels, nothing past them
+        want = lazy.quantizer.levels[lazy.codes_unpacked()]
+        if lazy.layout == "rows":
+            assert lazy.code_words()[0].shape == (1, 2, 27, 2, 3)
+        assert mx.array_equal(lazy.levels(), want).item()
+        assert mx.array_equal(eager.levels(), want).item()
     q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(1))
     got = att.isoquant_attention(q, keys, values, scale=0.125)
     ref = att.isoquant_attention_reference(q, eager_k, eager_v, scale=0.125)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 
-from .packing import V_LAYOUTS, pack_codes, unpack_v_codes
+from .packing import V_LAYOUTS, code_words, pack_codes, unpack_v_codes
 from .quantizer import Quantizer
 from .rotation import Rotation
 
@@ -50,6 +50,9 @@ class IsoQuantTensor:
     # are [0, lens[b]) and its float tokens [fp_start[b], T_f); None: every row holds all.
     lens: mx.array | None = None  # [B] int32
     fp_start: mx.array | None = None  # [B] int32
+    # The codes as words and the words' three columns (code_words()), where a compiled step
+    # hands them in (it cannot take views of `codes` itself); None: made from `codes`.
+    words: tuple[mx.array, ...] | None = None
 
     def __post_init__(self):
         if self.layout not in V_LAYOUTS:
@@ -67,10 +70,23 @@ class IsoQuantTensor:
         codes = unpack_v_codes(self.codes, self.quantizer.bits, self.layout)
         return codes[:, :, : self.compressed_len] if self.layout == "tc16" else codes
 
+    def code_words(self) -> tuple[mx.array, ...] | None:
+        """(words [B, Hkv, T_c, D/32, 3] uint32, and its columns W0, W1, W2 [.., D/32, 1]) of
+        codes the quantizer looks up by word (3-bit, D % 32 == 0, rows layout), else None.
+        Views: no copy where the codes' rows are contiguous."""
+        if self.words is not None:
+            return self.words
+        if self.layout != "rows" or self.quantizer.grid is None:
+            return None
+        return _word_columns(code_words(self.codes))
+
     def levels(self) -> mx.array:
         """levels[codes]: [B, Hkv, T_c, D] float32 unit-variance coordinates (rotated space)."""
         if self.decoded is not None:
             return self.decoded
+        words = self.code_words()
+        if words is not None:
+            return self.quantizer.lookup_words(*words)
         return self.quantizer.lookup(self.codes_unpacked())
 
     def as_rows(self) -> IsoQuantTensor:
@@ -105,6 +121,10 @@ class IsoQuantTensor:
         return self.norms.dtype if self.fp is None else self.fp.dtype
 
 
+def _word_columns(words: mx.array) -> tuple[mx.array, ...]:
+    return (words, words[..., 0:1], words[..., 1:2], words[..., 2:3])
+
+
 def _lazy_field(name: str, i: int):
     def get(self):
         d = self.__dict__
@@ -137,7 +157,7 @@ class CacheView(IsoQuantTensor):
         d = self.__dict__
         d["_src"] = src  # (codes buffer, code rows, norms buffer, rows, float buffer, lo, hi)
         d["quantizer"], d["rotation"], d["layout"] = quantizer, rotation, layout
-        d["decoded"] = d["prefix"] = None
+        d["decoded"] = d["prefix"] = d["words"] = None
         d["lens"], d["fp_start"] = lens, fp_start  # a batch's rows (batch.py), else None
 
     def _view(self, i: int):
@@ -147,6 +167,17 @@ class CacheView(IsoQuantTensor):
         if i == 1:
             return nb[:, :, :rows]
         return fb[:, :, lo:hi] if hi > lo else None
+
+    def code_words(self) -> tuple[mx.array, ...] | None:
+        """As IsoQuantTensor.code_words, viewed from the whole code buffer (contiguous: the
+        view copies nothing) and then its rows sliced."""
+        src = self.__dict__.get("_src")
+        if src is None or self.layout != "rows" or self.quantizer.grid is None:
+            return super().code_words()
+        got = self.__dict__.get("_words")
+        if got is None:
+            got = self.__dict__["_words"] = _word_columns(code_words(src[0])[:, :, : src[1]])
+        return got
 
     def buffers(self) -> tuple[mx.array, mx.array]:
         """The cache's code and norm buffers themselves, unsliced (rows past compressed_len are
@@ -318,7 +349,7 @@ def _attend(queries, keys, values, scale, mask, sinks, cols=None) -> mx.array:
     # segments' columns are taken by index, `cols` as _columns makes them): the decode step
     # runs this as a shapeless trace.
     b, hq, qlen, d = queries.shape
-    hkv = keys.codes.shape[1]
+    hkv = keys.norms.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     g = hq // hkv
@@ -436,22 +467,28 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
     # a CacheView's codes, norms and window are read as slices of its buffers: taking the rows
     # by index inside the trace instead is a gather of every row, which on a CPU cost 20-25% of
     # a one-token step at 512-2K tokens and 40-50% over a batch's 8 rows (kv_host_step.py)
-    tensors = (keys.codes, keys.norms, keys.fp, keys.decoded, keys.prefix)
-    tensors += (values.codes, values.norms, values.fp, values.decoded, values.prefix)
+    # codes looked up by word enter as their words and the words' columns (code_words: views
+    # the trace cannot take itself)
+    codes = [_codes_in(t) for t in (keys, values)]
+    tensors = (keys.norms, keys.fp, keys.decoded, keys.prefix)
+    tensors += (values.norms, values.fp, values.decoded, values.prefix)
     present = tuple(a is not None for a in tensors)
     rows = rows_mask(keys, queries.shape[2], None)
+    n_codes = tuple(len(c) for c in codes)
     key = (
         queries.shape, queries.dtype, float(scale), keys.prefix_len > 0, keys.compressed_len > 0,
-        keys.fp_len > 0, present, tuple(where), specs, rows is not None,
+        keys.fp_len > 0, present, n_codes, tuple(where), specs, rows is not None,
     )  # fmt: skip
     fn = _TRACES.get(key)
     if fn is None:
         n_cols = sum(1 for n in (keys.prefix_len, keys.compressed_len, keys.fp_len) if n)
-        fn = _trace(uniq, specs, tuple(where), present, float(scale), n_cols, rows is not None)
+        fn = _trace(uniq, specs, tuple(where), present, n_codes, float(scale), n_cols,
+                    rows is not None)  # fmt: skip
         if len(_TRACES) >= _TRACES_MAX:
             _TRACES.clear()
         _TRACES[key] = fn
-    arrays = [a for a in tensors if a is not None]
+    arrays = [*codes[0], *codes[1]]
+    arrays.extend(a for a in tensors if a is not None)
     arrays.extend(_columns(keys.prefix_len, keys.compressed_len, keys.fp_len))
     for o, (names, _) in zip(uniq, specs, strict=True):
         arrays.extend(getattr(o, n) for n in names)
@@ -460,12 +497,22 @@ def _attend_compiled(queries, keys: IsoQuantTensor, values: IsoQuantTensor, scal
     return fn(queries, *arrays)
 
 
-def _trace(uniq, specs, where, present, scale, n_cols, masked=False):
-    n_t = sum(present)
+def _codes_in(t: IsoQuantTensor) -> tuple[mx.array, ...]:
+    """What the compiled step takes for a tensor's codes: (codes,), or its words and their
+    columns; () where a decoded shadow stands in for them."""
+    if t.decoded is not None:
+        return ()
+    return t.code_words() or (t.codes,)
+
+
+def _trace(uniq, specs, where, present, n_codes, scale, n_cols, masked=False):
+    n_c, n_t = sum(n_codes), sum(present)
 
     def step(q, *arrays):
         mask = arrays[-1] if masked else None
         arrays = arrays[:-1] if masked else arrays
+        kc, vc = arrays[: n_codes[0]], arrays[n_codes[0] : n_c]
+        arrays = arrays[n_c:]
         it = iter(arrays[:n_t])
         t = [next(it) if p else None for p in present]
         cols = arrays[n_t : n_t + n_cols]
@@ -474,11 +521,20 @@ def _trace(uniq, specs, where, present, scale, n_cols, masked=False):
             vals, rest = rest[: len(names)], rest[len(names) :]
             objs.append(replace(o, **dict(zip(names, vals, strict=True))))
         rk, rv, kq, vq = (objs[i] for i in where)
-        keys = IsoQuantTensor(t[0], t[1], t[2], kq, rk, t[3], t[4])
-        values = IsoQuantTensor(t[5], t[6], t[7], vq, rv, t[8], t[9])
+        keys = _traced(kc, t[:4], kq, rk)
+        values = _traced(vc, t[4:], vq, rv)
         return _attend(q, keys, values, scale, mask, None, cols)
 
     return mx.compile(step, shapeless=True)
+
+
+def _traced(codes, t, quantizer, rotation) -> IsoQuantTensor:
+    """The tensor a compiled step rebuilds from its inputs (codes as _codes_in gives them; t:
+    norms, fp, decoded, prefix)."""
+    norms, fp, decoded, prefix = t
+    words = codes if len(codes) == 4 else None
+    c = codes[0] if codes else None  # with a decoded shadow nothing reads the codes
+    return IsoQuantTensor(c, norms, fp, quantizer, rotation, decoded, prefix, words=words)
 
 
 # A fused implementation (Metal/CUDA, issue 3) registers itself here with the same signature.

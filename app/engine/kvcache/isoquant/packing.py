@@ -142,6 +142,24 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     return mx.flatten(codes, -2, -1).astype(mx.uint8)
 
 
+def code_words(packed: mx.array) -> mx.array:
+    """3-bit codes with D % 32 == 0, [..., 3D/8] uint8 -> the blocks' words W0, W1, W2 as
+    [..., D/32, 3] uint32 (a view of the bytes where their strides allow; every platform MLX
+    runs on is little-endian, as the format is). MLX cannot trace a view: call it outside a
+    compiled graph and hand the words in."""
+    return mx.unflatten(packed.view(mx.uint32), -1, (packed.shape[-1] // 12, 3))
+
+
+def word_codes(words: mx.array, w0: mx.array, w1: mx.array, w2: mx.array) -> mx.array:
+    """The codes of words [..., D/32, 3] (code_words; w0, w1, w2 its columns [..., D/32, 1],
+    taken outside a compiled graph, which cannot trace a slice) as [..., D/32, 4, 8] uint32:
+    row j < 3 of a block holds its codes 8j..8j+7, row 3 codes 24..31, so the last three axes
+    flattened are the codes in order. Elementwise but for one small concatenation: no sum
+    over the bytes as unpack_codes does, which on a CPU costs ~2x as much."""
+    top = ((w0 >> 3) & 0x11111111) | ((w1 >> 2) & 0x22222222) | ((w2 >> 1) & 0x44444444)
+    return (mx.concatenate([words, top], axis=-1)[..., None] >> _NIBBLES) & 7
+
+
 # ---- the tc16 V layout ---------------------------------------------------------------------
 # Slot j = 4·i + s of a chunk holds token _TC16_PERM[j] = 2i + (s & 1) + 8·(s >> 1).
 _TC16_PERM = [2 * i + (s & 1) + 8 * (s >> 1) for i in range(4) for s in range(4)]

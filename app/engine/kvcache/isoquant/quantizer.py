@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from .codebook import kv_codebook
-from .packing import pack_codes, packed_row_bytes, unpack_codes
+from .packing import pack_codes, packed_row_bytes, unpack_codes, word_codes
 from .rotation import Rotation
 
 _CHUNK_ELEMS = 1 << 22  # bound the [.., D, 2^bits-1] comparison temporaries in bulk compression
@@ -23,12 +25,29 @@ class Quantizer:
     bits: int
     levels: mx.array  # [2**bits] float32, ascending
     thresholds: mx.array  # [2**bits - 1] float32
+    # A 3-bit table on the int8 grid (codebook.py), levels[c] = grid_scale · g_c in float32
+    # arithmetic, as a byte table: byte c of the uint64 `grid` is g_c + 128. With D % 32 == 0
+    # the codes are looked up by word (lookup_words); None otherwise.
+    grid: mx.array | None = None  # uint64 scalar
+    grid_scale: mx.array | None = None  # float32 scalar
 
     @classmethod
     def make(cls, dim: int, bits: int) -> Quantizer:
         packed_row_bytes(dim, bits)  # validates dim and bits
         cb = kv_codebook(dim, bits)
-        return cls(dim, bits, mx.array(cb.levels, mx.float32), mx.array(cb.thresholds, mx.float32))
+        thresholds = mx.array(cb.thresholds, mx.float32)
+        if cb.scale is None or bits != 3:
+            return cls(dim, bits, mx.array(cb.levels, mx.float32), thresholds)
+        # the levels as float32 products of the grid's integers and the float32 scale, so
+        # the byte table gives them bit for bit (within an ulp of the codebook's levels)
+        g = np.rint(np.asarray(cb.levels) / cb.scale).astype(np.int64)
+        scale = np.float32(cb.scale)
+        levels = mx.array(g.astype(np.float32) * scale)
+        if dim % 32:
+            return cls(dim, bits, levels, thresholds)
+        table = sum((int(v) + 128) << (8 * c) for c, v in enumerate(g))
+        grid = mx.array(np.array(table, dtype=np.uint64))  # from data: no graph to evaluate
+        return cls(dim, bits, levels, thresholds, grid, mx.array(scale))
 
     @property
     def row_bytes(self) -> int:
@@ -47,6 +66,14 @@ class Quantizer:
         """levels[codes] for unpacked codes [...] uint8 -> [...] float32, the table's values
         exactly (lookup())."""
         return lookup(self.levels, codes)
+
+    def lookup_words(self, words: mx.array, w0: mx.array, w1: mx.array, w2: mx.array):
+        """levels[codes] of 3-bit codes given as words (packing.code_words and its three
+        columns) -> [..., D] float32, the same values bit for bit as lookup(unpack_codes(..)):
+        the unpacking and the table lookup are one elementwise pass (needs `grid`)."""
+        if self.grid is None:
+            raise ValueError(f"no byte table for {self.bits}-bit codes of head dim {self.dim}")
+        return _lookup_words(self.grid, self.grid_scale, words, w0, w1, w2)
 
     def decode_rotated(self, codes: mx.array, norms: mx.array) -> mx.array:
         """codes [..., D*bits/8] uint8, norms [...] -> ŷ [..., D] float32 (rotated space)."""
@@ -91,6 +118,13 @@ def lookup(levels: mx.array, codes: mx.array) -> mx.array:
     if fn is None:
         fn = _LOOKUPS[n] = mx.compile(_select_tree(n), shapeless=True)
     return fn(levels, codes)
+
+
+@functools.partial(mx.compile, shapeless=True)  # one fused pass; joins a compiled caller
+def _lookup_words(grid, scale, words, w0, w1, w2):
+    shift = word_codes(words, w0, w1, w2).astype(mx.uint64) << 3  # byte c of the table
+    g = ((grid >> shift) & 255).astype(mx.int32) - 128
+    return mx.flatten(g.astype(mx.float32) * scale, -3, -1)
 
 
 def encode(x: mx.array, rotation: Rotation, quantizer: Quantizer) -> tuple[mx.array, mx.array]:
