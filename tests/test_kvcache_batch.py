@@ -87,6 +87,29 @@ def test_merge_extract_round_trip_bit_exact():
         _same(out, c)
 
 
+def test_extracted_rows_keep_the_batch_layout(monkeypatch):
+    """A row comes out with V codes as rows even where new caches store tc16 (no repacking per
+    finished request); relaid out to tc16 it attends exactly as it did."""
+    monkeypatch.setenv("ROTARYQUANT_ISOQUANT_V_LAYOUT", "tc16")
+    batch = IsoQuantKVCache.merge(_rows())
+    q = mx.random.normal((1, 2 * H, 1, D), key=mx.random.key(7)).astype(mx.float16)
+    coded = 0
+    for i in range(batch.batch_size):
+        row = batch.extract(i)
+        assert row.v_layout == "rows"
+        k, v = row._fetch()
+        if not hasattr(k, "codes"):
+            continue
+        coded += 1
+        want = isoquant_attention_reference(q, k, v, scale=D**-0.5)
+        row.relayout("tc16")
+        k, v = row._fetch()
+        assert v.layout == "tc16"
+        got = isoquant_attention_reference(q, k, v, scale=D**-0.5)
+        assert mx.array_equal(got, want).item()
+    assert coded >= 2
+
+
 def test_filter_and_extend_round_trip_bit_exact():
     singles = _rows()
     batch = IsoQuantKVCache.merge(singles)

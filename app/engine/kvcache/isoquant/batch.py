@@ -32,7 +32,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from .attention import CacheView
 from .cache import IsoQuantKVCache, _round_up
-from .packing import pack_codes, preferred_v_layout, unpack_v_codes
+from .packing import pack_codes, unpack_v_codes
 
 _CONFIG = ("rotation_kind", "key_bits", "value_bits", "window", "seed", "layer", "compress_every")
 
@@ -315,7 +315,12 @@ class BatchIsoQuantKVCache(_BaseCache):
         return batch
 
     def extract(self, idx: int) -> IsoQuantKVCache:
-        """Row idx as a cache of its own (V codes in this backend's preferred layout)."""
+        """Row idx as a cache of its own, V codes as rows (the batch's layout). mlx-lm extracts
+        every finished row (its prompt cache), which is then dropped or merged into a batch
+        again; repacking it into another layout here (tc16 where CUDA's kernels prefer it) cost
+        ~40 MLX ops a layer, ~50 ms of host time a row at 48 layers, stalling the batch's
+        other rows. A row that goes on decoding alone can relayout() itself. The copies are
+        lazy: a row nobody reads costs no device work."""
         r = self._row(idx)
         c = IsoQuantKVCache(**self.config, v_layout="rows")
         if self.proto.rotation is None or not (r.n or r.t):
@@ -326,7 +331,6 @@ class BatchIsoQuantKVCache(_BaseCache):
         c.state = (*(mx.contiguous(a) if a is not None else None for a in codes),
                    None if r.fk is None else mx.contiguous(r.fk),
                    None if r.fv is None else mx.contiguous(r.fv), None, None)  # fmt: skip
-        c.relayout(preferred_v_layout(rot.head_dim, c.value_bits))
         return c
 
     def filter(self, batch_indices) -> None:
