@@ -89,7 +89,8 @@ def test_merge_extract_round_trip_bit_exact():
 
 def test_extracted_rows_keep_the_batch_layout(monkeypatch):
     """A row comes out with V codes as rows even where new caches store tc16 (no repacking per
-    finished request); relaid out to tc16 it attends exactly as it did."""
+    finished request) and with the batch's rotation and codebooks (none made anew); relaid
+    out to tc16 it attends exactly as it did."""
     monkeypatch.setenv("ROTARYQUANT_ISOQUANT_V_LAYOUT", "tc16")
     batch = IsoQuantKVCache.merge(_rows())
     q = mx.random.normal((1, 2 * H, 1, D), key=mx.random.key(7)).astype(mx.float16)
@@ -100,6 +101,7 @@ def test_extracted_rows_keep_the_batch_layout(monkeypatch):
         k, v = row._fetch()
         if not hasattr(k, "codes"):
             continue
+        assert row.rotation is batch.proto.rotation and row.vq is batch.proto.vq  # shared
         coded += 1
         want = isoquant_attention_reference(q, k, v, scale=D**-0.5)
         row.relayout("tc16")

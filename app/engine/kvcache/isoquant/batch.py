@@ -306,9 +306,8 @@ class BatchIsoQuantKVCache(_BaseCache):
             raise ValueError("IsoQuant caches with different settings cannot share a batch")
         batch = cls(configs[0], [0] * len(caches))
         ready = next((c for c in caches if c.rotation is not None), None)
-        if ready is not None:
-            r = ready.rotation
-            batch._setup(r.n_heads, r.head_dim, r.head_dim)
+        if ready is not None:  # its rotation and codebooks, shared (the proto keeps rows)
+            batch.proto._adopt(ready)
         rows = [_row_of_single(c) for c in caches]
         if any(r.n or r.t for r in rows):
             batch._load_rows(rows)
@@ -320,13 +319,13 @@ class BatchIsoQuantKVCache(_BaseCache):
         again; repacking it into another layout here (tc16 where CUDA's kernels prefer it) cost
         ~40 MLX ops a layer, ~50 ms of host time a row at 48 layers, stalling the batch's
         other rows. A row that goes on decoding alone can relayout() itself. The copies are
-        lazy: a row nobody reads costs no device work."""
+        lazy (a row nobody reads costs no device work) and the row shares the batch's rotation
+        and codebooks."""
         r = self._row(idx)
         c = IsoQuantKVCache(**self.config, v_layout="rows")
         if self.proto.rotation is None or not (r.n or r.t):
             return c
-        rot = self.proto.rotation
-        c._setup(rot.n_heads, rot.head_dim, rot.head_dim)
+        c._adopt(self.proto)
         codes = r.codes or (None, None, None, None)
         c.state = (*(mx.contiguous(a) if a is not None else None for a in codes),
                    None if r.fk is None else mx.contiguous(r.fk),
