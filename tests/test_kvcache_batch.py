@@ -198,6 +198,35 @@ def test_compressions_write_in_place_and_keep_every_row(monkeypatch):
     assert small.used_nbytes < small.capacity_nbytes == small.nbytes
 
 
+def test_a_compression_writes_each_row_after_its_own_codes():
+    """Rows of different lengths (no float padding) compress with one scatter a buffer: row i's
+    new codes land at [lens[i], lens[i] + k), equal to encoding the float tokens it took, and
+    every other code row, written or spare, is unchanged."""
+    batch = IsoQuantKVCache.merge([_single(40, 2, 1), _single(70, 6, 2), _single(61, 1, 3)])
+    assert batch.pad == [0, 0, 0] and len(set(batch.lens)) == 3
+    compressions = 0
+    for step in range(12):
+        before = [np.array(a) for a in batch.codes]
+        lens, f0, tf = list(batch.lens), batch.f0, batch.tf
+        k, v = _kv(3, 500 + step)
+        batch.update_and_fetch(k.reshape(3, H, 1, D), v.reshape(3, H, 1, D))
+        if batch.f0 == f0:
+            continue
+        compressions += 1
+        n = batch.f0 - f0
+        assert batch.lens == [x + n for x in lens] and batch.tf == tf + 1 - n
+        enc = batch.proto.encode_rows(
+            batch.fp_keys[:, :, f0 : f0 + n], batch.fp_values[:, :, f0 : f0 + n]
+        )  # the float rows are still there: a compression only moves f0
+        for a, b, e in zip(batch.codes, before, enc, strict=True):
+            want = np.zeros(a.shape, b.dtype)  # a grown buffer: the old rows, zeros after
+            want[:, :, : b.shape[2]] = b
+            for i, x in enumerate(lens):
+                want[i, :, x : x + n] = np.array(e[i])
+            np.testing.assert_array_equal(np.array(a), want)
+    assert compressions >= 2
+
+
 def test_rows_of_different_lengths_reach_the_kernel_with_their_code_counts(monkeypatch):
     """Rows of different lengths keep their codes from position 0, so a registered fused kernel
     takes them with per-row code counts (`lens`) and no mask; a row with float padding (no

@@ -24,6 +24,7 @@ left-padded prompt) take the reference attention.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -52,6 +53,16 @@ class _Row:
     @property
     def t(self) -> int:
         return 0 if self.fk is None else self.fk.shape[2]
+
+
+@functools.lru_cache(maxsize=8)
+def _write_rows(lens: tuple[int, ...], k: int) -> mx.array:
+    """[B, 1, k] code rows lens[i] .. lens[i] + k: where a compression writes each row's codes.
+    One scatter a buffer instead of a slice write a row (one index for every layer of a step:
+    the layers' rows have the same lengths). Rows of different lengths compress every 16
+    tokens; the per-row writes were 4 x B ops a layer, ~10 ms of host time a step at 8 rows and
+    48 layers on an H200, against ~2 ms for rows of equal lengths."""
+    return mx.array(lens, mx.int32)[:, None, None] + mx.arange(k, dtype=mx.int32)
 
 
 def _cat(a, b):
@@ -154,7 +165,15 @@ class BatchIsoQuantKVCache(_BaseCache):
             for a, e in zip(self.codes, enc, strict=True):
                 a[:, :, c : c + k] = e
             self.lens = [n + k for n in self.lens]
-        else:  # rows of different lengths: each writes after its own codes
+        elif all(p == 0 for p in self.pad):  # rows of different lengths, each after its own
+            self._reserve(enc, max(self.lens) + k)
+            idx = _write_rows(tuple(self.lens), k)
+            self.codes = tuple(
+                mx.put_along_axis(a, idx if a.ndim == 3 else idx[..., None], e, axis=2)
+                for a, e in zip(self.codes, enc, strict=True)
+            )
+            self.lens = [n + k for n in self.lens]
+        else:  # rows with float padding: a row's padding among the k is dropped
             skips = [min(p, k) for p in self.pad]
             self._reserve(enc, max(n + k - s for n, s in zip(self.lens, skips, strict=True)))
             for i, skip in enumerate(skips):
