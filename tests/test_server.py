@@ -439,3 +439,59 @@ def test_a_request_joining_a_running_batch_does_not_wait_for_a_window(engine):
             b.cancel(req)
     finally:
         b.close()
+
+
+def test_zipfusion_requests_batch_through_its_pool(engine, monkeypatch):
+    """With the plan's KV mode ZipFusion, concurrent requests share ZipFusion's scheduler over
+    one page pool (its reference attention here): they decode together, answer as each does
+    alone, a cancelled one leaves the pool at once, and the pool is freed when the batch is."""
+    import mlx.core as mx
+
+    from app.engine.kvcache import zipfusion as zf
+    from app.server.batcher import Batcher
+
+    scheds = []
+    real = zf.make_scheduler
+
+    def spy(*a, **kw):
+        scheds.append(real(*a, **kw))
+        return scheds[-1]
+
+    monkeypatch.setattr(zf, "make_scheduler", spy)
+    monkeypatch.setattr(engine, "default_kv_mode", "zipfusion")
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
+    b = Batcher(engine, max_batch=4, context=512, admit_gap=0.5, admit_wait=5.0)
+    try:
+        assert b.wait_ready(60)
+        mx.clear_cache()
+        baseline = mx.get_active_memory()
+        alone = []
+        for p in prompts:
+            _, events, done = _answer(b, p, 24)
+            assert done.wait(300)
+            alone.append(_text(events))
+        assert "Paris" in alone[0]
+        runs = [_answer(b, p, 24) for p in prompts]
+        long_req, _, long_done = _answer(b, prompts[1], 400)
+        for _, _, done in runs:
+            assert done.wait(300)
+        assert [_text(events) for _, events, _ in runs] == alone
+        assert b.max_batch_seen == 4  # four decoded together (the fifth waited for a slot)
+        sched = scheds[-1]
+        assert sched.store.stats["pages_compressed"] > 0  # their KV went through the pool
+        while not sched.running:
+            time.sleep(0.01)
+        b.cancel(long_req)
+        assert long_done.wait(300)
+        assert b.finish_reasons["cancelled"] == 1
+        while b.in_flight():
+            time.sleep(0.01)
+        assert not sched.store.seqs and sched.store.used_bytes() == 0
+        del sched, scheds[:]
+        deadline = time.monotonic() + 60  # the idle batcher drops the pool
+        while b._live or mx.get_active_memory() > baseline + (1 << 20):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            mx.clear_cache()
+    finally:
+        b.close()

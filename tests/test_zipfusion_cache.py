@@ -285,3 +285,48 @@ def test_page_layout_constants_agree():
     cfg = zf.ZipConfig(2, 2, 64, 1 << 26)
     assert cfg.raw_page_bytes == 2 * 2 * 16 * 64 * 2  # Hkv x (K, V) x 16 tokens x D x bf16
     assert cfg.raw_page_granules * codec.GRANULE == cfg.raw_page_bytes
+
+
+def test_a_full_pool_preempts_and_resumes_without_changing_the_output(model):
+    """With a growth horizon, requests are admitted on their next tokens only; when the pool
+    runs out mid-decode the newest request is preempted, then resumed by recomputing its KV.
+    Raw pages (no compression) so the pool surely runs out."""
+    raw_page = 2 * 2 * 2 * 4 * 256  # layers' K/V of 2 heads, 16 tokens, D 64, bf16
+    st = zf.make_zipfusion_store(
+        model, 2 * 16 * raw_page * 4, max_seqs=4, max_tokens_per_seq=512, compress=False,
+        use_kernel=False,
+    )  # fmt: skip
+    sched = ZipScheduler(model, st, prefill_step=32, growth_horizon=16)
+    reqs = [Request(_prompt(20 + i, seed=40 + i), 180) for i in range(4)]
+    assert sum(r.pages_needed for r in reqs) > sched.capacity_pages >= reqs[0].pages_needed
+    streamed: dict[int, list[int]] = {}
+    for r in reqs:
+        sched.submit(Request(r.prompt, r.max_new_tokens))
+    out = {}
+    while sched.waiting or sched.running or sched.preempted:
+        rep = sched.step()
+        for rid, toks in rep.tokens.items():
+            streamed.setdefault(rid, []).extend(toks)
+        out.update(rep.finished)
+    assert sched.preemptions > 0 and sched.max_batch >= 2
+    for rid, r in enumerate(reqs):
+        assert streamed[rid] == out[rid]  # each token reported once, resumed or not
+        assert out[rid] == _greedy_single(model, r.prompt, r.max_new_tokens), rid
+    assert not st.seqs and st.used_bytes() == 0
+    st.mem.check()
+
+
+def test_cancel_frees_a_running_request_at_once(model):
+    st = _store()
+    sched = ZipScheduler(model, st, prefill_step=32)
+    a = sched.submit(Request(_prompt(40, seed=7), 50))
+    b = sched.submit(Request(_prompt(30, seed=8), 50))
+    sched.step()
+    used = st.used_bytes()
+    assert len(sched.running) == 2 and used > 0
+    assert sched.cancel(a) and not sched.cancel(a)
+    assert len(sched.running) == 1 and st.used_bytes() < used
+    with pytest.raises(ValueError, match="tokens of KV"):
+        sched.submit(Request(_prompt(10), 600))  # beyond max_tokens_per_seq
+    sched.cancel(b)
+    assert not st.seqs and st.used_bytes() == 0

@@ -3,8 +3,10 @@
 One thread owns the model and runs mlx-lm's BatchGenerator: new requests join the running
 batch at the next step, finished or cancelled ones leave it at once (their KV is freed with
 them). Requests come in and events go out through thread-safe calls, so the HTTP layer never
-touches an MLX array. Each request's KV cache is the loaded plan's mode (Engine.make_cache);
-caches without mlx-lm's batch protocol (ZipFusion today) run one request at a time.
+touches an MLX array. Each request's KV cache is the loaded plan's mode (Engine.make_cache).
+With ZipFusion (NVIDIA) the batch is ZipFusion's own scheduler over one page pool: a request is
+admitted when its pages fit, and what compression frees admits more. Caches with neither (a
+model ZipFusion cannot page, another library's cache) run one request at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ PREFILL_STEP = 512  # prompt tokens per forward pass: bounds prefill's transient
 # forward pass, instead of each separately while the rows before it wait.
 ADMIT_GAP = 0.015  # seconds
 ADMIT_WAIT = 0.1  # seconds
+# ZipFusion admits a request when the pool holds its next ZIP_HORIZON tokens (a client that sends
+# no max_tokens may run to the end of the context); one that outgrows the pool is preempted and
+# resumed (kvcache/zipfusion/scheduler.py).
+ZIP_HORIZON = 512
 
 
 # -- events (batcher thread -> the request's `emit`) ------------------------------------------
@@ -164,6 +170,61 @@ class _Live:
         self.req.emit(Done(reason, len(self.req.prompt), self.n))
 
 
+@dataclass
+class _Token:
+    """A token of one request, as mlx-lm's BatchGenerator responses carry it."""
+
+    uid: int
+    token: int
+    finish_reason: str | None
+
+
+class _ZipBatch:
+    """BatchGenerator's calls (insert / next / remove / close) over ZipFusion's scheduler: one
+    page pool for the batch, made at its first request and freed with it."""
+
+    def __init__(self, model, eos: set[int], max_seqs: int, context: int):
+        self._args = (model, eos, max_seqs, context)
+        self.sched = None
+        self.eos = eos
+        self.batch = 0  # requests in the last decode step
+        self._left: dict[int, int] = {}  # uid -> tokens it may still produce
+
+    def insert(self, prompt: list[int], max_tokens: int, sampler) -> int:
+        """Queue one request; ValueError when its prompt + max_tokens can never fit the pool."""
+        from ..engine.kvcache import zipfusion as zf
+
+        if self.sched is None:
+            model, eos, max_seqs, context = self._args
+            self.sched = zf.make_scheduler(model, max_seqs, context, eos=eos,
+                                           prefill_step=PREFILL_STEP, growth_horizon=ZIP_HORIZON)  # fmt: skip
+        uid = self.sched.submit(zf.Request(list(prompt), max_tokens, sampler=sampler))
+        self._left[uid] = max_tokens
+        return uid
+
+    def next(self) -> tuple[None, list[_Token]]:
+        rep = self.sched.step()
+        self.batch = rep.batch
+        out = []
+        for uid, toks in rep.tokens.items():
+            for t in toks:
+                self._left[uid] -= 1
+                reason = "stop" if t in self.eos else "length" if self._left[uid] <= 0 else None
+                out.append(_Token(uid, t, reason))
+        for uid in rep.finished:
+            self._left.pop(uid, None)
+        return None, out
+
+    def remove(self, uids) -> None:
+        for u in uids:
+            self.sched.cancel(u)
+            self._left.pop(u, None)
+
+    def close(self) -> None:
+        self.sched = None  # the pool goes with the scheduler
+        self._left.clear()
+
+
 class Batcher:
     """Owns the engine's model on its own thread. `engine` is a loaded Engine, or a callable
     that loads one (called on the batcher's thread; `state` is "loading" meanwhile)."""
@@ -281,10 +342,25 @@ class Batcher:
         with self._count_lock:
             self._pending -= 1
 
+    def _zip_pool(self) -> bool:
+        """Whether requests batch through ZipFusion's pool: the plan's KV mode is ZipFusion and
+        every layer of the model keeps full-attention KV (else they run one at a time)."""
+        if getattr(self.engine, "default_kv_mode", None) != "zipfusion":
+            return False
+        from ..engine.kvcache import zipfusion as zf
+
+        reason = zf.batch_refusal(self.engine.loaded.model)
+        if reason:
+            log.info("ZipFusion requests run one at a time: %s", reason)
+        return reason is None
+
     def _new_generator(self):
         from mlx_lm.generate import BatchGenerator
 
         tok = self.engine.loaded.tokenizer
+        if self._zip_pool():
+            return _ZipBatch(self.engine.loaded.model, set(tok.eos_token_ids), self.max_batch,
+                             self.context)  # fmt: skip
         return BatchGenerator(
             self.engine.loaded.model,
             stop_tokens=[[t] for t in tok.eos_token_ids],
@@ -311,6 +387,9 @@ class Batcher:
         serial: list[Completion] = []
         try:
             while not self._stop.is_set():
+                if not self._live and self._zip_pool() != isinstance(gen, _ZipBatch):
+                    gen.close()  # the plan's KV mode changed between batches
+                    gen, used = self._new_generator(), False
                 self._admit(gen, serial)
                 # leave: cancelled requests (a client that went away) free their slot now
                 gone = [u for u, lv in self._live.items() if lv.req.cancelled.is_set()]
@@ -330,9 +409,11 @@ class Batcher:
                     self._wake.wait(0.25)
                     self._wake.clear()
                     continue
-                self.max_batch_seen = max(self.max_batch_seen, len(self._live))
                 self._step(gen, think)
                 used = True
+                # ZipFusion's queue holds requests its pool cannot admit yet: count its batch
+                n = gen.batch if isinstance(gen, _ZipBatch) else len(self._live)
+                self.max_batch_seen = max(self.max_batch_seen, n)
         finally:
             gen.close()
             for u in list(self._live):
@@ -350,6 +431,18 @@ class Batcher:
                 req.emit(Done("cancelled", len(req.prompt), 0))
                 self._done()
                 continue
+            if isinstance(gen, _ZipBatch):
+                sampler = make_sampler(req.temperature, req.top_p, req.seed)
+                try:
+                    with self.lock:
+                        uid = gen.insert(req.prompt, req.max_tokens, sampler)
+                except ValueError as e:  # more KV than the pool can ever hold
+                    req.emit(Failed(str(e), 400, "context_length_exceeded"))
+                    self._done()
+                    continue
+                self._live[uid] = _Live(req, tok)
+                batch.append(req)
+                continue
             with self.lock:
                 cache = self.engine.make_cache(
                     GenerationSettings(), len(req.prompt) + req.max_tokens
@@ -359,6 +452,9 @@ class Batcher:
                 continue
             batch.append((req, cache))
         if not batch:
+            return
+        if isinstance(gen, _ZipBatch):  # its scheduler prefills them as its pool admits them
+            self.admitted_together.append(len(batch))
             return
         # one insert: BatchGenerator's next step prefills them together (prefill_batch_size)
         uids = gen.insert(

@@ -4,7 +4,7 @@
 - `memory`: arenas + shared pool + page table, admission numbers (plain Python)
 - `store`: the device pool, page compression at commit, paged decode attention
 - `cache`: the mlx-lm cache protocol and the attention dispatch
-- `scheduler`: a batched decode loop that admits requests by what fits
+- `scheduler`: a batched decode loop that admits requests by what fits (the server's, on NVIDIA)
 """
 
 from __future__ import annotations
@@ -14,22 +14,28 @@ import math
 from .cache import ZipFusionCache, install_attention, zipfusion_sdpa
 from .codec import PAGE_TOKENS
 from .memory import OutOfPages, PoolGeometry, ZipMemory
+from .scheduler import Request, ZipScheduler
 from .store import ZipConfig, ZipStore
 
 __all__ = [
     "PAGE_TOKENS",
     "OutOfPages",
     "PoolGeometry",
+    "Request",
     "ZipConfig",
     "ZipFusionCache",
     "ZipMemory",
+    "ZipScheduler",
     "ZipStore",
     "available",
+    "batch_refusal",
     "install_attention",
     "make_cache",
+    "make_scheduler",
     "make_zipfusion_cache",
     "make_zipfusion_store",
     "model_kv_shape",
+    "raw_budget",
     "zipfusion_sdpa",
 ]
 
@@ -83,26 +89,63 @@ def make_zipfusion_store(model, budget_bytes: int, **kw) -> ZipStore:
     return ZipStore(ZipConfig(n_layers, n_kv, head_dim, budget_bytes, **kw), use_kernel=use_kernel)
 
 
+def raw_budget(model, max_tokens: int) -> int:
+    """Pool bytes that hold one sequence of `max_tokens` at raw size: every page raw, plus per
+    layer the partial raw chunk, the compression reserve and the unused end of the current
+    compressed chunk. What the plan reserves for the KV of one request at its context."""
+    n_layers, n_kv, head_dim = model_kv_shape(model)
+    probe = ZipConfig(n_layers, n_kv, head_dim, 1 << 62, max_seqs=1, max_tokens_per_seq=max_tokens)
+    chunks = math.ceil(math.ceil(max_tokens / PAGE_TOKENS) / probe.pages_per_chunk) + 3
+    return n_layers * chunks * probe.pages_per_chunk * probe.raw_page_bytes
+
+
+def batch_refusal(model) -> str | None:
+    """Why `model`'s requests cannot share one ZipFusion batch (None: they can). The scheduler
+    pages every layer; a hybrid model's SSM layers keep per-sequence state it does not batch."""
+    try:
+        model_kv_shape(model)
+    except ValueError as e:
+        return str(e)
+    if len(_kv_positions(model)) != len(model.layers):
+        return "ZipFusion batches models whose layers all keep full-attention KV (not hybrid ones)"
+    return None
+
+
+def make_scheduler(
+    model, max_seqs: int, max_tokens: int, budget_bytes: int | None = None, **kw
+) -> ZipScheduler:
+    """A batched decode loop over one pool for up to `max_seqs` sequences of up to `max_tokens`
+    each. The pool defaults to `raw_budget(model, max_tokens)`: serving several requests takes
+    no more KV memory than one request at the full context, and what compression frees admits
+    more of them. `kw` go to ZipScheduler (prefill_step, eos, growth_horizon) and `use_kernel`
+    to the store. Refuses models with other layers than full attention (hybrid, sliding)."""
+    use_kernel = kw.pop("use_kernel", None)
+    reason = batch_refusal(model)
+    if reason:
+        raise ValueError(reason)
+    if budget_bytes is None:
+        budget_bytes = raw_budget(model, max_tokens)
+    store = make_zipfusion_store(
+        model, budget_bytes, max_seqs=max_seqs, max_tokens_per_seq=max_tokens,
+        use_kernel=use_kernel,
+    )  # fmt: skip
+    return ZipScheduler(model, store, **kw)
+
+
 def make_zipfusion_cache(
     model, budget_bytes: int | None = None, max_tokens: int = 32768, **kw
 ) -> list[ZipFusionCache]:
     """A per-layer cache list for one sequence, usable as mlx-lm's `prompt_cache`; installs the
     attention dispatch into the model's modules. The pool defaults to `max_tokens` at raw size."""
-    n_layers, n_kv, head_dim = model_kv_shape(model)
-    probe = ZipConfig(n_layers, n_kv, head_dim, 1 << 62, max_seqs=1, max_tokens_per_seq=max_tokens)
     if budget_bytes is None:
-        # Every page at raw size, plus per layer: the partial raw chunk, the compression
-        # reserve and the unused end of the current compressed chunk.
-        pages = math.ceil(max_tokens / PAGE_TOKENS)
-        chunks = math.ceil(pages / probe.pages_per_chunk) + 3
-        budget_bytes = n_layers * chunks * probe.pages_per_chunk * probe.raw_page_bytes
+        budget_bytes = raw_budget(model, max_tokens)
     store = make_zipfusion_store(
         model, budget_bytes, max_seqs=1, max_tokens_per_seq=max_tokens, **kw
     )
     store.single_sequence()
     install_attention(model)
     if not hasattr(model, "make_cache"):
-        return [ZipFusionCache(store, i) for i in range(n_layers)]
+        return [ZipFusionCache(store, i) for i in range(store.cfg.n_layers)]
     from mlx_lm.models.cache import make_prompt_cache
 
     caches = make_prompt_cache(model)
