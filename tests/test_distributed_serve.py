@@ -58,8 +58,8 @@ def single(smollm2_path):
     srv = ApiServer(eng, port=0).start()
     try:
         assert srv.batcher.wait_ready(120)
-        c = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0)
-        yield {q: _ask(c, srv.batcher.model_id, q) for q in QUESTIONS}
+        with openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0) as c:
+            yield {q: _ask(c, srv.batcher.model_id, q) for q in QUESTIONS}
     finally:
         srv.stop()
 

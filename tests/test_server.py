@@ -48,7 +48,9 @@ def server(engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    c = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    yield c
+    c.close()  # its pooled sockets, else closed by the collector with a ResourceWarning
 
 
 def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
@@ -139,6 +141,8 @@ def test_api_key_mismatch(engine):
         assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
         good = openai.OpenAI(base_url=srv.url, api_key="sekret", max_retries=0)
         assert [m.id for m in good.models.list()] == [srv.batcher.model_id]
+        bad.close()
+        good.close()
     finally:
         srv.stop()
 
@@ -180,6 +184,7 @@ def test_503_while_loading(engine):
         release.set()
         assert srv.batcher.wait_ready(60)
         assert [m.id for m in c.models.list()] == [srv.batcher.model_id]
+        c.close()
     finally:
         release.set()
         srv.stop()
@@ -291,6 +296,7 @@ def test_cli_serve_answers_the_openai_client(smollm2_path, tmp_path):
                 time.sleep(0.5)
         r = c.chat.completions.create(model=mid, messages=PARIS, temperature=0, max_tokens=30)
         assert "Paris" in r.choices[0].message.content
+        c.close()
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
