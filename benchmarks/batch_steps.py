@@ -1,5 +1,6 @@
 """A server's batch step by step: 8 prompts at once through mlx-lm's BatchGenerator (as the
-server's batcher drives it), fp16 against isoquant3, on the --qwen3 model of server.py.
+server's batcher drives it), fp16 against isoquant3, and through ZipFusion's scheduler (as the
+batcher drives it for that mode), on the --qwen3 model of server.py.
 
     python benchmarks/batch_steps.py            # Qwen3-30B-A3B shapes, random 4-bit weights
     python benchmarks/batch_steps.py --small    # the same code path at toy sizes (CPU check)
@@ -10,7 +11,9 @@ aggregate tok/s. IsoQuant caches compress every 16 tokens: the steps in which th
 compressed are also reported apart (their median, and the host time of the compressions
 themselves, all layers), so what a compression costs the batch stands out of the median. The
 first compression after the prompts takes all their tokens past the window and is left out of
-those figures. Modes alternate per round. Writes benchmarks/results/batch_steps.json.
+those figures. ZipFusion's steps that compressed pages are reported apart the same way (no host
+time: its compression is part of the step's commit). Modes alternate per round. Writes
+benchmarks/results/batch_steps.json.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-MODES = ("fp16", "isoquant3")
+MODES = ("fp16", "isoquant3", "zipfusion")
 
 
 class _Compressions:
@@ -50,15 +53,65 @@ class _Compressions:
         return out
 
 
+def _prompts(rows: int, prompt: int) -> list[list[int]]:
+    # rows 3 tokens apart in length: their code counts differ, as real clients' do
+    return [[(i * 31 + j * 7 + 1) % 900 for j in range(prompt + 3 * i)] for i in range(rows)]
+
+
+def _summary(mode, first, total, n, steps, comp, comp_host) -> dict:
+    ms = sorted(1e3 * s for s in steps)
+    med = lambda v: round(1e3 * statistics.median(v), 2) if v else None  # noqa: E731
+    return {
+        "mode": mode, "first_token_s": round(first, 3), "total_s": round(total, 3), "tokens": n,
+        "tps": round(n / total, 2), "step_ms_median": round(statistics.median(ms), 2),
+        "step_ms_mean": round(statistics.mean(ms), 2), "slowest_steps_ms": [round(x, 1) for x in ms[-8:]],
+        "compressing_steps": len(comp), "compressing_step_ms_median": med(comp),
+        "compression_host_ms_median": med(comp_host),
+    }  # fmt: skip
+
+
+def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
+    """The batch through ZipFusion's scheduler with the server's settings (prefill chunks of
+    512, growth horizon 512): the first step prefills every row (one at a time) and decodes once;
+    the first token's time is that step less its decode."""
+    from app.engine.kvcache import zipfusion as zf
+    from app.server.batcher import PREFILL_STEP, ZIP_HORIZON
+
+    prompts = _prompts(rows, prompt)
+    longest = max(map(len, prompts)) + 64 + tokens
+    # a pool that holds every row, as the server's (sized for its whole context) does
+    sched = zf.make_scheduler(model, rows, longest, zf.raw_budget(model, rows * longest),
+                              prefill_step=PREFILL_STEP, growth_horizon=ZIP_HORIZON)  # fmt: skip
+    t0 = time.perf_counter()
+    for p in prompts:
+        sched.submit(zf.Request(p, tokens))
+    first, n, steps, comp, seen = None, 0, [], [], 0
+    st = sched.store.stats
+    while sched.waiting or sched.running:
+        pages = st["pages_compressed"]
+        rep = sched.step()
+        n += sum(len(t) for t in rep.tokens.values())
+        if first is None:
+            first = time.perf_counter() - t0 - rep.decode_s
+        elif rep.batch:
+            steps.append(rep.decode_s)
+            seen += st["pages_compressed"] > pages
+            if st["pages_compressed"] > pages and seen > 1:
+                comp.append(rep.decode_s)
+    total = time.perf_counter() - t0
+    return _summary("zipfusion", first, total, n, steps, comp, [])
+
+
 def one(model, mode: str, rows: int, prompt: int, tokens: int, counter: _Compressions) -> dict:
     from mlx_lm.generate import BatchGenerator
 
     from app.engine import kvcache
 
+    if mode == "zipfusion":
+        return one_zip(model, rows, prompt, tokens)
     gen = BatchGenerator(model, stop_tokens=[[10**9]], completion_batch_size=rows,
                          prefill_batch_size=rows, prefill_step_size=512)  # fmt: skip
-    # rows 3 tokens apart in length: their code counts differ, as real clients' do
-    prompts = [[(i * 31 + j * 7 + 1) % 900 for j in range(prompt + 3 * i)] for i in range(rows)]
+    prompts = _prompts(rows, prompt)
     caches = [kvcache.make_cache(model, mode, max_tokens=prompt + 64 + tokens) for _ in prompts]
     t0 = time.perf_counter()
     gen.insert(prompts, [tokens] * rows, caches=caches)
@@ -82,15 +135,7 @@ def one(model, mode: str, rows: int, prompt: int, tokens: int, counter: _Compres
                 comp_host.append(host)
     total = time.perf_counter() - t0
     gen.close()
-    ms = sorted(1e3 * s for s in steps)
-    med = lambda v: round(1e3 * statistics.median(v), 2) if v else None  # noqa: E731
-    return {
-        "mode": mode, "first_token_s": round(first, 3), "total_s": round(total, 3), "tokens": n,
-        "tps": round(n / total, 2), "step_ms_median": round(statistics.median(ms), 2),
-        "step_ms_mean": round(statistics.mean(ms), 2), "slowest_steps_ms": [round(x, 1) for x in ms[-8:]],
-        "compressing_steps": len(comp), "compressing_step_ms_median": med(comp),
-        "compression_host_ms_median": med(comp_host),
-    }  # fmt: skip
+    return _summary(mode, first, total, n, steps, comp, comp_host)
 
 
 def main() -> None:
@@ -101,7 +146,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=530, help="prompt tokens of the first row")
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens per row")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args()
+    modes = tuple(a.modes.split(","))
 
     from mlx_lm import load
     from record import write_result
@@ -112,11 +159,11 @@ def main() -> None:
     build_qwen3(folder, a.small, None)
     model, _ = load(str(folder))
     counter = _Compressions()
-    for mode in MODES:  # kernels and compiled graphs for these shapes, untimed
+    for mode in modes:  # kernels and compiled graphs for these shapes, untimed
         one(model, mode, a.rows, a.prompt, 16, counter)
     runs = []
     for r in range(a.rounds):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             x = {**one(model, mode, a.rows, a.prompt, a.tokens, counter), "round": r}
             runs.append(x)
             print(f"round {r} {mode:10s} first token {x['first_token_s']:6.2f} s  step median "
@@ -126,8 +173,8 @@ def main() -> None:
                 print(f"    {x['compressing_steps']} compressing steps: median "
                       f"{x['compressing_step_ms_median']} ms, the compressions' host time "
                       f"{x['compression_host_ms_median']} ms", flush=True)  # fmt: skip
-    med = {m: statistics.median(x["tps"] for x in runs if x["mode"] == m) for m in MODES}
-    print(f"\nmedian tok/s: fp16 {med['fp16']:.1f}, isoquant3 {med['isoquant3']:.1f}")
+    med = {m: statistics.median(x["tps"] for x in runs if x["mode"] == m) for m in modes}
+    print("\nmedian tok/s: " + ", ".join(f"{m} {v:.1f}" for m, v in med.items()))
     write_result("batch_steps", {
         "model": name, "rows": a.rows, "prompt_tokens": f"{a.prompt} + 3 per row",
         "decode_tokens": a.tokens, "runs": runs, "median_tps": med,
