@@ -360,19 +360,20 @@ def test_a_cache_without_the_batch_protocol_runs_one_at_a_time(client, server, e
     _wait_idle(server)
 
 
-def _answer(batcher, prompt: list[int], max_tokens: int = 16):
-    """Submit one greedy request to `batcher`; returns (its Completion, its events, done)."""
-    from app.server.batcher import Completion, Done
+def _answer(batcher, prompt: list[int], max_tokens: int = 16, **kw):
+    """Submit one request (greedy unless `kw` say otherwise) to `batcher`; returns (its
+    Completion, its events, done: set by its last event)."""
+    from app.server.batcher import Completion, Done, Failed
 
     events: list = []
     done = threading.Event()
 
     def emit(ev):
         events.append(ev)
-        if isinstance(ev, Done):
+        if isinstance(ev, (Done, Failed)):
             done.set()
 
-    req = Completion(prompt=prompt, max_tokens=max_tokens, emit=emit)
+    req = Completion(prompt=prompt, max_tokens=max_tokens, emit=emit, **kw)
     batcher.submit(req)
     return req, events, done
 
@@ -454,7 +455,7 @@ def test_zipfusion_requests_batch_through_its_pool(engine, monkeypatch):
     import mlx.core as mx
 
     from app.engine.kvcache import zipfusion as zf
-    from app.server.batcher import Batcher
+    from app.server.batcher import Batcher, Failed
 
     scheds = []
     real = zf.make_scheduler
@@ -483,6 +484,19 @@ def test_zipfusion_requests_batch_through_its_pool(engine, monkeypatch):
             assert done.wait(300)
         assert [_text(events) for _, events, _ in runs] == alone
         assert b.max_batch_seen == 4  # four decoded together (the fifth waited for a slot)
+        # a seeded sampled request draws the same tokens alone and beside others
+        seeded = []
+        for n in (1, 3):
+            reqs = [_answer(b, prompts[0], 16, temperature=0.9, seed=5)]
+            reqs += [_answer(b, p, 16) for p in prompts[1:n]]
+            for r in reqs:
+                assert r[2].wait(300)
+            seeded.append(_text(reqs[0][1]))
+        assert seeded[0] == seeded[1] and seeded[0]
+        # more KV than the pool can ever hold: a clear error for that request only
+        _, events, done = _answer(b, prompts[0], 10_000)
+        assert done.wait(60) and isinstance(events[-1], Failed) and events[-1].status == 400
+        assert "ZipFusion pool holds" in events[-1].message
         sched = scheds[-1]
         assert sched.store.stats["pages_compressed"] > 0  # their KV went through the pool
         while not sched.running:
