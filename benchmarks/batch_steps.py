@@ -11,8 +11,9 @@ aggregate tok/s. IsoQuant caches compress every 16 tokens: the steps in which th
 compressed are also reported apart (their median, and the host time of the compressions
 themselves, all layers), so what a compression costs the batch stands out of the median. The
 first compression after the prompts takes all their tokens past the window and is left out of
-those figures. ZipFusion's steps that compressed pages are reported apart the same way (no host
-time: its compression is part of the step's commit). Modes alternate per round. Writes
+those figures. ZipFusion's steps that compressed pages are reported apart the same way, and its commit's time a
+step (writing the step's K/V into the pool, compressing the pages that filled) with the
+commit's own host time. Modes alternate per round. Writes
 benchmarks/results/batch_steps.json.
 """
 
@@ -53,6 +54,47 @@ class _Compressions:
         return out
 
 
+class _Commits:
+    """Times ZipFusion's `commit` per step: its wall time, and its host time (the wall less the
+    evaluations and synchronizations inside it, which wait for the device)."""
+
+    def __init__(self):
+        import mlx.core as mx
+
+        from app.engine.kvcache.zipfusion.store import ZipStore
+
+        self.wall, self.host, waits = [], [], [0.0]
+        orig, ev, sync = ZipStore.commit, mx.eval, mx.synchronize
+
+        def waiting(fn):
+            def run(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    waits[0] += time.perf_counter() - t
+
+            return run
+
+        def timed(store):
+            waits[0] = 0.0
+            mx.eval, mx.synchronize = waiting(ev), waiting(sync)
+            t = time.perf_counter()
+            try:
+                orig(store)
+            finally:
+                mx.eval, mx.synchronize = ev, sync
+            self.wall.append(time.perf_counter() - t)
+            self.host.append(self.wall[-1] - waits[0])
+
+        ZipStore.commit = timed
+
+    def take(self) -> tuple[list[float], list[float]]:
+        out = (self.wall, self.host)
+        self.wall, self.host = [], []
+        return out
+
+
 def _prompts(rows: int, prompt: int) -> list[list[int]]:
     # rows 3 tokens apart in length: their code counts differ, as real clients' do
     return [[(i * 31 + j * 7 + 1) % 900 for j in range(prompt + 3 * i)] for i in range(rows)]
@@ -78,6 +120,7 @@ def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
     from app.server.batcher import PREFILL_STEP, ZIP_HORIZON
 
     prompts = _prompts(rows, prompt)
+    commits = _Commits()
     longest = max(map(len, prompts)) + 64 + tokens
     # a pool that holds every row, as the server's (sized for its whole context) does
     sched = zf.make_scheduler(model, rows, longest, zf.raw_budget(model, rows * longest),
@@ -85,21 +128,26 @@ def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
     t0 = time.perf_counter()
     for p in prompts:
         sched.submit(zf.Request(p, tokens))
-    first, n, steps, comp, seen = None, 0, [], [], 0
+    first, n, steps, comp, seen, commit_wall, commit_host = None, 0, [], [], 0, [], []
     st = sched.store.stats
     while sched.waiting or sched.running:
         pages = st["pages_compressed"]
         rep = sched.step()
         n += sum(len(t) for t in rep.tokens.values())
+        wall, host = commits.take()
         if first is None:
             first = time.perf_counter() - t0 - rep.decode_s
         elif rep.batch:
+            commit_wall.append(wall[-1])
+            commit_host.append(host[-1])
             steps.append(rep.decode_s)
             seen += st["pages_compressed"] > pages
             if st["pages_compressed"] > pages and seen > 1:
                 comp.append(rep.decode_s)
     total = time.perf_counter() - t0
-    return _summary("zipfusion", first, total, n, steps, comp, [])
+    ms = lambda v: round(1e3 * statistics.median(v), 2)  # noqa: E731
+    return {**_summary("zipfusion", first, total, n, steps, comp, []),
+            "commit_ms_median": ms(commit_wall), "commit_host_ms_median": ms(commit_host)}  # fmt: skip
 
 
 def one(model, mode: str, rows: int, prompt: int, tokens: int, counter: _Compressions) -> dict:
@@ -169,6 +217,9 @@ def main() -> None:
             print(f"round {r} {mode:10s} first token {x['first_token_s']:6.2f} s  step median "
                   f"{x['step_ms_median']:7.2f} ms  mean {x['step_ms_mean']:7.2f}  slowest "
                   f"{x['slowest_steps_ms']}  {x['tps']:7.1f} tok/s", flush=True)  # fmt: skip
+            if "commit_ms_median" in x:
+                print(f"    commit {x['commit_ms_median']} ms a step, of which host time "
+                      f"{x['commit_host_ms_median']} ms", flush=True)  # fmt: skip
             if x["compressing_steps"]:
                 print(f"    {x['compressing_steps']} compressing steps: median "
                       f"{x['compressing_step_ms_median']} ms, the compressions' host time "
