@@ -249,6 +249,7 @@ class Batcher:
         self.finish_reasons: Counter = Counter()  # requests ended, by reason (stats and tests)
         self.max_batch_seen = 0  # most requests that shared one decode step
         self.admitted_together: list[int] = []  # requests per admission (stats and tests)
+        self._zip_checked: tuple = (None, False)  # (model, batches through ZipFusion's pool)
         self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rq-batcher")
         self._thread.start()
@@ -347,12 +348,15 @@ class Batcher:
         every layer of the model keeps full-attention KV (else they run one at a time)."""
         if getattr(self.engine, "default_kv_mode", None) != "zipfusion":
             return False
-        from ..engine.kvcache import zipfusion as zf
+        model = self.engine.loaded.model
+        if self._zip_checked[0] is not model:  # asked at every idle turn: decided once a model
+            from ..engine.kvcache import zipfusion as zf
 
-        reason = zf.batch_refusal(self.engine.loaded.model)
-        if reason:
-            log.info("ZipFusion requests run one at a time: %s", reason)
-        return reason is None
+            reason = zf.batch_refusal(model)
+            if reason:
+                log.info("ZipFusion requests run one at a time: %s", reason)
+            self._zip_checked = (model, reason is None)
+        return self._zip_checked[1]
 
     def _new_generator(self):
         from mlx_lm.generate import BatchGenerator

@@ -222,17 +222,14 @@ class ZipScheduler:
         admitted = []
         while self.preempted:
             r = self.preempted[0]
-            if not self._fits(self._target_pages(r.req, r.length)):
-                if not (
-                    self._compact_if_freed() and self._fits(self._target_pages(r.req, r.length))
-                ):
-                    return admitted  # preempted requests go first: nothing new before them
+            need = self._target_pages(r.req, r.length)
+            if not self._fits(need) and not (self._compact_if_freed() and self._fits(need)):
+                return admitted  # preempted requests go first: nothing new before them
             self._resume(self.preempted.popleft())
         while self.waiting:
             head = self.waiting[0]
-            if not self.can_admit(head):
-                if not (self._compact_if_freed() and self.can_admit(head)):
-                    break
+            if not self.can_admit(head) and not (self._compact_if_freed() and self.can_admit(head)):
+                break
             r = self._prefill(self.waiting.popleft())
             admitted.append(r.req.rid)
             self.running.append(r)
