@@ -11,9 +11,9 @@ aggregate tok/s. IsoQuant caches compress every 16 tokens: the steps in which th
 compressed are also reported apart (their median, and the host time of the compressions
 themselves, all layers), so what a compression costs the batch stands out of the median. The
 first compression after the prompts takes all their tokens past the window and is left out of
-those figures. ZipFusion's steps that compressed pages are reported apart the same way, and its commit's time a
-step (writing the step's K/V into the pool, compressing the pages that filled) with the
-commit's own host time. Modes alternate per round. Writes
+those figures. ZipFusion's steps that compressed pages are reported apart the same way, and
+its commit's time a step (writing the step's K/V into the pool, compressing the pages that
+filled) with the commit's own host time. Modes alternate per round. Writes
 benchmarks/results/batch_steps.json.
 """
 
@@ -112,7 +112,7 @@ def _summary(mode, first, total, n, steps, comp, comp_host) -> dict:
     }  # fmt: skip
 
 
-def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
+def one_zip(model, rows: int, prompt: int, tokens: int, commits: _Commits) -> dict:
     """The batch through ZipFusion's scheduler with the server's settings (prefill chunks of
     512, growth horizon 512): the first step prefills every row (one at a time) and decodes once;
     the first token's time is that step less its decode."""
@@ -120,11 +120,11 @@ def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
     from app.server.batcher import PREFILL_STEP, ZIP_HORIZON
 
     prompts = _prompts(rows, prompt)
-    commits = _Commits()
     longest = max(map(len, prompts)) + 64 + tokens
     # a pool that holds every row, as the server's (sized for its whole context) does
     sched = zf.make_scheduler(model, rows, longest, zf.raw_budget(model, rows * longest),
                               prefill_step=PREFILL_STEP, growth_horizon=ZIP_HORIZON)  # fmt: skip
+    commits.take()
     t0 = time.perf_counter()
     for p in prompts:
         sched.submit(zf.Request(p, tokens))
@@ -141,8 +141,9 @@ def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
             commit_wall.append(wall[-1])
             commit_host.append(host[-1])
             steps.append(rep.decode_s)
-            seen += st["pages_compressed"] > pages
-            if st["pages_compressed"] > pages and seen > 1:
+            compressed = st["pages_compressed"] > pages
+            seen += compressed
+            if compressed and seen > 1:
                 comp.append(rep.decode_s)
     total = time.perf_counter() - t0
     ms = lambda v: round(1e3 * statistics.median(v), 2)  # noqa: E731
@@ -150,13 +151,15 @@ def one_zip(model, rows: int, prompt: int, tokens: int) -> dict:
             "commit_ms_median": ms(commit_wall), "commit_host_ms_median": ms(commit_host)}  # fmt: skip
 
 
-def one(model, mode: str, rows: int, prompt: int, tokens: int, counter: _Compressions) -> dict:
+def one(model, mode: str, rows: int, prompt: int, tokens: int, counters: tuple) -> dict:
+    """counters: (_Compressions, _Commits), made once (each patches a method)."""
     from mlx_lm.generate import BatchGenerator
 
     from app.engine import kvcache
 
+    counter, commits = counters
     if mode == "zipfusion":
-        return one_zip(model, rows, prompt, tokens)
+        return one_zip(model, rows, prompt, tokens, commits)
     gen = BatchGenerator(model, stop_tokens=[[10**9]], completion_batch_size=rows,
                          prefill_batch_size=rows, prefill_step_size=512)  # fmt: skip
     prompts = _prompts(rows, prompt)
@@ -206,13 +209,13 @@ def main() -> None:
     folder = Path(a.workdir) / name
     build_qwen3(folder, a.small, None)
     model, _ = load(str(folder))
-    counter = _Compressions()
+    counters = (_Compressions(), _Commits())
     for mode in modes:  # kernels and compiled graphs for these shapes, untimed
-        one(model, mode, a.rows, a.prompt, 16, counter)
+        one(model, mode, a.rows, a.prompt, 16, counters)
     runs = []
     for r in range(a.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
-            x = {**one(model, mode, a.rows, a.prompt, a.tokens, counter), "round": r}
+            x = {**one(model, mode, a.rows, a.prompt, a.tokens, counters), "round": r}
             runs.append(x)
             print(f"round {r} {mode:10s} first token {x['first_token_s']:6.2f} s  step median "
                   f"{x['step_ms_median']:7.2f} ms  mean {x['step_ms_mean']:7.2f}  slowest "
